@@ -1,1 +1,663 @@
-//! backend-cpu
+//! backend-cpu: the reference [`Backend`]. f32 activations and KV; weights read from the mmap in
+//! stored precision (BF16, FP8 block-scaled) and dequantised inside each op; threads via rayon,
+//! prefill matmuls via `matrixmultiply`. Every `Rows::Exact` op computes a row by the same
+//! arithmetic whatever the batch, so batched decode equals solo decode bit for bit.
+//!
+//! It is not the fast path (CUDA is); it is the one every test and golden runs on.
+
+pub mod attn;
+pub mod gdn;
+pub mod linear;
+
+use checkpoint::{Checkpoint, DType, TensorView};
+use model::backend::BResult;
+use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
+use rayon::prelude::*;
+
+pub use attn::CpuKv;
+pub use gdn::CpuGdn;
+pub use linear::{Bytes, CpuWeight, Format};
+
+/// An activation matrix `[rows, cols]`, row-major f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuBuf {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuBuf {
+    fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        debug_assert_eq!(data.len(), rows * cols);
+        Self { rows, cols, data }
+    }
+    fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.cols..(i + 1) * self.cols]
+    }
+}
+
+/// A small tensor, flattened to f32.
+pub struct CpuVector(pub Vec<f32>);
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+fn shape_err(op: &'static str, why: String) -> BackendError {
+    BackendError::Shape { op, why }
+}
+
+fn same_shape(op: &'static str, a: &CpuBuf, b: &CpuBuf) -> BResult<()> {
+    if a.rows != b.rows || a.cols != b.cols {
+        return Err(shape_err(
+            op,
+            format!("[{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols),
+        ));
+    }
+    Ok(())
+}
+
+fn mapped(ck: &Checkpoint, v: &TensorView<'_>) -> Bytes {
+    Bytes::Mapped {
+        shard: ck.store.shards[v.info.shard].clone(),
+        start: v.info.start,
+        end: v.info.end,
+    }
+}
+
+fn matrix_shape(name: &str, v: &TensorView<'_>) -> BResult<(usize, usize)> {
+    match v.shape() {
+        [r, c] => Ok((*r, *c)),
+        s => Err(BackendError::Weight {
+            name: name.into(),
+            why: format!("expected a 2-D matrix, found shape {s:?}"),
+        }),
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = CpuBuf;
+    type Weight = CpuWeight;
+    type Vector = CpuVector;
+    type Kv = CpuKv;
+    type Gdn = CpuGdn;
+    type Route = Route;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CpuBuf> {
+        if rows.checked_mul(cols) != Some(data.len()) {
+            return Err(shape_err(
+                "upload",
+                format!("{} values for [{rows}, {cols}]", data.len()),
+            ));
+        }
+        Ok(CpuBuf::new(rows, cols, data.to_vec()))
+    }
+
+    fn download(&self, x: &CpuBuf) -> BResult<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+
+    fn shape(&self, x: &CpuBuf) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+
+    fn cols(&self, x: &CpuBuf, start: usize, len: usize) -> BResult<CpuBuf> {
+        self.cols_grouped(x, x.cols, start, len)
+    }
+
+    fn cols_grouped(&self, x: &CpuBuf, group: usize, offset: usize, len: usize) -> BResult<CpuBuf> {
+        if group == 0 || x.cols % group != 0 || offset + len > group {
+            return Err(shape_err(
+                "cols_grouped",
+                format!(
+                    "cols {offset}..{} of groups of {group} in a {}-col matrix",
+                    offset + len,
+                    x.cols
+                ),
+            ));
+        }
+        let groups = x.cols / group;
+        let mut d = Vec::with_capacity(x.rows * groups * len);
+        for r in 0..x.rows {
+            let row = x.row(r);
+            for g in 0..groups {
+                d.extend_from_slice(&row[g * group + offset..g * group + offset + len]);
+            }
+        }
+        Ok(CpuBuf::new(x.rows, groups * len, d))
+    }
+
+    fn rows(&self, x: &CpuBuf, start: usize, len: usize) -> BResult<CpuBuf> {
+        if start + len > x.rows {
+            return Err(shape_err(
+                "rows",
+                format!("rows {start}..{} of {}", start + len, x.rows),
+            ));
+        }
+        Ok(CpuBuf::new(
+            len,
+            x.cols,
+            x.data[start * x.cols..(start + len) * x.cols].to_vec(),
+        ))
+    }
+
+    fn concat_cols(&self, a: &CpuBuf, b: &CpuBuf) -> BResult<CpuBuf> {
+        if a.rows != b.rows {
+            return Err(shape_err(
+                "concat_cols",
+                format!("{} rows vs {}", a.rows, b.rows),
+            ));
+        }
+        let mut d = Vec::with_capacity(a.rows * (a.cols + b.cols));
+        for r in 0..a.rows {
+            d.extend_from_slice(a.row(r));
+            d.extend_from_slice(b.row(r));
+        }
+        Ok(CpuBuf::new(a.rows, a.cols + b.cols, d))
+    }
+
+    fn concat_rows(&self, parts: &[&CpuBuf]) -> BResult<CpuBuf> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let mut d = Vec::new();
+        let mut rows = 0;
+        for p in parts {
+            if p.cols != cols {
+                return Err(shape_err(
+                    "concat_rows",
+                    format!("{} cols vs {cols}", p.cols),
+                ));
+            }
+            d.extend_from_slice(&p.data);
+            rows += p.rows;
+        }
+        Ok(CpuBuf::new(rows, cols, d))
+    }
+
+    fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<CpuWeight> {
+        let v = ck.tensor(name)?;
+        let (rows, cols) = matrix_shape(name, &v)?;
+        let format = match v.dtype() {
+            DType::BF16 => Format::Bf16,
+            DType::F32 => Format::F32,
+            DType::F8E4M3 => {
+                let sname = format!("{name}_scale_inv");
+                let s = ck.tensor(&sname)?;
+                let want = [rows.div_ceil(linear::FP8_BLOCK), cols.div_ceil(linear::FP8_BLOCK)];
+                if s.dtype() != DType::F32 || s.shape() != want {
+                    return Err(BackendError::Weight {
+                        name: sname,
+                        why: format!(
+                            "expected F32 {want:?}, found {} {:?}",
+                            s.dtype(),
+                            s.shape()
+                        ),
+                    });
+                }
+                Format::Fp8 {
+                    scale: s.to_f32(),
+                    scale_cols: want[1],
+                }
+            }
+            d => {
+                return Err(BackendError::Weight {
+                    name: name.into(),
+                    why: format!("dtype {d} is not a supported weight format"),
+                })
+            }
+        };
+        Ok(CpuWeight {
+            bytes: mapped(ck, &v),
+            format,
+            rows,
+            cols,
+        })
+    }
+
+    fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<CpuWeight> {
+        let v = ck.tensor(name)?;
+        let (n, cols) = matrix_shape(name, &v)?;
+        if v.dtype() != DType::BF16 {
+            return Err(BackendError::Weight {
+                name: name.into(),
+                why: format!("row gathering needs BF16, found {}", v.dtype()),
+            });
+        }
+        let mut out = Vec::with_capacity(rows.len() * cols * 2);
+        for &r in rows {
+            let r = r as usize;
+            if r >= n {
+                return Err(BackendError::Weight {
+                    name: name.into(),
+                    why: format!("row {r} is outside its {n} rows"),
+                });
+            }
+            out.extend_from_slice(&v.bytes[r * cols * 2..(r + 1) * cols * 2]);
+        }
+        Ok(CpuWeight {
+            bytes: Bytes::Owned(out),
+            format: Format::Bf16,
+            rows: rows.len(),
+            cols,
+        })
+    }
+
+    fn vector(&self, ck: &Checkpoint, name: &str) -> BResult<CpuVector> {
+        Ok(CpuVector(ck.tensor(name)?.to_f32()))
+    }
+
+    fn kv_new(&self, capacity: usize, kv_heads: usize, head_dim: usize) -> BResult<CpuKv> {
+        CpuKv::new(capacity, kv_heads, head_dim)
+    }
+
+    fn kv_len(&self, kv: &CpuKv) -> usize {
+        kv.len
+    }
+
+    fn gdn_new(&self, dims: &GdnDims) -> BResult<CpuGdn> {
+        Ok(CpuGdn::new(dims))
+    }
+
+    fn gather_sum(&self, tables: &[&CpuWeight], rows: &[GatherRow]) -> BResult<CpuBuf> {
+        let cols = tables.first().map_or(0, |t| t.cols);
+        for (i, t) in tables.iter().enumerate() {
+            if t.cols != cols {
+                return Err(shape_err(
+                    "gather_sum",
+                    format!("table {i} has {} cols, table 0 has {cols}", t.cols),
+                ));
+            }
+        }
+        let mut d = vec![0f32; rows.len() * cols];
+        let mut tmp = vec![0f32; cols];
+        for (gr, out) in rows.iter().zip(d.chunks_mut(cols.max(1))) {
+            for &(t, r) in &gr.picks {
+                let table = tables.get(t).ok_or_else(|| {
+                    shape_err("gather_sum", format!("table {t} of {}", tables.len()))
+                })?;
+                if r as usize >= table.rows {
+                    return Err(shape_err(
+                        "gather_sum",
+                        format!("row {r} of a {}-row table", table.rows),
+                    ));
+                }
+                table.row_f32(r as usize, &mut tmp);
+                out.iter_mut().zip(&tmp).for_each(|(o, x)| *o += x);
+            }
+            out.iter_mut().for_each(|o| *o *= gr.scale);
+        }
+        Ok(CpuBuf::new(rows.len(), cols, d))
+    }
+
+    fn rms_norm(&self, x: &CpuBuf, w: &CpuVector, group: usize, eps: f32, plus_one: bool) -> BResult<CpuBuf> {
+        if group == 0 || x.cols % group != 0 || w.0.len() != group {
+            return Err(shape_err(
+                "rms_norm",
+                format!("{} cols, group {group}, weight {}", x.cols, w.0.len()),
+            ));
+        }
+        let wp: Vec<f32> = w.0.iter().map(|v| if plus_one { 1.0 + v } else { *v }).collect();
+        let mut d = x.data.clone();
+        d.par_chunks_mut(group).for_each(|g| {
+            let inv = 1.0 / (linear::dot(g, g) / group as f32 + eps).sqrt();
+            for (v, w) in g.iter_mut().zip(&wp) {
+                *v = *v * inv * w;
+            }
+        });
+        Ok(CpuBuf::new(x.rows, x.cols, d))
+    }
+
+    fn linear(&self, x: &CpuBuf, w: &CpuWeight, rows: Rows) -> BResult<CpuBuf> {
+        if x.cols != w.cols {
+            return Err(shape_err(
+                "linear",
+                format!("input has {} cols, weight [{}, {}]", x.cols, w.rows, w.cols),
+            ));
+        }
+        let y = match rows {
+            Rows::Exact => linear::linear_exact(&x.data, x.rows, w),
+            Rows::Bulk => linear::linear_bulk(&x.data, x.rows, w),
+        };
+        Ok(CpuBuf::new(x.rows, w.rows, y))
+    }
+
+    fn add(&self, a: &CpuBuf, b: &CpuBuf) -> BResult<CpuBuf> {
+        same_shape("add", a, b)?;
+        let d = a.data.iter().zip(&b.data).map(|(x, y)| x + y).collect();
+        Ok(CpuBuf::new(a.rows, a.cols, d))
+    }
+
+    fn silu_mul(&self, gate: &CpuBuf, up: &CpuBuf) -> BResult<CpuBuf> {
+        same_shape("silu_mul", gate, up)?;
+        let d = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(g, u)| gdn::silu(*g) * u)
+            .collect();
+        Ok(CpuBuf::new(gate.rows, gate.cols, d))
+    }
+
+    fn sigmoid_mul(&self, x: &CpuBuf, gate: &CpuBuf) -> BResult<CpuBuf> {
+        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
+            return Err(shape_err(
+                "sigmoid_mul",
+                format!("x [{}, {}], gate [{}, {}]", x.rows, x.cols, gate.rows, gate.cols),
+            ));
+        }
+        let mut d = x.data.clone();
+        for (r, row) in d.chunks_mut(x.cols.max(1)).enumerate() {
+            let g = gate.row(r);
+            for (c, v) in row.iter_mut().enumerate() {
+                *v *= gdn::sigmoid(g[if gate.cols == 1 { 0 } else { c }]);
+            }
+        }
+        Ok(CpuBuf::new(x.rows, x.cols, d))
+    }
+
+    fn rope(
+        &self,
+        x: &CpuBuf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        positions: &[usize],
+    ) -> BResult<CpuBuf> {
+        if positions.len() != x.rows || head_dim == 0 || x.cols % head_dim != 0 || rot_dims > head_dim || rot_dims % 2 != 0 {
+            return Err(shape_err(
+                "rope",
+                format!(
+                    "[{}, {}] with {} positions, head_dim {head_dim}, rot {rot_dims}",
+                    x.rows,
+                    x.cols,
+                    positions.len()
+                ),
+            ));
+        }
+        let mut d = x.data.clone();
+        attn::rope(&mut d, x.cols, head_dim, rot_dims, theta, style, positions);
+        Ok(CpuBuf::new(x.rows, x.cols, d))
+    }
+
+    fn attn_prefill(&self, q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, cache: &mut CpuKv) -> BResult<CpuBuf> {
+        check_attn(q, k, v, d, cache.width)?;
+        let base = cache.len;
+        cache.append(&k.data, &v.data, k.rows)?;
+        let width = d.q_heads * d.head_dim;
+        let mut out = vec![0f32; q.rows * width];
+        let cache = &*cache;
+        out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+            attn::attend_row(q.row(i), cache, base + i + 1, d, o);
+        });
+        Ok(CpuBuf::new(q.rows, width, out))
+    }
+
+    fn attn_step(&self, q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, caches: &mut [&mut CpuKv]) -> BResult<CpuBuf> {
+        if caches.len() != q.rows {
+            return Err(shape_err(
+                "attn_step",
+                format!("{} rows for {} lanes", q.rows, caches.len()),
+            ));
+        }
+        for (i, c) in caches.iter_mut().enumerate() {
+            check_attn(q, k, v, d, c.width)?;
+            c.append(k.row(i), v.row(i), 1)?;
+        }
+        let width = d.q_heads * d.head_dim;
+        let mut out = vec![0f32; q.rows * width];
+        let caches: Vec<&CpuKv> = caches.iter().map(|c| &**c).collect();
+        out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+            attn::attend_row(q.row(i), caches[i], caches[i].len, d, o);
+        });
+        Ok(CpuBuf::new(q.rows, width, out))
+    }
+
+    fn gdn_conv(&self, x: &CpuBuf, w: &CpuVector, d: &GdnDims, state: &mut CpuGdn) -> BResult<CpuBuf> {
+        check_conv(x, w, d)?;
+        Ok(CpuBuf::new(x.rows, x.cols, gdn::conv(&x.data, x.rows, &w.0, d, state)))
+    }
+
+    fn gdn_conv_step(&self, x: &CpuBuf, w: &CpuVector, d: &GdnDims, states: &mut [&mut CpuGdn]) -> BResult<CpuBuf> {
+        check_conv(x, w, d)?;
+        if states.len() != x.rows {
+            return Err(shape_err(
+                "gdn_conv_step",
+                format!("{} rows for {} lanes", x.rows, states.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(x.data.len());
+        for (i, s) in states.iter_mut().enumerate() {
+            out.extend(gdn::conv(x.row(i), 1, &w.0, d, s));
+        }
+        Ok(CpuBuf::new(x.rows, x.cols, out))
+    }
+
+    fn gdn_prefill(
+        &self,
+        qkv: &CpuBuf,
+        b: &CpuBuf,
+        a: &CpuBuf,
+        a_log: &CpuVector,
+        dt_bias: &CpuVector,
+        d: &GdnDims,
+        state: &mut CpuGdn,
+        chunked: bool,
+    ) -> BResult<CpuBuf> {
+        check_gdn(qkv, b, a, a_log, dt_bias, d)?;
+        let o = gdn::delta_rule(
+            &qkv.data, &b.data, &a.data, &a_log.0, &dt_bias.0, d, qkv.rows, &mut state.s, chunked,
+        );
+        Ok(CpuBuf::new(qkv.rows, d.v_heads * d.v_dim, o))
+    }
+
+    fn gdn_step(
+        &self,
+        qkv: &CpuBuf,
+        b: &CpuBuf,
+        a: &CpuBuf,
+        a_log: &CpuVector,
+        dt_bias: &CpuVector,
+        d: &GdnDims,
+        states: &mut [&mut CpuGdn],
+    ) -> BResult<CpuBuf> {
+        check_gdn(qkv, b, a, a_log, dt_bias, d)?;
+        if states.len() != qkv.rows {
+            return Err(shape_err(
+                "gdn_step",
+                format!("{} rows for {} lanes", qkv.rows, states.len()),
+            ));
+        }
+        let outs: Vec<Vec<f32>> = states
+            .par_iter_mut()
+            .enumerate()
+            .map(|(i, s)| {
+                gdn::delta_rule(
+                    qkv.row(i),
+                    b.row(i),
+                    a.row(i),
+                    &a_log.0,
+                    &dt_bias.0,
+                    d,
+                    1,
+                    &mut s.s,
+                    false,
+                )
+            })
+            .collect();
+        Ok(CpuBuf::new(qkv.rows, d.v_heads * d.v_dim, outs.concat()))
+    }
+
+    fn route(&self, logits: &CpuBuf, k: usize, keep: Option<&[bool]>) -> BResult<Route> {
+        let e = logits.cols;
+        if k == 0 || k > e || keep.is_some_and(|m| m.len() != e) {
+            return Err(shape_err(
+                "route",
+                format!("top-{k} of {e} experts (keep mask {:?} long)", keep.map(<[bool]>::len)),
+            ));
+        }
+        let (mut experts, mut weights) = (Vec::new(), Vec::new());
+        for r in 0..logits.rows {
+            let (ids, w) = route_row(logits.row(r), k, keep);
+            experts.push(ids);
+            weights.push(w);
+        }
+        Ok(Route { experts, weights })
+    }
+
+    fn route_host(&self, route: &Route) -> BResult<Route> {
+        Ok(route.clone())
+    }
+
+    fn moe_experts(
+        &self,
+        x: &CpuBuf,
+        route: &Route,
+        experts: &[Option<Expert<CpuWeight>>],
+        rows: Rows,
+    ) -> BResult<CpuBuf> {
+        // Rows per expert, so each expert's matrices are read once per call.
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
+        for (r, ids) in route.experts.iter().enumerate() {
+            for &e in ids {
+                let slot = by_expert.get_mut(e as usize).ok_or_else(|| {
+                    shape_err("moe_experts", format!("expert {e} of {}", experts.len()))
+                })?;
+                slot.push(r);
+            }
+        }
+        // y[e] holds expert e's output for its rows, in by_expert order.
+        let mut y: Vec<Vec<f32>> = vec![Vec::new(); experts.len()];
+        for (e, rs) in by_expert.iter().enumerate() {
+            if rs.is_empty() {
+                continue;
+            }
+            let ex = experts[e].as_ref().ok_or_else(|| {
+                shape_err("moe_experts", format!("expert {e} was routed to but is pruned"))
+            })?;
+            let mut xs = Vec::with_capacity(rs.len() * x.cols);
+            for &r in rs {
+                xs.extend_from_slice(x.row(r));
+            }
+            let xs = CpuBuf::new(rs.len(), x.cols, xs);
+            let g = self.linear(&xs, &ex.gate, rows)?;
+            let u = self.linear(&xs, &ex.up, rows)?;
+            y[e] = self.linear(&self.silu_mul(&g, &u)?, &ex.down, rows)?.data;
+        }
+        let h = experts
+            .iter()
+            .flatten()
+            .next()
+            .map_or(x.cols, |e| e.down.rows);
+        let mut out = vec![0f32; x.rows * h];
+        let mut cursor = vec![0usize; experts.len()];
+        // Walk rows in order so each expert's cursor follows by_expert's order.
+        for (r, (ids, ws)) in route.experts.iter().zip(&route.weights).enumerate() {
+            let o = &mut out[r * h..(r + 1) * h];
+            for (&e, &w) in ids.iter().zip(ws) {
+                let e = e as usize;
+                let idx = cursor[e];
+                cursor[e] += 1;
+                for (a, b) in o.iter_mut().zip(&y[e][idx * h..(idx + 1) * h]) {
+                    *a += w * b;
+                }
+            }
+        }
+        Ok(CpuBuf::new(x.rows, h, out))
+    }
+}
+
+/// Softmax (over kept experts), top-k with ties to the lower index, renormalised.
+pub fn route_row(logits: &[f32], k: usize, keep: Option<&[bool]>) -> (Vec<u32>, Vec<f32>) {
+    let kept = |i: usize| keep.is_none_or(|m| m[i]);
+    let max = logits
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| kept(*i))
+        .map(|(_, v)| *v)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let p: Vec<f32> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, v)| if kept(i) { (v - max).exp() } else { 0.0 })
+        .collect();
+    let sum: f32 = p.iter().sum();
+    let p: Vec<f32> = p.iter().map(|v| v / sum).collect();
+    let mut order: Vec<usize> = (0..p.len()).filter(|&i| kept(i)).collect();
+    // Stable: equal probabilities keep ascending expert order.
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    order.truncate(k);
+    let total: f32 = order.iter().map(|&i| p[i]).sum();
+    let ids = order.iter().map(|&i| i as u32).collect();
+    let w = order.iter().map(|&i| p[i] / total).collect();
+    (ids, w)
+}
+
+fn check_attn(q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, width: usize) -> BResult<()> {
+    let kvw = d.kv_heads * d.head_dim;
+    if q.cols != d.q_heads * d.head_dim
+        || k.cols != kvw
+        || v.cols != kvw
+        || width != kvw
+        || k.rows != q.rows
+        || v.rows != q.rows
+        || d.kv_heads == 0
+        || d.q_heads % d.kv_heads != 0
+    {
+        return Err(shape_err(
+            "attention",
+            format!(
+                "q [{}, {}], k [{}, {}], v [{}, {}], cache width {width} for {d:?}",
+                q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_conv(x: &CpuBuf, w: &CpuVector, d: &GdnDims) -> BResult<()> {
+    if x.cols != d.channels() || w.0.len() != d.channels() * d.conv_kernel || d.conv_kernel == 0 {
+        return Err(shape_err(
+            "gdn_conv",
+            format!(
+                "x has {} cols, taps {}, for {} channels x {} taps",
+                x.cols,
+                w.0.len(),
+                d.channels(),
+                d.conv_kernel
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_gdn(qkv: &CpuBuf, b: &CpuBuf, a: &CpuBuf, a_log: &CpuVector, dt: &CpuVector, d: &GdnDims) -> BResult<()> {
+    let nv = d.v_heads;
+    if qkv.cols != d.channels()
+        || b.cols != nv
+        || a.cols != nv
+        || b.rows != qkv.rows
+        || a.rows != qkv.rows
+        || a_log.0.len() != nv
+        || dt.0.len() != nv
+        || d.k_heads == 0
+        || nv % d.k_heads != 0
+    {
+        return Err(shape_err(
+            "gated delta rule",
+            format!(
+                "qkv [{}, {}], b [{}, {}], a [{}, {}] for {d:?}",
+                qkv.rows, qkv.cols, b.rows, b.cols, a.rows, a.cols
+            ),
+        ));
+    }
+    Ok(())
+}

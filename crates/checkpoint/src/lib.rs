@@ -4,7 +4,9 @@
 
 pub mod config;
 pub mod dtype;
+pub mod fixture;
 pub mod geometry;
+pub mod inspect;
 pub mod manifest;
 pub mod pth;
 pub mod store;

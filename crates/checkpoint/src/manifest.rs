@@ -88,11 +88,92 @@ fn ceil_div(a: usize, b: usize) -> usize {
     a.div_ceil(b)
 }
 
+/// Refuses dimensions so large that the shape arithmetic below could overflow (a config that
+/// passes validation must never make the manifest panic). Limits are far above Drama 3's.
+fn check_dims(cfg: &Config) -> Result<(), CheckpointError> {
+    let t = &cfg.text_config;
+    let a = &cfg.audio_decoder_config;
+    let limits = [
+        ("text_config.vocab_size", t.vocab_size, 1 << 24),
+        ("text_config.hidden_size", t.hidden_size, 1 << 16),
+        ("text_config.num_hidden_layers", t.num_hidden_layers, 1024),
+        (
+            "text_config.num_attention_heads",
+            t.num_attention_heads,
+            1024,
+        ),
+        (
+            "text_config.num_key_value_heads",
+            t.num_key_value_heads,
+            1024,
+        ),
+        ("text_config.head_dim", t.head_dim, 4096),
+        (
+            "text_config.linear_conv_kernel_dim",
+            t.linear_conv_kernel_dim,
+            64,
+        ),
+        (
+            "text_config.linear_key_head_dim",
+            t.linear_key_head_dim,
+            4096,
+        ),
+        (
+            "text_config.linear_value_head_dim",
+            t.linear_value_head_dim,
+            4096,
+        ),
+        (
+            "text_config.linear_num_key_heads",
+            t.linear_num_key_heads,
+            1024,
+        ),
+        (
+            "text_config.linear_num_value_heads",
+            t.linear_num_value_heads,
+            1024,
+        ),
+        ("text_config.num_experts", t.num_experts, 4096),
+        (
+            "text_config.moe_intermediate_size",
+            t.moe_intermediate_size,
+            1 << 18,
+        ),
+        (
+            "text_config.shared_expert_intermediate_size",
+            t.shared_expert_intermediate_size,
+            1 << 18,
+        ),
+        (
+            "audio_decoder_config.intermediate_size",
+            a.intermediate_size,
+            1 << 18,
+        ),
+        ("audio_decoder_config.num_codebooks", a.num_codebooks, 64),
+        ("audio_decoder_config.vocab_size", a.vocab_size, 1 << 20),
+        (
+            "audio_decoder_config.shared_enrichment_layers",
+            a.shared_enrichment_layers,
+            64,
+        ),
+    ];
+    for (field, v, max) in limits {
+        if v > max {
+            return Err(CheckpointError::Config {
+                field: field.into(),
+                why: format!("{v} exceeds the supported maximum {max}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Every tensor `cfg` implies, for the given expert format.
 pub fn expected_tensors(
     cfg: &Config,
     fmt: &ExpertFormat,
 ) -> Result<Vec<Expected>, CheckpointError> {
+    check_dims(cfg)?;
     let t = &cfg.text_config;
     let a = &cfg.audio_decoder_config;
     let h = t.hidden_size;

@@ -1,1 +1,10 @@
-fn main() {}
+//! dramatis: the one binary. CLI parsing and wiring only; every command's work lives in a crate.
+
+mod caps;
+mod cli;
+mod fixture;
+mod synth_codec;
+
+fn main() -> std::process::ExitCode {
+    cli::main()
+}

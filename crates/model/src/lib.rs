@@ -1,1 +1,40 @@
-//! model
+//! model: the Drama 3 forward pass and frame loop, written once over the [`Backend`] trait.
+//!
+//! It owns the math of DRAMA3.md §4 (backbone, tower, main head), sampling (§7) and per-lane
+//! state; it does not own kernels (the backend crates do), tokenization, prompts or the codec.
+//!
+//! Driving it: [`Model::load`], [`Model::new_lane`], [`Model::prefill`], then
+//! [`Model::step_frame`] (or [`Model::step_frames`] for a batched round) until
+//! [`FrameOut::Eos`] or the frame cap.
+
+pub mod backend;
+pub mod generate;
+pub mod lane;
+pub mod model;
+pub mod sampling;
+
+pub use backend::{AttnDims, BackendError, Backend, Expert, GatherRow, GdnDims, Rope, Route, Rows};
+pub use generate::{FrameOut, LaneStep, LogitsHook, StepTrace};
+pub use lane::{LaneState, RAS_WINDOW};
+pub use model::{BackboneTrace, Geometry, Model, Row, TowerTrace, ROW_WIDTH};
+pub use sampling::SamplingParams;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("lane holds {rows} rows; {add} more would exceed its capacity of {capacity} rows")]
+    Capacity {
+        rows: usize,
+        add: usize,
+        capacity: usize,
+    },
+    #[error("row {index}: {why}")]
+    BadRow { index: usize, why: String },
+    #[error("the lane has no rows yet: prefill it before stepping")]
+    NotPrefilled,
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+}

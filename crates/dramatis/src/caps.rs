@@ -1,0 +1,44 @@
+//! `dramatis capabilities`: what this build can do, and what was qualified (with receipts).
+
+use serde_json::{json, Value};
+
+pub fn capabilities() -> Value {
+    let limits = admission::Limits::default();
+    json!({
+        "name": "dramatis",
+        "version": env!("CARGO_PKG_VERSION"),
+        "commit": env!("DRAMATIS_GIT"),
+        "backends": {
+            "cpu": {"compiled": true, "activations": "f32", "kv": "f32"},
+            "cuda": {"compiled": cfg!(feature = "cuda"), "engine": false,
+                     "note": "kernels and their contract exist; the engine does not run on CUDA yet"},
+            "metal": {"compiled": false, "note": "planned"}
+        },
+        "checkpoint": {
+            "model_type": "fish_omni",
+            "prompt_template": "reference-bracket-v1",
+            "expert_formats_loaded": ["fp8-block128"],
+            "dense": ["BF16", "F32 (small tensors)"],
+            "codec": "codec.pth (PyTorch zip, weight-norm parametrisations folded at load)"
+        },
+        "http": {
+            "routes": ["POST /v1/audio/speech", "POST /v1/tts", "GET /v1/models", "GET/POST/DELETE /v1/voices",
+                       "GET /health", "GET /metrics", "GET /openapi.json"],
+            "formats": ["wav", "pcm", "flac"],
+            "streaming": ["sse", "audio"]
+        },
+        "limits": limits,
+        "window": {
+            "admitted_by_contract": "P + F + 1 <= C <= max_position_embeddings (262144 for Drama 3)",
+            "qualified": [{"backend": "cpu", "checkpoint": "drama3-tiny golden fixture", "rows": 115,
+                           "evidence": "dramatis golden testdata/drama3-tiny"}]
+        },
+        "flags": ["--cfg-gamma", "--cfg-batched", "--cfg-force-guided", "--cfg-allow-request-gamma",
+                  "--context", "--parallel", "--queue", "--prompt-cache-gib", "--api-key",
+                  "--device-gib", "--host-gib"]
+    })
+}
+
+pub fn render(c: &Value) -> String {
+    serde_json::to_string_pretty(c).unwrap_or_default() + "\n"
+}

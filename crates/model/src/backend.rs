@@ -1,0 +1,268 @@
+//! The op-level interface every backend (CPU, CUDA, Metal) implements.
+//!
+//! Activations are 2-D row-major matrices `[rows, cols]` of f32 (or the backend's own precision);
+//! weights stay in stored precision (BF16, FP8 with 128x128 block scales) and are dequantised
+//! inside the op. Every op is row-independent: output row i depends only on input row i (and on
+//! the lane state paired with row i), never on how many rows share the call, when the call asks
+//! for [`Rows::Exact`]. That is what makes a batched frame round equal each lane's solo run.
+
+use checkpoint::Checkpoint;
+
+/// How a linear op may treat its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Each row's arithmetic is identical whatever the row count (decode, batched lanes).
+    Exact,
+    /// One lane's prompt: the backend may pick a GEMM whose rounding depends on the row count.
+    Bulk,
+}
+
+/// Rotary layout of the first `rot_dims` dims of each head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rope {
+    /// Rotate-half (NeoX): pairs (i, i + rot/2). The backbone's.
+    Neox,
+    /// GPT-J pairs (2i, 2i + 1). The tower's.
+    Interleaved,
+}
+
+/// Geometry of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnDims {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rot_dims: usize,
+    pub theta: f64,
+    pub rope: Rope,
+}
+
+/// Geometry of one Gated DeltaNet layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnDims {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl GdnDims {
+    /// Channels of the causal conv: q, k and v concatenated.
+    pub fn channels(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+}
+
+/// One output row of [`Backend::gather_sum`]: `scale · Σ tables[t][row]` over `picks`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatherRow {
+    /// (table index, row) pairs; empty gives a zero row.
+    pub picks: Vec<(usize, u32)>,
+    pub scale: f32,
+}
+
+/// The three matrices of one SwiGLU expert, `down(silu(gate x) ⊙ up x)`.
+pub struct Expert<W> {
+    pub gate: W,
+    pub up: W,
+    pub down: W,
+}
+
+/// Top-k routing decisions for a batch of rows (original expert ids, renormalised weights).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// `experts[i]` and `weights[i]` belong to row i, in rank order (highest probability first).
+    pub experts: Vec<Vec<u32>>,
+    pub weights: Vec<Vec<f32>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("KV cache holds {len} rows and {add} more would need {need}, beyond its capacity of {capacity} rows")]
+    KvFull {
+        len: usize,
+        add: usize,
+        need: usize,
+        capacity: usize,
+    },
+    #[error("tensor {name:?}: {why}")]
+    Weight { name: String, why: String },
+    #[error("{op}: {why}")]
+    Shape { op: &'static str, why: String },
+    #[error("backend: {0}")]
+    Device(String),
+    #[error(transparent)]
+    Checkpoint(#[from] checkpoint::CheckpointError),
+}
+
+pub type BResult<T> = Result<T, BackendError>;
+
+/// Op granularity is one model equation (a norm, a linear, a mixer core); the model composes them.
+pub trait Backend: Send + Sync + Sized {
+    /// An activation matrix `[rows, cols]`.
+    type Buf: Send + Sync;
+    /// A matrix in stored precision (`[out, in]`, used as `y = x Wᵀ`), or an embedding table.
+    type Weight: Send + Sync;
+    /// A small 1-D tensor (norm weights, conv taps, `A_log`), held in f32.
+    type Vector: Send + Sync;
+    /// One layer's K/V cache of one lane, sized once for its capacity in rows.
+    type Kv: Send + Sync;
+    /// One Gated DeltaNet layer's state of one lane: conv history and the recurrent matrices.
+    type Gdn: Send + Sync;
+    /// Router decisions, kept where the backend computes them (see [`Route`] for the host form).
+    type Route: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    // ---- data movement ----
+    fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<Self::Buf>;
+    fn download(&self, x: &Self::Buf) -> BResult<Vec<f32>>;
+    /// `(rows, cols)`.
+    fn shape(&self, x: &Self::Buf) -> (usize, usize);
+    /// Columns `start..start+len` of every row.
+    fn cols(&self, x: &Self::Buf, start: usize, len: usize) -> BResult<Self::Buf>;
+    /// From each consecutive group of `group` cols, cols `offset..offset+len`, concatenated.
+    fn cols_grouped(
+        &self,
+        x: &Self::Buf,
+        group: usize,
+        offset: usize,
+        len: usize,
+    ) -> BResult<Self::Buf>;
+    /// Rows `start..start+len`.
+    fn rows(&self, x: &Self::Buf, start: usize, len: usize) -> BResult<Self::Buf>;
+    /// `[a | b]` row by row.
+    fn concat_cols(&self, a: &Self::Buf, b: &Self::Buf) -> BResult<Self::Buf>;
+    /// Parts stacked vertically.
+    fn concat_rows(&self, parts: &[&Self::Buf]) -> BResult<Self::Buf>;
+
+    // ---- weights (checked against the stored shape; stored precision kept) ----
+    /// A BF16 matrix, or FP8 with its `<name>_scale_inv` when `name` is stored as F8_E4M3.
+    fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<Self::Weight>;
+    /// Only the listed rows of a BF16 matrix, in that order (the candidate-restricted lm_head).
+    fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<Self::Weight>;
+    /// A small tensor of any shape, flattened to f32.
+    fn vector(&self, ck: &Checkpoint, name: &str) -> BResult<Self::Vector>;
+
+    // ---- state ----
+    fn kv_new(&self, capacity: usize, kv_heads: usize, head_dim: usize) -> BResult<Self::Kv>;
+    fn kv_len(&self, kv: &Self::Kv) -> usize;
+    fn gdn_new(&self, dims: &GdnDims) -> BResult<Self::Gdn>;
+
+    // ---- ops ----
+    /// Row i = `rows[i].scale · Σ tables[t][r]` (embedding gather with the codebook mix).
+    fn gather_sum(&self, tables: &[&Self::Weight], rows: &[GatherRow]) -> BResult<Self::Buf>;
+    /// RMSNorm over each group of `group` cols: `x / sqrt(mean(x²) + eps) · w'` with `w' = 1 + w`
+    /// when `plus_one` (Qwen3.5 norms) else `w`; `w` has `group` entries.
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<Self::Buf>;
+    /// `y = x Wᵀ`: `[n, in] -> [n, out]`.
+    fn linear(&self, x: &Self::Buf, w: &Self::Weight, rows: Rows) -> BResult<Self::Buf>;
+    fn add(&self, a: &Self::Buf, b: &Self::Buf) -> BResult<Self::Buf>;
+    /// `silu(gate) ⊙ up`.
+    fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf) -> BResult<Self::Buf>;
+    /// `x ⊙ sigmoid(gate)`; `gate` is `[n, cols]` or `[n, 1]` (broadcast per row).
+    fn sigmoid_mul(&self, x: &Self::Buf, gate: &Self::Buf) -> BResult<Self::Buf>;
+    /// Rotary embedding on the first `rot_dims` dims of each `head_dim` head, row i at
+    /// `positions[i]`.
+    fn rope(
+        &self,
+        x: &Self::Buf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        positions: &[usize],
+    ) -> BResult<Self::Buf>;
+
+    /// Appends `k`, `v` (`[t, kv_heads·hd]`) to one lane's cache and attends causally: query row i
+    /// sees cache rows `0..=len_before + i`. `q` is already normed and roped. Returns
+    /// `[t, q_heads·hd]`; head h uses kv head `h / (q_heads / kv_heads)`; scale `1/sqrt(hd)`.
+    fn attn_prefill(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        dims: &AttnDims,
+        cache: &mut Self::Kv,
+    ) -> BResult<Self::Buf>;
+    /// One row per lane: row i is appended to `caches[i]` and attends over all of it.
+    fn attn_step(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        dims: &AttnDims,
+        caches: &mut [&mut Self::Kv],
+    ) -> BResult<Self::Buf>;
+
+    /// Causal depthwise conv + SiLU over one lane's rows (`[t, C]`), continuing its history.
+    /// `w` is `[C, K]`; tap K-1 hits the current row.
+    fn gdn_conv(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        dims: &GdnDims,
+        state: &mut Self::Gdn,
+    ) -> BResult<Self::Buf>;
+    /// The same for one row per lane.
+    fn gdn_conv_step(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vector,
+        dims: &GdnDims,
+        states: &mut [&mut Self::Gdn],
+    ) -> BResult<Self::Buf>;
+    /// The gated delta rule over one lane's rows: `qkv` is the conv output `[t, C]`, `b`, `a`
+    /// are `[t, v_heads]`. q/k are l2-normed (eps 1e-6), q scaled by `1/sqrt(dk)`,
+    /// `β = σ(b)`, `g = −exp(A_log)·softplus(a + dt_bias)`. `chunked` picks the chunk-64 form;
+    /// otherwise the per-token recurrence (the reference). Returns `o` `[t, v_heads·v_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_prefill(
+        &self,
+        qkv: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        dims: &GdnDims,
+        state: &mut Self::Gdn,
+        chunked: bool,
+    ) -> BResult<Self::Buf>;
+    /// The recurrence for one row per lane.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_step(
+        &self,
+        qkv: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        dims: &GdnDims,
+        states: &mut [&mut Self::Gdn],
+    ) -> BResult<Self::Buf>;
+
+    /// Router: softmax over `logits` (`[n, E]`, f32) restricted to `keep` (experts outside it
+    /// get probability 0 before normalisation), top `k` with ties to the lower index,
+    /// renormalised over the chosen k.
+    fn route(&self, logits: &Self::Buf, k: usize, keep: Option<&[bool]>)
+        -> BResult<Self::Route>;
+    /// The host form of a routing, for tests and traces.
+    fn route_host(&self, route: &Self::Route) -> BResult<Route>;
+    /// `Σ_j w_ij · expert_{e_ij}(x_i)`, summed in rank order; `experts[e]` is `None` for a pruned
+    /// expert (never routed to).
+    fn moe_experts(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        experts: &[Option<Expert<Self::Weight>>],
+        rows: Rows,
+    ) -> BResult<Self::Buf>;
+}

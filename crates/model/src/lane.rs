@@ -1,0 +1,100 @@
+//! Per-request state: everything one sequence carries between frames, sized once for its
+//! capacity in rows (admission reserves P + F + 1).
+
+use std::collections::VecDeque;
+
+use crate::backend::Backend;
+use crate::model::{Model, Row};
+use crate::ModelError;
+
+/// Main tokens the repetition-aware resampling looks back over (DRAMA3.md §7).
+pub const RAS_WINDOW: usize = 16;
+
+/// One sequence's state on backend `B`.
+pub struct LaneState<B: Backend> {
+    pub(crate) capacity: usize,
+    /// Backbone rows consumed so far (= next backbone position).
+    pub(crate) rows: usize,
+    /// Tower positions filled so far (one behind `rows` once the tower caught up).
+    pub(crate) tower_rows: usize,
+    /// Backbone K/V per full-attention layer.
+    pub(crate) kv: Vec<B::Kv>,
+    /// Conv history and recurrent state per Gated DeltaNet layer.
+    pub(crate) gdn: Vec<B::Gdn>,
+    /// K/V per tower layer.
+    pub(crate) tower_kv: Vec<B::Kv>,
+    /// Final-normed hidden of the newest row (`[1, H]`): what the next frame is predicted from.
+    pub(crate) last_hidden: Option<B::Buf>,
+    pub(crate) last_row: Option<Row>,
+    /// The last main tokens (prompt rows included), newest last.
+    pub(crate) recent: VecDeque<i64>,
+}
+
+impl<B: Backend> LaneState<B> {
+    pub(crate) fn new(m: &Model<B>, capacity: usize) -> Result<Self, ModelError> {
+        let g = &m.geometry;
+        let max = m.config.text_config.max_position_embeddings;
+        if capacity == 0 || capacity > max {
+            return Err(ModelError::Capacity {
+                rows: 0,
+                add: capacity,
+                capacity: max,
+            });
+        }
+        let be = &m.backend;
+        let kv = (0..g.full_layers())
+            .map(|_| be.kv_new(capacity, g.attn.kv_heads, g.attn.head_dim))
+            .collect::<Result<Vec<_>, _>>()?;
+        let gdn = (0..g.linear_layers())
+            .map(|_| be.gdn_new(&g.gdn))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tower_kv = (0..g.tower_layers)
+            .map(|_| be.kv_new(capacity, g.tower_attn.kv_heads, g.tower_attn.head_dim))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            capacity,
+            rows: 0,
+            tower_rows: 0,
+            kv,
+            gdn,
+            tower_kv,
+            last_hidden: None,
+            last_row: None,
+            recent: VecDeque::with_capacity(RAS_WINDOW),
+        })
+    }
+
+    /// Rows this lane was sized for.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Backbone rows consumed (prompt rows plus frames fed back).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The newest main tokens, oldest first (at most [`RAS_WINDOW`]).
+    pub fn recent_main_tokens(&self) -> impl Iterator<Item = i64> + '_ {
+        self.recent.iter().copied()
+    }
+
+    /// Refuses, before any work, to go past the capacity.
+    pub fn check_room(&self, add: usize) -> Result<(), ModelError> {
+        match self.rows.checked_add(add) {
+            Some(n) if n <= self.capacity => Ok(()),
+            _ => Err(ModelError::Capacity {
+                rows: self.rows,
+                add,
+                capacity: self.capacity,
+            }),
+        }
+    }
+
+    pub(crate) fn push_main(&mut self, tok: i64) {
+        if self.recent.len() == RAS_WINDOW {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(tok);
+    }
+}

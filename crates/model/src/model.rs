@@ -1,0 +1,883 @@
+//! Drama 3 over a [`Backend`]: input rows, the Qwen3.5-MoE backbone (DRAMA3.md §4.1–4.6) and the
+//! codebook-MTP tower (§4.8, fixture README). Shapes are in the comments; every size comes from
+//! `config.json`.
+
+use checkpoint::{Checkpoint, Config, ExpertFormat, LayerType};
+
+use crate::backend::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
+use crate::lane::LaneState;
+use crate::ModelError;
+
+type Result<T> = std::result::Result<T, ModelError>;
+
+/// One backbone input row: `[token, c0, …, c9]`.
+pub type Row = [i64; 11];
+/// Width of a row (1 + codebooks); the model refuses configs with another codebook count.
+pub const ROW_WIDTH: usize = 11;
+
+/// Sizes the forward pass needs, read once from the config.
+#[derive(Debug, Clone)]
+pub struct Geometry {
+    pub hidden: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    pub attn: AttnDims,
+    pub gdn: GdnDims,
+    pub top_k: usize,
+    pub layer_types: Vec<LayerType>,
+    /// Codebook size (semantic band, head width, rows per codebook table).
+    pub codebook: usize,
+    pub codebooks: usize,
+    /// Residual codebooks summed into the backbone input (k).
+    pub backbone_codebooks: usize,
+    pub tower_shared: usize,
+    pub tower_layers: usize,
+    pub tower_attn: AttnDims,
+    pub tower_eps: f32,
+    pub semantic_start: u32,
+    pub semantic_end: u32,
+    pub eos: u32,
+}
+
+impl Geometry {
+    pub fn from_config(c: &Config) -> Result<Self> {
+        let t = &c.text_config;
+        let a = &c.audio_decoder_config;
+        if a.num_codebooks + 1 != ROW_WIDTH {
+            return Err(ModelError::Unsupported(format!(
+                "rows are {ROW_WIDTH} wide (1 + 10 codebooks) but num_codebooks is {}",
+                a.num_codebooks
+            )));
+        }
+        Ok(Self {
+            hidden: t.hidden_size,
+            vocab: t.vocab_size,
+            eps: t.rms_norm_eps as f32,
+            attn: AttnDims {
+                q_heads: t.num_attention_heads,
+                kv_heads: t.num_key_value_heads,
+                head_dim: t.head_dim,
+                rot_dims: c.backbone_rotary_dims(),
+                theta: t.rope_parameters.rope_theta,
+                rope: Rope::Neox,
+            },
+            gdn: GdnDims {
+                k_heads: t.linear_num_key_heads,
+                v_heads: t.linear_num_value_heads,
+                k_dim: t.linear_key_head_dim,
+                v_dim: t.linear_value_head_dim,
+                conv_kernel: t.linear_conv_kernel_dim,
+            },
+            top_k: t.num_experts_per_tok,
+            layer_types: t.layer_types.clone(),
+            codebook: c.codebook_size(),
+            codebooks: a.num_codebooks,
+            backbone_codebooks: c.backbone_codebooks(),
+            tower_shared: a.shared_enrichment_layers,
+            tower_layers: c.tower_layers(),
+            tower_attn: AttnDims {
+                q_heads: a.n_head,
+                kv_heads: a.n_local_heads,
+                head_dim: a.head_dim,
+                rot_dims: c.tower_rotary_dims(),
+                theta: a.rope_base,
+                rope: Rope::Interleaved,
+            },
+            tower_eps: a.norm_eps as f32,
+            semantic_start: c.semantic_start_token_id,
+            semantic_end: c.semantic_end_token_id,
+            eos: c.eos_token_id,
+        })
+    }
+
+    pub fn is_semantic(&self, tok: i64) -> bool {
+        tok >= i64::from(self.semantic_start) && tok <= i64::from(self.semantic_end)
+    }
+
+    pub fn full_layers(&self) -> usize {
+        self.layer_types
+            .iter()
+            .filter(|t| **t == LayerType::FullAttention)
+            .count()
+    }
+
+    pub fn linear_layers(&self) -> usize {
+        self.layer_types.len() - self.full_layers()
+    }
+}
+
+struct GdnWeights<B: Backend> {
+    qkv: B::Weight,
+    z: B::Weight,
+    b: B::Weight,
+    a: B::Weight,
+    conv: B::Vector,
+    a_log: B::Vector,
+    dt_bias: B::Vector,
+    norm: B::Vector,
+    out: B::Weight,
+}
+
+struct AttnWeights<B: Backend> {
+    q: B::Weight,
+    k: B::Weight,
+    v: B::Weight,
+    o: B::Weight,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+}
+
+enum Mixer<B: Backend> {
+    /// Index into the lane's GDN states.
+    Gdn(usize, GdnWeights<B>),
+    /// Index into the lane's backbone KV caches.
+    Attn(usize, AttnWeights<B>),
+}
+
+struct Moe<B: Backend> {
+    router: B::Weight,
+    /// By original expert id; `None` where a pruned checkpoint dropped it.
+    experts: Vec<Option<Expert<B::Weight>>>,
+    keep: Option<Vec<bool>>,
+    shared: Expert<B::Weight>,
+    shared_gate: B::Weight,
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Vector,
+    post_norm: B::Vector,
+    mixer: Mixer<B>,
+    moe: Moe<B>,
+}
+
+struct TowerLayer<B: Backend> {
+    emb: B::Weight,
+    enorm: B::Vector,
+    hnorm: B::Vector,
+    eh_proj: B::Weight,
+    attn_norm: B::Vector,
+    wqkv: B::Weight,
+    wo: B::Weight,
+    q_norm: B::Vector,
+    k_norm: B::Vector,
+    ffn_norm: B::Vector,
+    w1: B::Weight,
+    w3: B::Weight,
+    w2: B::Weight,
+    out_norm: B::Vector,
+}
+
+/// A loaded Drama 3 model on backend `B`. Weights stay in stored precision.
+pub struct Model<B: Backend> {
+    pub backend: B,
+    pub config: Config,
+    pub geometry: Geometry,
+    embed: B::Weight,
+    /// `audio_decoder.codebook_embeddings`, `[10·CB, H]`, row `c·CB + code`.
+    codebooks: B::Weight,
+    layers: Vec<Layer<B>>,
+    norm: B::Vector,
+    lm_head_candidates: B::Weight,
+    lm_head: B::Weight,
+    candidates: Vec<u32>,
+    tower: Vec<TowerLayer<B>>,
+    heads: Vec<B::Weight>,
+}
+
+/// Backbone outputs over a sequence, teacher-forced (for goldens).
+#[derive(Debug, Clone)]
+pub struct BackboneTrace {
+    /// `[t, H]`.
+    pub input_embeds: Vec<f32>,
+    /// Per layer, the residual stream after it, `[t, H]`.
+    pub layer_outputs: Vec<Vec<f32>>,
+    /// After the final norm, `[t, H]`.
+    pub final_hidden: Vec<f32>,
+    /// `[t, candidates]`, candidates ascending (`Model::candidates`).
+    pub candidate_logits: Vec<f32>,
+    /// `[t, vocab]`.
+    pub full_logits: Vec<f32>,
+}
+
+/// Tower outputs over a sequence, teacher-forced: position p uses row p+1 as its label.
+#[derive(Debug, Clone)]
+pub struct TowerTrace {
+    /// Per tower layer, `[t-1, D]` (each ends in its output norm).
+    pub layer_outputs: Vec<Vec<f32>>,
+    /// `[t-1, codebooks-1, CB]`: head r gives codebook r+1.
+    pub codebook_logits: Vec<f32>,
+}
+
+fn w_name(prefix: &str, s: &str) -> String {
+    format!("{prefix}.{s}")
+}
+
+impl<B: Backend> Model<B> {
+    /// Prepares every weight the forward pass reads (zero-copy where the backend allows).
+    pub fn load(ck: &Checkpoint, backend: B) -> Result<Self> {
+        let g = Geometry::from_config(&ck.config)?;
+        let keep_for = |_layer: usize| -> Result<Option<Vec<bool>>> {
+            match &ck.expert_format {
+                ExpertFormat::Fp8Block128 => Ok(None),
+                ExpertFormat::Nvfp4Pruned { .. } => Err(ModelError::Unsupported(
+                    "NVFP4 pruned experts are not implemented yet".into(),
+                )),
+            }
+        };
+        let be = &backend;
+        let p = "model.language_model";
+        let mut layers = Vec::with_capacity(g.layer_types.len());
+        let (mut n_gdn, mut n_attn) = (0usize, 0usize);
+        for (i, lt) in g.layer_types.iter().enumerate() {
+            let l = format!("{p}.layers.{i}");
+            let mixer = match lt {
+                LayerType::LinearAttention => {
+                    let m = format!("{l}.linear_attn");
+                    let w = GdnWeights {
+                        qkv: be.weight(ck, &w_name(&m, "in_proj_qkv.weight"))?,
+                        z: be.weight(ck, &w_name(&m, "in_proj_z.weight"))?,
+                        b: be.weight(ck, &w_name(&m, "in_proj_b.weight"))?,
+                        a: be.weight(ck, &w_name(&m, "in_proj_a.weight"))?,
+                        conv: be.vector(ck, &w_name(&m, "conv1d.weight"))?,
+                        a_log: be.vector(ck, &w_name(&m, "A_log"))?,
+                        dt_bias: be.vector(ck, &w_name(&m, "dt_bias"))?,
+                        norm: be.vector(ck, &w_name(&m, "norm.weight"))?,
+                        out: be.weight(ck, &w_name(&m, "out_proj.weight"))?,
+                    };
+                    n_gdn += 1;
+                    Mixer::Gdn(n_gdn - 1, w)
+                }
+                LayerType::FullAttention => {
+                    let m = format!("{l}.self_attn");
+                    let w = AttnWeights {
+                        q: be.weight(ck, &w_name(&m, "q_proj.weight"))?,
+                        k: be.weight(ck, &w_name(&m, "k_proj.weight"))?,
+                        v: be.weight(ck, &w_name(&m, "v_proj.weight"))?,
+                        o: be.weight(ck, &w_name(&m, "o_proj.weight"))?,
+                        q_norm: be.vector(ck, &w_name(&m, "q_norm.weight"))?,
+                        k_norm: be.vector(ck, &w_name(&m, "k_norm.weight"))?,
+                    };
+                    n_attn += 1;
+                    Mixer::Attn(n_attn - 1, w)
+                }
+            };
+            let m = format!("{l}.mlp");
+            let n_exp = ck.config.text_config.num_experts;
+            let mut experts = Vec::with_capacity(n_exp);
+            for e in 0..n_exp {
+                let x = format!("{m}.experts.{e}");
+                experts.push(Some(Expert {
+                    gate: be.weight(ck, &format!("{x}.gate_proj.weight"))?,
+                    up: be.weight(ck, &format!("{x}.up_proj.weight"))?,
+                    down: be.weight(ck, &format!("{x}.down_proj.weight"))?,
+                }));
+            }
+            let moe = Moe {
+                router: be.weight(ck, &w_name(&m, "gate.weight"))?,
+                experts,
+                keep: keep_for(i)?,
+                shared: Expert {
+                    gate: be.weight(ck, &w_name(&m, "shared_expert.gate_proj.weight"))?,
+                    up: be.weight(ck, &w_name(&m, "shared_expert.up_proj.weight"))?,
+                    down: be.weight(ck, &w_name(&m, "shared_expert.down_proj.weight"))?,
+                },
+                shared_gate: be.weight(ck, &w_name(&m, "shared_expert_gate.weight"))?,
+            };
+            layers.push(Layer {
+                input_norm: be.vector(ck, &w_name(&l, "input_layernorm.weight"))?,
+                post_norm: be.vector(ck, &w_name(&l, "post_attention_layernorm.weight"))?,
+                mixer,
+                moe,
+            });
+        }
+        let candidates = ck.config.candidate_token_ids();
+        let mut tower = Vec::with_capacity(g.tower_layers);
+        for t in 0..g.tower_layers {
+            let (l, emb) = if t < g.tower_shared {
+                (
+                    format!("audio_decoder_mtp_shared.layers.{t}"),
+                    "semantic_embedding.weight",
+                )
+            } else {
+                (
+                    format!("audio_decoder_mtp.layers.{}", t - g.tower_shared),
+                    "codebook_embedding.weight",
+                )
+            };
+            let tl = format!("{l}.transformer_layer");
+            tower.push(TowerLayer {
+                emb: be.weight(ck, &w_name(&l, emb))?,
+                enorm: be.vector(ck, &w_name(&l, "enorm.weight"))?,
+                hnorm: be.vector(ck, &w_name(&l, "hnorm.weight"))?,
+                eh_proj: be.weight(ck, &w_name(&l, "eh_proj.weight"))?,
+                attn_norm: be.vector(ck, &w_name(&tl, "attention_norm.weight"))?,
+                wqkv: be.weight(ck, &w_name(&tl, "attention.wqkv.weight"))?,
+                wo: be.weight(ck, &w_name(&tl, "attention.wo.weight"))?,
+                q_norm: be.vector(ck, &w_name(&tl, "attention.q_norm.weight"))?,
+                k_norm: be.vector(ck, &w_name(&tl, "attention.k_norm.weight"))?,
+                ffn_norm: be.vector(ck, &w_name(&tl, "ffn_norm.weight"))?,
+                w1: be.weight(ck, &w_name(&tl, "feed_forward.w1.weight"))?,
+                w3: be.weight(ck, &w_name(&tl, "feed_forward.w3.weight"))?,
+                w2: be.weight(ck, &w_name(&tl, "feed_forward.w2.weight"))?,
+                out_norm: be.vector(ck, &w_name(&l, "final_layernorm.weight"))?,
+            });
+        }
+        let heads = (0..g.codebooks - 1)
+            .map(|r| be.weight(ck, &format!("audio_decoder_mtp.heads.{r}.weight")))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Self {
+            embed: be.weight(ck, &format!("{p}.embed_tokens.weight"))?,
+            codebooks: be.weight(ck, "audio_decoder.codebook_embeddings.weight")?,
+            layers,
+            norm: be.vector(ck, &format!("{p}.norm.weight"))?,
+            lm_head_candidates: be.weight_rows(ck, "lm_head.weight", &candidates)?,
+            lm_head: be.weight(ck, "lm_head.weight")?,
+            candidates,
+            tower,
+            heads,
+            config: ck.config.clone(),
+            geometry: g,
+            backend,
+        })
+    }
+
+    /// Ascending `{eos} ∪ semantic band`: the token id of each main-head logit.
+    pub fn candidates(&self) -> &[u32] {
+        &self.candidates
+    }
+
+    /// A fresh lane able to hold `capacity_rows` backbone rows (admission reserves P + F + 1).
+    pub fn new_lane(&self, capacity_rows: usize) -> Result<LaneState<B>> {
+        LaneState::new(self, capacity_rows)
+    }
+
+    /// Checks a row's token and codes against the vocabulary and codebook.
+    pub fn check_row(&self, index: usize, row: &Row) -> Result<()> {
+        let g = &self.geometry;
+        let bad = |why: String| ModelError::BadRow { index, why };
+        if row[0] < 0 || row[0] as u64 >= g.vocab as u64 {
+            return Err(bad(format!(
+                "token {} is outside the vocabulary of {} ids",
+                row[0], g.vocab
+            )));
+        }
+        if g.is_semantic(row[0]) {
+            for (c, &code) in row[1..].iter().enumerate() {
+                if code < 0 || code as u64 >= g.codebook as u64 {
+                    return Err(bad(format!(
+                        "code c{c} = {code} is outside the codebook of {} entries",
+                        g.codebook
+                    )));
+                }
+            }
+            if row[0] - i64::from(g.semantic_start) != row[1] {
+                return Err(bad(format!(
+                    "semantic token {} does not match c0 = {} (semantic_start {})",
+                    row[0], row[1], g.semantic_start
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- §4.1 input rows
+
+    /// Backbone input: `E[tok]`, or for semantic rows `(E[tok] + Σ_{c=1..k} CB[c][code_c]) / √(1+k)`.
+    pub fn embed_rows(&self, rows: &[Row]) -> Result<B::Buf> {
+        let g = &self.geometry;
+        let k = g.backbone_codebooks;
+        let mix = 1.0 / ((1 + k) as f32).sqrt();
+        let mut out = Vec::with_capacity(rows.len());
+        for (i, r) in rows.iter().enumerate() {
+            self.check_row(i, r)?;
+            let mut picks = vec![(0usize, r[0] as u32)];
+            let mut scale = 1.0;
+            if g.is_semantic(r[0]) {
+                for c in 1..=k {
+                    picks.push((1, self.codebook_row(c, r[1 + c])));
+                }
+                scale = mix;
+            }
+            out.push(GatherRow { picks, scale });
+        }
+        Ok(self
+            .backend
+            .gather_sum(&[&self.embed, &self.codebooks], &out)?)
+    }
+
+    fn codebook_row(&self, c: usize, code: i64) -> u32 {
+        (c * self.geometry.codebook + code as usize) as u32
+    }
+
+    // ---------------------------------------------------------------- §4.2 backbone
+
+    /// Runs the backbone layers over `x` (`[rows, H]`). `Rows::Bulk`: one lane, its next rows.
+    /// `Rows::Exact`: one row per lane. Returns the final-normed hidden; advances the lanes.
+    fn backbone(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        mut x: B::Buf,
+        mode: Rows,
+        mut trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let g = &self.geometry;
+        let (n, _) = be.shape(&x);
+        let positions: Vec<usize> = match mode {
+            Rows::Bulk => (0..n).map(|i| lanes[0].rows + i).collect(),
+            Rows::Exact => lanes.iter().map(|l| l.rows).collect(),
+        };
+        for layer in &self.layers {
+            let h = be.rms_norm(&x, &layer.input_norm, g.hidden, g.eps, true)?;
+            let m = match &layer.mixer {
+                Mixer::Gdn(s, w) => self.gdn(lanes, *s, w, &h, mode)?,
+                Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, &positions, mode)?,
+            };
+            x = be.add(&x, &m)?;
+            let h = be.rms_norm(&x, &layer.post_norm, g.hidden, g.eps, true)?;
+            let y = self.moe(&layer.moe, &h, mode)?;
+            x = be.add(&x, &y)?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.push(be.download(&x)?);
+            }
+        }
+        match mode {
+            Rows::Bulk => lanes[0].rows += n,
+            Rows::Exact => lanes.iter_mut().for_each(|l| l.rows += 1),
+        }
+        Ok(be.rms_norm(&x, &self.norm, g.hidden, g.eps, true)?)
+    }
+
+    /// §4.3 Gated DeltaNet mixer: `[n, H] -> [n, H]`.
+    fn gdn(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        slot: usize,
+        w: &GdnWeights<B>,
+        x: &B::Buf,
+        mode: Rows,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let d = &self.geometry.gdn;
+        let qkv = be.linear(x, &w.qkv, mode)?; // [n, C]
+        let z = be.linear(x, &w.z, mode)?; // [n, nv·dv]
+        let b = be.linear(x, &w.b, mode)?; // [n, nv]
+        let a = be.linear(x, &w.a, mode)?; // [n, nv]
+        let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
+        let o = match mode {
+            Rows::Bulk => {
+                let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
+                be.gdn_prefill(&u, &b, &a, &w.a_log, &w.dt_bias, d, states[0], true)?
+            }
+            Rows::Exact => {
+                let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
+                be.gdn_step(&u, &b, &a, &w.a_log, &w.dt_bias, d, &mut states)?
+            }
+        };
+        // RMSNormGated: plain w over each value head, times silu(z).
+        let o = be.rms_norm(&o, &w.norm, d.v_dim, self.geometry.eps, false)?;
+        let o = be.silu_mul(&z, &o)?;
+        Ok(be.linear(&o, &w.out, mode)?)
+    }
+
+    /// §4.4 gated full attention, shared by the backbone and the tower (`dims` differ).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_attention(
+        &self,
+        kvs: &mut [&mut B::Kv],
+        dims: &AttnDims,
+        eps: f32,
+        q: B::Buf,
+        gate: B::Buf,
+        k: B::Buf,
+        v: B::Buf,
+        q_norm: &B::Vector,
+        k_norm: &B::Vector,
+        positions: &[usize],
+        mode: Rows,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let hd = dims.head_dim;
+        let q = be.rms_norm(&q, q_norm, hd, eps, true)?;
+        let k = be.rms_norm(&k, k_norm, hd, eps, true)?;
+        let q = be.rope(&q, hd, dims.rot_dims, dims.theta, dims.rope, positions)?;
+        let k = be.rope(&k, hd, dims.rot_dims, dims.theta, dims.rope, positions)?;
+        let o = match mode {
+            Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
+            Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
+        };
+        Ok(be.sigmoid_mul(&o, &gate)?)
+    }
+
+    fn attention(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        slot: usize,
+        w: &AttnWeights<B>,
+        x: &B::Buf,
+        positions: &[usize],
+        mode: Rows,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let d = &self.geometry.attn;
+        let (hq, hd) = (d.q_heads, d.head_dim);
+        // q_proj rows are per head [q_h ; gate_h]: split each 2·hd block.
+        let qg = be.linear(x, &w.q, mode)?;
+        debug_assert_eq!(be.shape(&qg).1, 2 * hq * hd);
+        let q = be.cols_grouped(&qg, 2 * hd, 0, hd)?;
+        let gate = be.cols_grouped(&qg, 2 * hd, hd, hd)?;
+        let k = be.linear(x, &w.k, mode)?;
+        let v = be.linear(x, &w.v, mode)?;
+        let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.kv[slot]).collect();
+        let o = self.gated_attention(
+            &mut kvs,
+            d,
+            self.geometry.eps,
+            q,
+            gate,
+            k,
+            v,
+            &w.q_norm,
+            &w.k_norm,
+            positions,
+            mode,
+        )?;
+        Ok(be.linear(&o, &w.o, mode)?)
+    }
+
+    /// §4.5 MoE: routed experts (softmax, top-k, renormalise) plus the sigmoid-gated shared one.
+    fn moe(&self, m: &Moe<B>, x: &B::Buf, mode: Rows) -> Result<B::Buf> {
+        let be = &self.backend;
+        let logits = be.linear(x, &m.router, mode)?;
+        let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
+        let routed = be.moe_experts(x, &route, &m.experts, mode)?;
+        let s = swiglu(be, x, &m.shared, mode)?;
+        let sg = be.linear(x, &m.shared_gate, mode)?; // [n, 1]
+        let s = be.sigmoid_mul(&s, &sg)?;
+        Ok(be.add(&routed, &s)?)
+    }
+
+    /// §4.6 main head over the candidate rows only: `[n, H] -> [n, candidates]`.
+    pub fn candidate_logits(&self, hidden: &B::Buf, mode: Rows) -> Result<B::Buf> {
+        Ok(self
+            .backend
+            .linear(hidden, &self.lm_head_candidates, mode)?)
+    }
+
+    // ---------------------------------------------------------------- §4.8 tower
+
+    /// Embedding input of tower layer `t` for each row: `Emb_t[code]` where the label is
+    /// semantic, plus (layer 0, semantic input row) the residual codes the backbone did not see.
+    fn tower_embed(&self, t: usize, inputs: &[Row], labels: &[Row]) -> Result<B::Buf> {
+        let g = &self.geometry;
+        let col = if t < g.tower_shared {
+            0
+        } else {
+            t - g.tower_shared
+        };
+        let rows = inputs
+            .iter()
+            .zip(labels)
+            .map(|(inp, lab)| {
+                let mut picks = Vec::new();
+                if g.is_semantic(lab[0]) {
+                    picks.push((0usize, lab[1 + col] as u32));
+                }
+                if t == 0 && g.is_semantic(inp[0]) {
+                    for c in g.backbone_codebooks + 1..g.codebooks {
+                        picks.push((1, self.codebook_row(c, inp[1 + c])));
+                    }
+                }
+                GatherRow { picks, scale: 1.0 }
+            })
+            .collect::<Vec<_>>();
+        Ok(self
+            .backend
+            .gather_sum(&[&self.tower[t].emb, &self.codebooks], &rows)?)
+    }
+
+    /// One tower layer: `h = out_norm(r + SwiGLU(ffn_norm(r)))`, `r = m + Attn(attn_norm(m))`,
+    /// `m = eh_proj([enorm(e) ; hnorm(h)])`.
+    fn tower_layer(
+        &self,
+        t: usize,
+        kvs: &mut [&mut B::Kv],
+        h: &B::Buf,
+        e: &B::Buf,
+        positions: &[usize],
+        mode: Rows,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let g = &self.geometry;
+        let w = &self.tower[t];
+        let d = &g.tower_attn;
+        let (dim, eps) = (g.hidden, g.tower_eps);
+        let en = be.rms_norm(e, &w.enorm, dim, eps, true)?;
+        let hn = be.rms_norm(h, &w.hnorm, dim, eps, true)?;
+        let m = be.linear(&be.concat_cols(&en, &hn)?, &w.eh_proj, mode)?;
+        // wqkv rows are [query | gate | key | value], heads contiguous inside each.
+        let x = be.rms_norm(&m, &w.attn_norm, dim, eps, true)?;
+        let qkv = be.linear(&x, &w.wqkv, mode)?;
+        let (qw, kw) = (d.q_heads * d.head_dim, d.kv_heads * d.head_dim);
+        let q = be.cols(&qkv, 0, qw)?;
+        let gate = be.cols(&qkv, qw, qw)?;
+        let k = be.cols(&qkv, 2 * qw, kw)?;
+        let v = be.cols(&qkv, 2 * qw + kw, kw)?;
+        let o = self.gated_attention(
+            kvs, d, eps, q, gate, k, v, &w.q_norm, &w.k_norm, positions, mode,
+        )?;
+        let r = be.add(&m, &be.linear(&o, &w.wo, mode)?)?;
+        let x = be.rms_norm(&r, &w.ffn_norm, dim, eps, true)?;
+        let f = swiglu(
+            be,
+            &x,
+            &Expert {
+                gate: &w.w1,
+                up: &w.w3,
+                down: &w.w2,
+            },
+            mode,
+        )?;
+        Ok(be.rms_norm(&be.add(&r, &f)?, &w.out_norm, dim, eps, true)?)
+    }
+
+    /// Teacher-forced tower over one lane's positions `lane.tower_rows ..`: `hidden[i]` and
+    /// `inputs[i]` at that position, `labels[i]` the frame it predicts. Optionally records each
+    /// layer's output and the head logits.
+    fn tower_bulk(
+        &self,
+        lane: &mut LaneState<B>,
+        hidden: &B::Buf,
+        inputs: &[Row],
+        labels: &[Row],
+        mut trace: Option<&mut TowerTrace>,
+    ) -> Result<()> {
+        let be = &self.backend;
+        let n = inputs.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let positions: Vec<usize> = (0..n).map(|i| lane.tower_rows + i).collect();
+        let mut h = be.rows(hidden, 0, n)?;
+        for t in 0..self.geometry.tower_layers {
+            let e = self.tower_embed(t, inputs, labels)?;
+            h = self.tower_layer(
+                t,
+                &mut [&mut lane.tower_kv[t]],
+                &h,
+                &e,
+                &positions,
+                Rows::Bulk,
+            )?;
+            if let Some(tr) = trace.as_deref_mut() {
+                tr.layer_outputs.push(be.download(&h)?);
+                if t >= self.geometry.tower_shared {
+                    let r = t - self.geometry.tower_shared;
+                    let l = be.download(&be.linear(&h, &self.heads[r], Rows::Bulk)?)?;
+                    tr.codebook_logits.extend(l);
+                }
+            }
+        }
+        lane.tower_rows += n;
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- public driving API
+
+    /// Feeds one lane's next rows (the prompt, or a continuation of it): backbone over `rows`,
+    /// then the tower teacher-forced over every position whose label is now known.
+    pub fn prefill(&self, lane: &mut LaneState<B>, rows: &[Row]) -> Result<()> {
+        self.prefill_traced(lane, rows, None, None).map(|_| ())
+    }
+
+    fn prefill_traced(
+        &self,
+        lane: &mut LaneState<B>,
+        rows: &[Row],
+        layer_trace: Option<&mut Vec<Vec<f32>>>,
+        tower_trace: Option<&mut TowerTrace>,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        if rows.is_empty() {
+            return Err(ModelError::BadRow {
+                index: 0,
+                why: "prefill needs at least one row".into(),
+            });
+        }
+        lane.check_room(rows.len())?;
+        let x = self.embed_rows(rows)?;
+        let hn = self.backbone(&mut [&mut *lane], x, Rows::Bulk, layer_trace)?;
+        // Tower positions: the lane's previous last row (if any) and all new rows but the last.
+        let (mut inputs, mut hidden) = (Vec::new(), Vec::new());
+        if let (Some(r), Some(h)) = (lane.last_row, lane.last_hidden.take()) {
+            inputs.push(r);
+            hidden.push(h);
+        }
+        inputs.extend_from_slice(&rows[..rows.len() - 1]);
+        let labels: Vec<Row> = if lane.last_row.is_some() {
+            rows.to_vec()
+        } else {
+            rows[1..].to_vec()
+        };
+        let t = rows.len();
+        if t > 1 {
+            hidden.push(be.rows(&hn, 0, t - 1)?);
+        }
+        if !inputs.is_empty() {
+            let refs: Vec<&B::Buf> = hidden.iter().collect();
+            let h = be.concat_rows(&refs)?;
+            self.tower_bulk(lane, &h, &inputs, &labels, tower_trace)?;
+        }
+        lane.last_hidden = Some(be.rows(&hn, t - 1, 1)?);
+        lane.last_row = Some(rows[t - 1]);
+        for r in rows {
+            lane.push_main(r[0]);
+        }
+        Ok(hn)
+    }
+
+    /// Teacher-forced backbone over `rows` on a fresh lane (prefill path): every layer's output,
+    /// final hidden, candidate and full logits.
+    pub fn backbone_teacher_forced(&self, rows: &[Row]) -> Result<BackboneTrace> {
+        let be = &self.backend;
+        let mut lane = self.new_lane(rows.len())?;
+        let x = self.embed_rows(rows)?;
+        let input_embeds = be.download(&x)?;
+        let mut layers = Vec::new();
+        let hn = self.backbone(&mut [&mut lane], x, Rows::Bulk, Some(&mut layers))?;
+        Ok(BackboneTrace {
+            input_embeds,
+            layer_outputs: layers,
+            final_hidden: be.download(&hn)?,
+            candidate_logits: be.download(&self.candidate_logits(&hn, Rows::Bulk)?)?,
+            full_logits: be.download(&be.linear(&hn, &self.lm_head, Rows::Bulk)?)?,
+        })
+    }
+
+    /// Teacher-forced tower over `rows` given the backbone's final hidden (`[t, H]`, e.g.
+    /// [`BackboneTrace::final_hidden`]): positions 0..t-1, position p labelled by row p+1.
+    pub fn tower_teacher_forced(&self, rows: &[Row], final_hidden: &[f32]) -> Result<TowerTrace> {
+        let be = &self.backend;
+        let t = rows.len();
+        for (i, r) in rows.iter().enumerate() {
+            self.check_row(i, r)?;
+        }
+        let mut lane = self.new_lane(t)?;
+        let h = be.upload(final_hidden, t, self.geometry.hidden)?;
+        let mut trace = TowerTrace {
+            layer_outputs: Vec::new(),
+            codebook_logits: Vec::new(),
+        };
+        if t > 1 {
+            self.tower_bulk(&mut lane, &h, &rows[..t - 1], &rows[1..], Some(&mut trace))?;
+            // Reorder logits from [head][pos][cb] to [pos][head][cb].
+            let (cb, heads) = (self.geometry.codebook, self.geometry.codebooks - 1);
+            let src = std::mem::take(&mut trace.codebook_logits);
+            let mut dst = vec![0f32; src.len()];
+            for r in 0..heads {
+                for p in 0..t - 1 {
+                    let s = (r * (t - 1) + p) * cb;
+                    let d = (p * heads + r) * cb;
+                    dst[d..d + cb].copy_from_slice(&src[s..s + cb]);
+                }
+            }
+            trace.codebook_logits = dst;
+        }
+        Ok(trace)
+    }
+
+    /// Candidate logits of each lane's newest position (`[lanes][candidates]`).
+    pub fn main_logits(&self, lanes: &[&mut LaneState<B>]) -> Result<Vec<Vec<f32>>> {
+        let be = &self.backend;
+        let hs = lanes
+            .iter()
+            .map(|l| l.last_hidden.as_ref().ok_or(ModelError::NotPrefilled))
+            .collect::<Result<Vec<_>>>()?;
+        let h = be.concat_rows(&hs)?;
+        let l = be.download(&self.candidate_logits(&h, Rows::Exact)?)?;
+        let c = self.candidates.len();
+        Ok(l.chunks_exact(c).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Runs the tower for one new frame per lane at each lane's newest position: `main[i]` is the
+    /// lane's sampled semantic token; `pick(r, lane, logits)` chooses code r+1 from head r.
+    /// Returns the frames `[main, c0..c9]` and, if asked, each head's logits.
+    pub fn tower_step(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        main: &[u32],
+        pick: &mut dyn FnMut(usize, usize, &[f32]) -> u32,
+        mut head_logits: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<Row>> {
+        let be = &self.backend;
+        let g = &self.geometry;
+        let n = lanes.len();
+        let mut frames: Vec<Row> = main
+            .iter()
+            .map(|&m| {
+                let mut f = [0i64; ROW_WIDTH];
+                f[0] = i64::from(m);
+                f[1] = i64::from(m) - i64::from(g.semantic_start);
+                f
+            })
+            .collect();
+        let inputs = lanes
+            .iter()
+            .map(|l| l.last_row.ok_or(ModelError::NotPrefilled))
+            .collect::<Result<Vec<_>>>()?;
+        let hs = lanes
+            .iter()
+            .map(|l| l.last_hidden.as_ref().ok_or(ModelError::NotPrefilled))
+            .collect::<Result<Vec<_>>>()?;
+        let mut h = be.concat_rows(&hs)?;
+        let positions: Vec<usize> = lanes.iter().map(|l| l.tower_rows).collect();
+        for t in 0..g.tower_layers {
+            let e = self.tower_embed(t, &inputs, &frames)?;
+            let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
+            h = self.tower_layer(t, &mut kvs, &h, &e, &positions, Rows::Exact)?;
+            if t >= g.tower_shared {
+                let r = t - g.tower_shared;
+                let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
+                for (i, row) in l.chunks_exact(g.codebook).enumerate() {
+                    frames[i][2 + r] = i64::from(pick(r, i, row));
+                    if let Some(hl) = head_logits.as_deref_mut() {
+                        hl.push(row.to_vec());
+                    }
+                }
+            }
+        }
+        for l in lanes.iter_mut() {
+            l.tower_rows += 1;
+        }
+        debug_assert_eq!(frames.len(), n);
+        Ok(frames)
+    }
+
+    /// Feeds one row per lane (a generated frame) through the backbone.
+    pub fn advance(&self, lanes: &mut [&mut LaneState<B>], frames: &[Row]) -> Result<()> {
+        let be = &self.backend;
+        for l in lanes.iter() {
+            l.check_room(1)?;
+        }
+        let x = self.embed_rows(frames)?;
+        let hn = self.backbone(lanes, x, Rows::Exact, None)?;
+        for (i, l) in lanes.iter_mut().enumerate() {
+            l.last_hidden = Some(be.rows(&hn, i, 1)?);
+            l.last_row = Some(frames[i]);
+            l.push_main(frames[i][0]);
+        }
+        Ok(())
+    }
+}
+
+/// `down(silu(gate x) ⊙ up x)`.
+fn swiglu<B: Backend, W: std::borrow::Borrow<B::Weight>>(
+    be: &B,
+    x: &B::Buf,
+    e: &Expert<W>,
+    mode: Rows,
+) -> Result<B::Buf> {
+    let g = be.linear(x, e.gate.borrow(), mode)?;
+    let u = be.linear(x, e.up.borrow(), mode)?;
+    Ok(be.linear(&be.silu_mul(&g, &u)?, e.down.borrow(), mode)?)
+}

@@ -1,0 +1,898 @@
+//! The engine: a loaded model, codec and tokenizer; requests validated and admitted before any
+//! work; lanes advancing together in shared frame rounds on one worker thread.
+//!
+//! Each request's output depends only on the request (seed, text, references, settings): the
+//! model's batched round is row-exact, the RNG is keyed by (seed, stream, step), and a lane's
+//! state is fresh for every request.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+use admission::{Admission, FrameCap, Frames, KvPool, Lanes, Limits, PromptRows, Rows, Window, WindowContract};
+use checkpoint::Checkpoint;
+use codec::{Codec, Codes, DecoderState};
+use model::{Backend, FrameOut, LaneState, LaneStep, Model, SamplingParams};
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::api::*;
+use crate::pcm::PcmHasher;
+use crate::prompt::{Prompt, PromptBuilder, PromptSpec, Reference};
+use crate::voices::VoiceCatalog;
+use crate::SpeechError;
+
+/// Classifier-free guidance settings (DRAMA3.md section 7).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CfgOptions {
+    pub gamma: f32,
+    pub batched: bool,
+    pub force_guided: bool,
+    pub allow_request_gamma: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// `None`: the built-in tiny synthetic checkpoint (random weights: noise).
+    pub model_dir: Option<PathBuf>,
+    pub parallel: usize,
+    /// Waiting requests beyond the lanes; default 4 x lanes.
+    pub queue: Option<usize>,
+    /// Window C in rows; default the model maximum.
+    pub context: Option<u64>,
+    pub voices_dir: Option<PathBuf>,
+    pub prompt_cache_gib: f64,
+    pub cfg: CfgOptions,
+    pub limits: Limits,
+    /// Host memory budget override (GiB); default `MemAvailable`.
+    pub host_gib: Option<f64>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            model_dir: None,
+            parallel: 1,
+            queue: None,
+            context: None,
+            voices_dir: None,
+            prompt_cache_gib: 1.0,
+            cfg: CfgOptions::default(),
+            limits: Limits::default(),
+            host_gib: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct EngineStats {
+    pub lanes: usize,
+    pub lanes_busy: usize,
+    pub queued: usize,
+    pub frames_total: u64,
+}
+
+/// Sampling defaults from `generation_config.json`, else SPEC.md's.
+#[derive(Debug, Clone, Copy)]
+struct Defaults {
+    temperature: f32,
+    top_p: f32,
+    top_k: u32,
+}
+
+/// A request ready to run: every segment's prompt built and admitted.
+struct Job {
+    id: u64,
+    seed: u64,
+    params: SamplingParams,
+    segments: Vec<(Prompt, Admission)>,
+    /// Largest P + F + 1 over the segments: the rows this job's lane needs.
+    rows: u64,
+    cap: CapApplied,
+    frame_cap: u64,
+    events: mpsc::UnboundedSender<JobEvent>,
+    cancel: Arc<AtomicBool>,
+    submitted: Instant,
+}
+
+/// The caller's side of a running job. Dropping it cancels the job at its next frame.
+pub struct JobHandle {
+    pub events: mpsc::UnboundedReceiver<JobEvent>,
+    seed: u64,
+    cancel: Arc<AtomicBool>,
+}
+
+impl JobHandle {
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+
+    /// Blocks until the job ends, collecting its PCM (for `say` and tests).
+    pub fn wait(mut self) -> Result<(Vec<f32>, JobSummary), String> {
+        let mut pcm = Vec::new();
+        while let Some(ev) = self.events.blocking_recv() {
+            match ev {
+                JobEvent::Started { .. } => {}
+                JobEvent::Audio(a) => pcm.extend_from_slice(&a),
+                JobEvent::Done(s) => return Ok((pcm, s)),
+                JobEvent::Failed(e) => return Err(e),
+            }
+        }
+        Err("the engine stopped before the job finished".into())
+    }
+}
+
+impl Drop for JobHandle {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+}
+
+struct Shared {
+    queue: VecDeque<Job>,
+    busy: usize,
+    shutdown: bool,
+    /// The worker has stopped (after shutdown, everything settled).
+    stopped: bool,
+}
+
+pub struct Engine {
+    model_id: String,
+    backend_name: String,
+    expert_format: String,
+    contract: WindowContract,
+    limits: Limits,
+    lanes: usize,
+    queue_cap: usize,
+    pool: KvPool,
+    defaults: Defaults,
+    cfg: CfgOptions,
+    tokenizer: Tokenizer,
+    spec: PromptSpec,
+    codec: Codec,
+    voices: VoiceCatalog,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    next_id: AtomicU64,
+    frames_total: Arc<AtomicU64>,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+fn err(e: impl std::fmt::Display) -> SpeechError {
+    SpeechError::Engine(e.to_string())
+}
+
+fn limit_err(e: admission::LimitError) -> RequestError {
+    let code = e.code();
+    match e.kind() {
+        admission::RefusalKind::InvalidRequest => RequestError::invalid(code, None, e.to_string()),
+        admission::RefusalKind::LimitExceeded => RequestError::limit(code, None, e.to_string()),
+        admission::RefusalKind::Overloaded => RequestError {
+            kind: RequestErrorKind::Overloaded,
+            code: code.into(),
+            param: None,
+            message: e.to_string(),
+        },
+    }
+}
+
+fn with_param(mut e: RequestError, p: &str) -> RequestError {
+    e.param = Some(p.to_string());
+    e
+}
+
+impl Engine {
+    /// Loads everything and starts the worker; failures release what was taken (RAII).
+    pub fn load(opts: EngineOptions) -> Result<Arc<Engine>, SpeechError> {
+        let dir = match &opts.model_dir {
+            Some(d) => d.clone(),
+            None => crate::builtin::ensure_builtin().map_err(err)?,
+        };
+        let ck = Checkpoint::open(&dir).map_err(|e| SpeechError::Engine(format!("{}: {e}", dir.display())))?;
+        let tokenizer = Tokenizer::from_file(ck.tokenizer_path())
+            .map_err(|e| SpeechError::Tokenizer(format!("{}: {e}", ck.tokenizer_path().display())))?;
+        let codec = Codec::load(&dir, None).map_err(|e| SpeechError::Engine(format!("codec: {e}")))?;
+        let cfg = &ck.config;
+        let spec = PromptSpec {
+            semantic_start: cfg.semantic_start_token_id,
+            num_codebooks: cfg.num_codebooks(),
+            semantic_codebook_size: codec.config().semantic_codebook_size,
+            residual_codebook_size: codec.config().codebook_size,
+        };
+        if codec.num_codebooks() != cfg.num_codebooks() {
+            return Err(SpeechError::Engine(format!(
+                "codec has {} codebooks but config.json says {}",
+                codec.num_codebooks(),
+                cfg.num_codebooks()
+            )));
+        }
+        let max = cfg.text_config.max_position_embeddings as u64;
+        let window = opts.context.unwrap_or(max);
+        let contract = WindowContract::new(Window(window), Window(max), opts.limits.default_frame_cap)
+            .map_err(|e| SpeechError::Engine(e.to_string()))?;
+        let lanes = opts.parallel.max(1);
+        let queue_cap = opts.queue.unwrap_or(4 * lanes);
+        // CPU keeps KV in f32: the pool holds C rows per lane, checked against the host budget.
+        let geom = crate::builtin::admission_geometry(&ck).map_err(err)?;
+        let per_row = geom
+            .backbone_kv_bytes_per_row(4)
+            .and_then(|a| geom.tower_kv_bytes_per_row(4).map(|b| a + b))
+            .map_err(|e| SpeechError::Engine(e.to_string()))?;
+        let pool_rows = window
+            .checked_mul(lanes as u64)
+            .ok_or_else(|| SpeechError::Engine("window x lanes overflows".into()))?;
+        let host_budget = match opts.host_gib {
+            Some(g) => (g * (1u64 << 30) as f64) as u64,
+            None => admission::host_mem_available().map(|b| b.0).unwrap_or(u64::MAX),
+        };
+        let pool_bytes = pool_rows.checked_mul(per_row).unwrap_or(u64::MAX);
+        if pool_bytes > host_budget {
+            let fit_rows = host_budget / per_row.max(1);
+            return Err(SpeechError::Engine(format!(
+                "the KV pool for a window of {window} rows x {lanes} lanes needs {pool_bytes} bytes of host memory, \
+                 more than the {host_budget}-byte budget; the largest window that fits with {lanes} lanes is {} rows \
+                 (use --context or --parallel)",
+                fit_rows / lanes as u64
+            )));
+        }
+        let pool = KvPool::new(Rows(pool_rows), Lanes(lanes as u64))
+            .ok_or_else(|| SpeechError::Engine("cannot size the KV pool".into()))?;
+        let gen = read_generation_defaults(&dir);
+        let voices_dir = opts.voices_dir.clone().unwrap_or_else(VoiceCatalog::default_dir);
+        let frame_seconds = codec.frame_length() as f64 / codec.sample_rate() as f64;
+        let voices = VoiceCatalog::open(&voices_dir, frame_seconds)
+            .map_err(|e| SpeechError::Engine(format!("voices {}: {e}", voices_dir.display())))?;
+        let backend = backend_cpu::CpuBackend::new();
+        let backend_name = backend.name().to_string();
+        let model = Model::load(&ck, backend).map_err(err)?;
+        let shared = Arc::new((
+            Mutex::new(Shared {
+                queue: VecDeque::new(),
+                busy: 0,
+                shutdown: false,
+                stopped: false,
+            }),
+            Condvar::new(),
+        ));
+        let frames_total = Arc::new(AtomicU64::new(0));
+        let worker = Worker {
+            model,
+            codec: codec.clone(),
+            pool: pool.clone(),
+            lanes,
+            shared: Arc::clone(&shared),
+            frames_total: Arc::clone(&frames_total),
+        };
+        let handle = std::thread::Builder::new()
+            .name("dramatis-frames".into())
+            .spawn(move || worker.run())
+            .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
+        Ok(Arc::new(Engine {
+            model_id: model_id(&dir, opts.model_dir.is_none()),
+            backend_name,
+            expert_format: ck.expert_format.name().to_string(),
+            contract,
+            limits: opts.limits,
+            lanes,
+            queue_cap,
+            pool,
+            defaults: gen,
+            cfg: opts.cfg,
+            tokenizer,
+            spec,
+            codec,
+            voices,
+            shared,
+            next_id: AtomicU64::new(1),
+            frames_total,
+            worker: Mutex::new(Some(handle)),
+        }))
+    }
+
+    pub fn model_id(&self) -> String {
+        self.model_id.clone()
+    }
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+    pub fn voices(&self) -> &VoiceCatalog {
+        &self.voices
+    }
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+    pub fn contract(&self) -> &WindowContract {
+        &self.contract
+    }
+
+    pub fn facts(&self) -> SpeechFacts {
+        SpeechFacts {
+            window_rows: self.contract.window.0,
+            prompt_rows_max: self.contract.prompt_rows_max().0,
+            frames_default: self.limits.default_frame_cap.0,
+            frames_max: self.contract.frames_max().0,
+            sample_rate: self.codec.sample_rate(),
+            frame_length: self.codec.frame_length() as u32,
+            codebooks: self.codec.num_codebooks() as u32,
+            input_policy: serde_json::to_value(self.limits.input_policy).unwrap_or_default(),
+            reference_limits: serde_json::to_value(self.limits.reference_limits).unwrap_or_default(),
+            lanes: self.lanes as u32,
+            backend: self.backend_name.clone(),
+            expert_format: self.expert_format.clone(),
+        }
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let s = self.shared.0.lock().unwrap_or_else(|e| e.into_inner());
+        EngineStats {
+            lanes: self.lanes,
+            lanes_busy: s.busy,
+            queued: s.queue.len(),
+            frames_total: self.frames_total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Encodes a WAV clip into reference codes (frame-major).
+    pub fn encode_clip(&self, wav: &[u8]) -> Result<Vec<Vec<i64>>, SpeechError> {
+        let pcm = crate::pcm::read_clip(wav, self.codec.sample_rate())?;
+        let codes = self.codec.encode(&pcm).map_err(|e| SpeechError::Audio(e.to_string()))?;
+        Ok((0..codes.frames())
+            .map(|f| (0..codes.num_codebooks()).map(|c| i64::from(codes.get(c, f))).collect())
+            .collect())
+    }
+
+    /// Adds a voice: the clip is encoded once and stored with its transcript.
+    pub fn add_voice(&self, name: &str, wav: &[u8], transcript: &str) -> Result<crate::voices::VoiceInfo, RequestError> {
+        if transcript.trim().is_empty() {
+            return Err(RequestError::invalid("empty_transcript", Some("text"), "a voice needs the transcript of its clip"));
+        }
+        self.limits.check_transcript(1, transcript).map_err(|e| with_param(limit_err(e), "text"))?;
+        crate::prompt::validate_text(transcript, "voice transcript")
+            .map_err(|e| RequestError::invalid(speech_code(&e), Some("text"), e.to_string()))?;
+        let codes = self
+            .encode_clip(wav)
+            .map_err(|e| RequestError::invalid("invalid_audio", Some("audio"), e.to_string()))?;
+        self.limits
+            .check_reference_frames(1, admission::ReferenceFrames(codes.len() as u64))
+            .map_err(|e| with_param(limit_err(e), "audio"))?;
+        let voice = crate::voices::Voice {
+            name: name.to_string(),
+            transcript: transcript.to_string(),
+            frames: codes.len(),
+            codes,
+            clip_sha256: hex::encode(<sha2::Sha256 as sha2::Digest>::digest(wav)),
+            created_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+        };
+        self.voices.put(&voice)
+    }
+
+    /// Validates, admits and enqueues. Every refusal happens here, before any audio exists.
+    pub fn submit(self: &Arc<Self>, req: SynthesisRequest) -> Result<JobHandle, RequestError> {
+        let job_parts = self.prepare(&req)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let seed = job_parts.seed;
+        let job = Job {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            seed,
+            params: job_parts.params,
+            rows: job_parts.rows,
+            cap: job_parts.cap,
+            frame_cap: job_parts.frame_cap,
+            segments: job_parts.segments,
+            events: tx,
+            cancel: Arc::clone(&cancel),
+            submitted: Instant::now(),
+        };
+        {
+            let (m, cv) = &*self.shared;
+            let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+            if s.shutdown {
+                return Err(RequestError {
+                    kind: RequestErrorKind::Overloaded,
+                    code: "shutting_down".into(),
+                    param: None,
+                    message: "the server is shutting down".into(),
+                });
+            }
+            let waiting = s.queue.len() + s.busy;
+            if waiting >= self.lanes + self.queue_cap {
+                return Err(RequestError {
+                    kind: RequestErrorKind::Overloaded,
+                    code: "overloaded".into(),
+                    param: None,
+                    message: format!(
+                        "all {} lanes are busy and the queue holds its limit of {} requests; retry shortly",
+                        self.lanes, self.queue_cap
+                    ),
+                });
+            }
+            s.queue.push_back(job);
+            cv.notify_all();
+        }
+        Ok(JobHandle { events: rx, seed, cancel })
+    }
+
+    fn prepare(&self, req: &SynthesisRequest) -> Result<Prepared, RequestError> {
+        self.limits.check_text(&req.text).map_err(|e| with_param(limit_err(e), "input"))?;
+        if req.text.trim().is_empty() {
+            return Err(RequestError::invalid("empty_input", Some("input"), "input text is empty"));
+        }
+        let params = self.sampling(req)?;
+        if let Some(g) = req.cfg_gamma {
+            if !self.cfg.allow_request_gamma {
+                return Err(RequestError::invalid(
+                    "cfg_gamma_not_allowed",
+                    Some("cfg_gamma"),
+                    "per-request cfg_gamma needs the server flag --cfg-allow-request-gamma",
+                ));
+            }
+            if !g.is_finite() || !(0.0..=10.0).contains(&g) {
+                return Err(RequestError::invalid(
+                    "invalid_cfg_gamma",
+                    Some("cfg_gamma"),
+                    format!("cfg_gamma must be a finite number in [0, 10], got {g}"),
+                ));
+            }
+        }
+        // References: a catalog voice's first, then inline ones.
+        let mut refs: Vec<Reference> = Vec::new();
+        if let Some(v) = &req.voice {
+            if !(v.is_empty() || v == "default" || v == "builtin") {
+                let voice = self.voices.get(v)?;
+                refs.push(Reference {
+                    transcript: voice.transcript,
+                    codes: voice.codes,
+                });
+            }
+        }
+        let passages = refs.len() + req.references.len();
+        self.limits
+            .check_passages(admission::ReferencePassages(passages as u64))
+            .map_err(|e| with_param(limit_err(e), "references"))?;
+        for (i, r) in req.references.iter().enumerate() {
+            let idx = refs.len();
+            let p = format!("references[{i}]");
+            if r.transcript.trim().is_empty() {
+                return Err(RequestError::invalid(
+                    "empty_transcript",
+                    Some(&format!("{p}.text")),
+                    format!("reference {} has no transcript; every reference clip needs its text", idx + 1),
+                ));
+            }
+            self.limits
+                .check_transcript(idx as u64 + 1, &r.transcript)
+                .map_err(|e| with_param(limit_err(e), &format!("{p}.text")))?;
+            let codes = match &r.audio {
+                ReferenceAudio::Codes(c) => c.clone(),
+                ReferenceAudio::Wav(bytes) => self
+                    .encode_clip(bytes)
+                    .map_err(|e| RequestError::invalid("invalid_audio", Some(&format!("{p}.audio")), e.to_string()))?,
+            };
+            self.limits
+                .check_reference_frames(idx as u64 + 1, admission::ReferenceFrames(codes.len() as u64))
+                .map_err(|e| with_param(limit_err(e), &format!("{p}.audio")))?;
+            refs.push(Reference {
+                transcript: r.transcript.clone(),
+                codes,
+            });
+        }
+        let texts = match req.split {
+            Split::None => vec![req.text.clone()],
+            Split::Sentence => crate::split::segments(&req.text, req.chunk_length.unwrap_or(200).max(1)),
+        };
+        let builder = PromptBuilder {
+            tokenizer: &self.tokenizer,
+            spec: self.spec.clone(),
+        };
+        let cap = match req.max_frames {
+            Some(f) => FrameCap::Explicit(Frames(f)),
+            None => FrameCap::Default,
+        };
+        let mut segments = Vec::with_capacity(texts.len());
+        let mut rows = 0u64;
+        for t in &texts {
+            let p = builder
+                .build(t, &refs)
+                .map_err(|e| RequestError::invalid(speech_code(&e), Some("input"), e.to_string()))?;
+            let a = self
+                .contract
+                .admit(PromptRows(p.rows.len() as u64), cap)
+                .map_err(|e| with_param(limit_err(e), if req.max_frames.is_some() { "max_frames" } else { "input" }))?;
+            rows = rows.max(a.rows().0);
+            segments.push((p, a));
+        }
+        if segments.is_empty() {
+            return Err(RequestError::invalid("empty_input", Some("input"), "input text is empty"));
+        }
+        if Rows(rows) > self.pool.capacity() {
+            return Err(RequestError::limit(
+                "pool_exceeded",
+                None,
+                format!(
+                    "the request needs {rows} KV rows, more than the pool's {} rows",
+                    self.pool.capacity().0
+                ),
+            ));
+        }
+        // Report the loosest cap kind: shrunk if any segment's default cap shrank.
+        let kinds: Vec<admission::CapKind> = segments.iter().map(|s| s.1.cap).collect();
+        let cap_applied = if kinds.contains(&admission::CapKind::Explicit) {
+            CapApplied::Explicit
+        } else if kinds.contains(&admission::CapKind::DefaultShrunk) {
+            CapApplied::DefaultShrunk
+        } else {
+            CapApplied::Default
+        };
+        let frame_cap = segments.iter().map(|s| s.1.frames.0).min().unwrap_or(0);
+        let seed = req.seed.unwrap_or_else(draw_seed);
+        Ok(Prepared {
+            seed,
+            params,
+            segments,
+            rows,
+            cap: cap_applied,
+            frame_cap,
+        })
+    }
+
+    fn sampling(&self, req: &SynthesisRequest) -> Result<SamplingParams, RequestError> {
+        let t = req.temperature.unwrap_or(self.defaults.temperature);
+        if !t.is_finite() || !(0.0..=2.0).contains(&t) {
+            return Err(RequestError::invalid(
+                "invalid_temperature",
+                Some("temperature"),
+                format!("temperature must be a finite number in [0, 2], got {t}"),
+            ));
+        }
+        let p = req.top_p.unwrap_or(self.defaults.top_p);
+        if !p.is_finite() || !(p > 0.0 && p <= 1.0) {
+            return Err(RequestError::invalid(
+                "invalid_top_p",
+                Some("top_p"),
+                format!("top_p must be a finite number in (0, 1], got {p}"),
+            ));
+        }
+        let k = req.top_k.unwrap_or(self.defaults.top_k);
+        if k > 4096 {
+            return Err(RequestError::invalid(
+                "invalid_top_k",
+                Some("top_k"),
+                format!("top_k must be in 0..=4096 (0 = off), got {k}"),
+            ));
+        }
+        Ok(SamplingParams {
+            temperature: t,
+            top_k: k as usize,
+            top_p: p,
+            ras: true,
+        })
+    }
+
+    /// Cancels everything and waits until the worker has settled.
+    pub fn shutdown(&self) {
+        {
+            let (m, cv) = &*self.shared;
+            let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+            s.shutdown = true;
+            cv.notify_all();
+        }
+        if let Some(h) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Prepared {
+    seed: u64,
+    params: SamplingParams,
+    segments: Vec<(Prompt, Admission)>,
+    rows: u64,
+    cap: CapApplied,
+    frame_cap: u64,
+}
+
+pub(crate) fn speech_code(e: &SpeechError) -> &'static str {
+    match e {
+        SpeechError::EmptyText => "empty_input",
+        SpeechError::StructuralToken { .. } => "structural_token",
+        SpeechError::BadSpeakerTag { .. } => "invalid_speaker_tag",
+        SpeechError::EmptyTranscript { .. } => "empty_transcript",
+        SpeechError::EmptyReferenceAudio { .. } => "empty_reference_audio",
+        SpeechError::BadReferenceCodes { .. } => "invalid_reference_codes",
+        SpeechError::Tokenizer(_) => "tokenizer_error",
+        SpeechError::Audio(_) => "invalid_audio",
+        SpeechError::Engine(_) => "engine_error",
+    }
+}
+
+fn draw_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+fn model_id(dir: &Path, builtin: bool) -> String {
+    if builtin {
+        return "drama3-builtin-tiny".into();
+    }
+    dir.file_name()
+        .map(|s| s.to_string_lossy().to_string())
+        .unwrap_or_else(|| "drama3".into())
+}
+
+fn read_generation_defaults(dir: &Path) -> Defaults {
+    let mut d = Defaults {
+        temperature: 1.0,
+        top_p: 0.9,
+        top_k: 30,
+    };
+    if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+            if let Some(t) = v["temperature"].as_f64() {
+                d.temperature = t as f32;
+            }
+            if let Some(p) = v["top_p"].as_f64() {
+                d.top_p = p as f32;
+            }
+            if let Some(k) = v["top_k"].as_u64() {
+                d.top_k = k as u32;
+            }
+        }
+    }
+    d
+}
+
+/// One job occupying a lane.
+struct Active<B: Backend> {
+    job: Job,
+    lane: LaneState<B>,
+    _reservation: admission::Reservation,
+    segment: usize,
+    seg_frames: u64,
+    frames: u64,
+    step: u64,
+    capped: u32,
+    decoder: DecoderState,
+    hasher: PcmHasher,
+    samples: u64,
+    first_audio: Option<f64>,
+}
+
+struct Worker<B: Backend> {
+    model: Model<B>,
+    codec: Codec,
+    pool: KvPool,
+    lanes: usize,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    frames_total: Arc<AtomicU64>,
+}
+
+impl<B: Backend> Worker<B> {
+    fn run(self) {
+        let mut active: Vec<Active<B>> = Vec::new();
+        loop {
+            let mut fresh = Vec::new();
+            {
+                let (m, cv) = &*self.shared;
+                let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if s.shutdown {
+                        break;
+                    }
+                    while active.len() + fresh.len() < self.lanes {
+                        let Some(front) = s.queue.front() else { break };
+                        if front.cancel.load(Ordering::SeqCst) {
+                            s.queue.pop_front();
+                            continue;
+                        }
+                        match self.pool.reserve(Rows(front.rows)) {
+                            Ok(r) => {
+                                let job = s.queue.pop_front().expect("front exists");
+                                fresh.push((job, r));
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    s.busy = active.len() + fresh.len();
+                    if !active.is_empty() || !fresh.is_empty() {
+                        break;
+                    }
+                    s = cv.wait(s).unwrap_or_else(|e| e.into_inner());
+                }
+                if s.shutdown {
+                    for job in s.queue.drain(..) {
+                        let _ = job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                    }
+                    for a in active.drain(..) {
+                        let _ = a.job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                    }
+                    for (job, _) in fresh.drain(..) {
+                        let _ = job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                    }
+                    s.busy = 0;
+                    s.stopped = true;
+                    cv.notify_all();
+                    return;
+                }
+            }
+            for (job, reservation) in fresh {
+                match self.start(job, reservation) {
+                    Ok(a) => active.push(a),
+                    Err((job, e)) => {
+                        let _ = job.events.send(JobEvent::Failed(e));
+                    }
+                }
+            }
+            // Cancelled jobs leave before the round; their state is dropped here, settled.
+            active.retain(|a| !a.job.cancel.load(Ordering::SeqCst));
+            if active.is_empty() {
+                continue;
+            }
+            self.round(&mut active);
+        }
+    }
+
+    fn start(&self, job: Job, reservation: admission::Reservation) -> Result<Active<B>, (Job, String)> {
+        let lane = match self.model.new_lane(job.rows as usize) {
+            Ok(l) => l,
+            Err(e) => return Err((job, e.to_string())),
+        };
+        let mut a = Active {
+            lane,
+            _reservation: reservation,
+            segment: 0,
+            seg_frames: 0,
+            frames: 0,
+            step: 0,
+            capped: 0,
+            decoder: self.codec.decoder_state(),
+            hasher: PcmHasher::new(),
+            samples: 0,
+            first_audio: None,
+            job,
+        };
+        let _ = a.job.events.send(JobEvent::Started {
+            seed: a.job.seed,
+            frame_cap: a.job.frame_cap,
+            cap: a.job.cap,
+            prompt_rows: a.job.segments[0].0.rows.len() as u64,
+        });
+        if let Err(e) = self.prefill_segment(&mut a) {
+            return Err((a.job, e));
+        }
+        Ok(a)
+    }
+
+    fn prefill_segment(&self, a: &mut Active<B>) -> Result<(), String> {
+        if a.segment > 0 {
+            a.lane = self.model.new_lane(a.job.rows as usize).map_err(|e| e.to_string())?;
+        }
+        let rows: Vec<model::Row> = a.job.segments[a.segment]
+            .0
+            .rows
+            .iter()
+            .map(|r| {
+                let mut row = [0i64; model::ROW_WIDTH];
+                row.copy_from_slice(&r[..model::ROW_WIDTH]);
+                row
+            })
+            .collect();
+        self.model.prefill(&mut a.lane, &rows).map_err(|e| e.to_string())?;
+        a.seg_frames = 0;
+        Ok(())
+    }
+
+    fn round(&self, active: &mut Vec<Active<B>>) {
+        let steps: Vec<LaneStep> = active
+            .iter()
+            .map(|a| LaneStep {
+                params: a.job.params,
+                seed: a.job.seed,
+                step: a.step,
+            })
+            .collect();
+        let outs = {
+            let mut lanes: Vec<&mut LaneState<B>> = active.iter_mut().map(|a| &mut a.lane).collect();
+            self.model.step_frames(&mut lanes, &steps, None, None)
+        };
+        let outs = match outs {
+            Ok(o) => o,
+            Err(e) => {
+                for a in active.drain(..) {
+                    let _ = a.job.events.send(JobEvent::Failed(format!("model: {e}")));
+                }
+                return;
+            }
+        };
+        let mut finished = vec![false; active.len()];
+        for (i, (a, out)) in active.iter_mut().zip(outs).enumerate() {
+            a.step += 1;
+            let seg_done = match out {
+                FrameOut::Eos => true,
+                FrameOut::Frame(f) => {
+                    a.frames += 1;
+                    a.seg_frames += 1;
+                    self.frames_total.fetch_add(1, Ordering::Relaxed);
+                    let codes: Vec<u32> = f[1..].iter().map(|&c| c.max(0) as u32).collect();
+                    let pcm = Codes::new(codes.len(), 1, codes)
+                        .and_then(|c| a.decoder.push(&c));
+                    match pcm {
+                        Ok(pcm) => {
+                            if a.first_audio.is_none() {
+                                a.first_audio = Some(a.job.submitted.elapsed().as_secs_f64());
+                            }
+                            a.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
+                            a.samples += pcm.len() as u64;
+                            let _ = a.job.events.send(JobEvent::Audio(pcm));
+                        }
+                        Err(e) => {
+                            let _ = a.job.events.send(JobEvent::Failed(format!("codec: {e}")));
+                            finished[i] = true;
+                            continue;
+                        }
+                    }
+                    let cap = a.job.segments[a.segment].1.frames.0;
+                    if a.seg_frames >= cap {
+                        a.capped += 1;
+                        true
+                    } else {
+                        false
+                    }
+                }
+            };
+            if seg_done {
+                a.segment += 1;
+                if a.segment < a.job.segments.len() {
+                    if let Err(e) = self.prefill_segment(a) {
+                        let _ = a.job.events.send(JobEvent::Failed(e));
+                        finished[i] = true;
+                    }
+                } else {
+                    let summary = JobSummary {
+                        seed: a.job.seed,
+                        frames: a.frames,
+                        samples: a.samples,
+                        audio_seconds: a.samples as f64 / self.codec.sample_rate() as f64,
+                        pcm_sha256: std::mem::take(&mut a.hasher).finish(),
+                        capped_segments: a.capped,
+                        segments: a.job.segments.len() as u32,
+                        elapsed_seconds: a.job.submitted.elapsed().as_secs_f64(),
+                        first_audio_seconds: a.first_audio,
+                        cap: a.job.cap,
+                        frame_cap: a.job.frame_cap,
+                        guided: false,
+                    };
+                    let _ = a.job.events.send(JobEvent::Done(summary));
+                    finished[i] = true;
+                }
+            }
+        }
+        let mut k = 0;
+        active.retain(|_| {
+            let keep = !finished[k];
+            k += 1;
+            keep
+        });
+        let _ = active.first().map(|a| a.job.id);
+    }
+}

@@ -1,0 +1,308 @@
+//! `dramatis golden DIR`: every golden case of a fixture folder laid out like
+//! `testdata/drama3-tiny` (`golden/golden.safetensors`, `golden/golden_long.safetensors`,
+//! `golden/meta.json`), each compared with its tolerance from the fixture README.
+
+use std::path::Path;
+
+use checkpoint::{Checkpoint, Store};
+use codec::{Codec, Codes};
+use model::{FrameOut, Model, Row, SamplingParams, ROW_WIDTH};
+
+/// Hidden states and logits: |a − g| ≤ atol + rtol·|g|.
+pub const ATOL: f64 = 1e-3;
+pub const RTOL: f64 = 1e-3;
+/// PCM against the f64 golden.
+pub const PCM_ATOL: f64 = 1e-4;
+
+pub struct GoldenReport {
+    pub lines: Vec<String>,
+    pub cases: usize,
+    pub failures: usize,
+}
+
+impl GoldenReport {
+    fn push(&mut self, name: &str, ok: bool, detail: String) {
+        self.cases += 1;
+        if !ok {
+            self.failures += 1;
+        }
+        self.lines.push(format!("{} {name:<28} {detail}", if ok { "PASS" } else { "FAIL" }));
+    }
+
+    fn close(&mut self, name: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
+        if got.len() != want.len() {
+            self.push(name, false, format!("length {} but golden has {}", got.len(), want.len()));
+            return;
+        }
+        let (mut max_abs, mut max_rel, mut ok) = (0f64, 0f64, true);
+        for (&g, &w) in got.iter().zip(want) {
+            let d = (f64::from(g) - w).abs();
+            if !d.is_finite() || d > atol + rtol * w.abs() {
+                ok = false;
+            }
+            max_abs = max_abs.max(d);
+            if w.abs() > 1e-6 {
+                max_rel = max_rel.max(d / w.abs());
+            }
+        }
+        self.push(
+            name,
+            ok,
+            format!("max abs {max_abs:.3e}  max rel {max_rel:.3e}  (atol {atol:.0e}, rtol {rtol:.0e}, n {})", got.len()),
+        );
+    }
+
+    fn exact(&mut self, name: &str, got: &[i64], want: &[i64]) {
+        let diff = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
+        self.push(
+            name,
+            diff == 0,
+            format!("{} of {} values differ (exact match required)", diff, want.len()),
+        );
+    }
+}
+
+struct Goldens {
+    short: Store,
+    long: Option<Store>,
+    _tmp: Vec<std::path::PathBuf>,
+}
+
+/// Opens a single safetensors file through a private folder holding a link to it.
+fn open_file(path: &Path, tag: &str) -> Result<(Store, std::path::PathBuf), String> {
+    let dir = std::env::temp_dir().join(format!("dramatis-golden-{}-{tag}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let abs = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    std::os::unix::fs::symlink(&abs, dir.join("model.safetensors")).map_err(|e| e.to_string())?;
+    let s = Store::open(&dir).map_err(|e| e.to_string())?;
+    Ok((s, dir))
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Goldens {
+    fn f64(&self, name: &str) -> Option<Vec<f64>> {
+        self.get(name).map(|v| v.to_f64())
+    }
+    fn i64(&self, name: &str) -> Option<Vec<i64>> {
+        self.get(name).map(|v| v.to_i64())
+    }
+    fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.get(name).map(|v| v.shape().to_vec())
+    }
+    fn get(&self, name: &str) -> Option<checkpoint::TensorView<'_>> {
+        self.short
+            .get(name)
+            .ok()
+            .or_else(|| self.long.as_ref().and_then(|l| l.get(name).ok()))
+    }
+}
+
+fn rows_of(flat: &[i64], width: usize) -> Result<Vec<Row>, String> {
+    if width != ROW_WIDTH {
+        return Err(format!("rows have {width} columns, the model expects {ROW_WIDTH}"));
+    }
+    Ok(flat
+        .chunks_exact(width)
+        .map(|c| {
+            let mut r = [0i64; ROW_WIDTH];
+            r.copy_from_slice(c);
+            r
+        })
+        .collect())
+}
+
+/// Codes `[codebooks, frames]` row-major as the goldens store them.
+fn codes_of(flat: &[i64], shape: &[usize]) -> Result<Codes, String> {
+    if shape.len() != 2 {
+        return Err(format!("codes shape {shape:?} is not [codebooks, frames]"));
+    }
+    Codes::from_i64(shape[0], shape[1], flat).map_err(|e| e.to_string())
+}
+
+pub fn run(dir: &Path) -> Result<GoldenReport, String> {
+    let gdir = dir.join("golden");
+    let (short, t1) = open_file(&gdir.join("golden.safetensors"), "short")?;
+    let (long, t2) = match gdir.join("golden_long.safetensors") {
+        p if p.exists() => {
+            let (s, d) = open_file(&p, "long")?;
+            (Some(s), Some(d))
+        }
+        _ => (None, None),
+    };
+    let g = Goldens {
+        short,
+        long,
+        _tmp: [Some(t1), t2].into_iter().flatten().collect(),
+    };
+    let mut r = GoldenReport {
+        lines: Vec::new(),
+        cases: 0,
+        failures: 0,
+    };
+    let ck = Checkpoint::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    r.push("manifest", ck.report.ok(), format!("{} tensors match the config", ck.report.expected));
+    let model = Model::load(&ck, backend_cpu::CpuBackend::new()).map_err(|e| e.to_string())?;
+    backbone_cases(&mut r, &g, &model)?;
+    generation_cases(&mut r, &g, &model)?;
+    prompt_case(&mut r, &g, dir, &ck)?;
+    codec_cases(&mut r, &g, dir)?;
+    for d in &g._tmp {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    Ok(r)
+}
+
+fn backbone_cases(r: &mut GoldenReport, g: &Goldens, m: &Model<backend_cpu::CpuBackend>) -> Result<(), String> {
+    let cands: Vec<i64> = m.candidates().iter().map(|&c| i64::from(c)).collect();
+    if let Some(want) = g.i64("candidate_token_ids") {
+        r.exact("candidate_token_ids", &cands, &want);
+    }
+    let Some(shape) = g.shape("prompt_rows") else {
+        r.push("prompt_rows", false, "golden tensor missing".into());
+        return Ok(());
+    };
+    let rows = rows_of(&g.i64("prompt_rows").unwrap_or_default(), shape[1])?;
+    let tr = m.backbone_teacher_forced(&rows).map_err(|e| e.to_string())?;
+    let case = |r: &mut GoldenReport, name: &str, got: &[f32]| match g.f64(name) {
+        Some(w) => r.close(name, got, &w, ATOL, RTOL),
+        None => r.push(name, false, "golden tensor missing".into()),
+    };
+    case(r, "prompt_input_embeds", &tr.input_embeds);
+    let layers: Vec<f32> = tr.layer_outputs.concat();
+    case(r, "prompt_layer_outputs", &layers);
+    case(r, "prompt_final_hidden", &tr.final_hidden);
+    case(r, "prompt_full_logits", &tr.full_logits);
+    case(r, "prompt_semantic_logits", &tr.candidate_logits);
+
+    let Some(tshape) = g.shape("tf_sequence") else {
+        r.push("tf_sequence", false, "golden tensor missing".into());
+        return Ok(());
+    };
+    let tf = rows_of(&g.i64("tf_sequence").unwrap_or_default(), tshape[1])?;
+    let tt = m.backbone_teacher_forced(&tf).map_err(|e| e.to_string())?;
+    case(r, "tf_final_hidden", &tt.final_hidden);
+    case(r, "tf_semantic_logits", &tt.candidate_logits);
+    let tower = m.tower_teacher_forced(&tf, &tt.final_hidden).map_err(|e| e.to_string())?;
+    let shared = m.geometry.tower_shared;
+    if let Some(s) = tower.layer_outputs.get(shared.saturating_sub(1)) {
+        case(r, "tf_shared_out", s);
+    }
+    case(r, "tf_tower_layer_outputs", &tower.layer_outputs.concat());
+    case(r, "tf_codebook_logits", &tower.codebook_logits);
+    Ok(())
+}
+
+fn generation_cases(r: &mut GoldenReport, g: &Goldens, m: &Model<backend_cpu::CpuBackend>) -> Result<(), String> {
+    let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
+        r.push("gen_frames", false, "golden tensor missing".into());
+        return Ok(());
+    };
+    let rows = rows_of(&g.i64("prompt_rows").unwrap_or_default(), pshape[1])?;
+    let want = g.i64("gen_frames").unwrap_or_default();
+    let n = fshape[0];
+    let mut lane = m.new_lane(rows.len() + n + 1).map_err(|e| e.to_string())?;
+    m.prefill(&mut lane, &rows).map_err(|e| e.to_string())?;
+    let (mut frames, mut hidden, mut sem, mut heads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let params = SamplingParams::greedy();
+    for step in 0..n {
+        let (out, tr) = m
+            .step_frame_traced(&mut lane, &params, 0, step as u64)
+            .map_err(|e| e.to_string())?;
+        hidden.extend_from_slice(&tr.hidden);
+        sem.extend_from_slice(&tr.main_logits);
+        for h in &tr.head_logits {
+            heads.extend_from_slice(h);
+        }
+        match out {
+            FrameOut::Frame(f) => frames.extend_from_slice(&f),
+            FrameOut::Eos => break,
+        }
+    }
+    r.exact("gen_frames (greedy, cached)", &frames, &want);
+    for (name, got) in [("gen_hidden", &hidden), ("gen_semantic_logits", &sem), ("gen_codebook_logits", &heads)] {
+        match g.f64(name) {
+            Some(w) => r.close(name, got, &w, ATOL, RTOL),
+            None => r.push(name, false, "golden tensor missing".into()),
+        }
+    }
+    Ok(())
+}
+
+/// The prompt builder against `prompt_rows`, when meta.json names the prompt (its reference audio
+/// is the fixture's encoded chirp, `codec_encode_codes`).
+fn prompt_case(r: &mut GoldenReport, g: &Goldens, dir: &Path, ck: &Checkpoint) -> Result<(), String> {
+    let Ok(meta) = std::fs::read_to_string(dir.join("golden/meta.json")) else {
+        return Ok(());
+    };
+    let meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| e.to_string())?;
+    let (Some(text), Some(tr)) = (meta["prompt_text"].as_str(), meta["reference_transcript"].as_str()) else {
+        return Ok(());
+    };
+    let (Some(codes), Some(cs), Some(want)) = (g.i64("codec_encode_codes"), g.shape("codec_encode_codes"), g.i64("prompt_rows")) else {
+        return Ok(());
+    };
+    let frames = cs[1];
+    let refcodes: Vec<Vec<i64>> = (0..frames).map(|f| (0..cs[0]).map(|c| codes[c * frames + f]).collect()).collect();
+    let tok = tokenizers::Tokenizer::from_file(ck.tokenizer_path()).map_err(|e| e.to_string())?;
+    let codec_cfg = Codec::load(dir, None).map_err(|e| e.to_string())?;
+    let b = crate::prompt::PromptBuilder {
+        tokenizer: &tok,
+        spec: crate::prompt::PromptSpec {
+            semantic_start: ck.config.semantic_start_token_id,
+            num_codebooks: ck.config.num_codebooks(),
+            semantic_codebook_size: codec_cfg.config().semantic_codebook_size,
+            residual_codebook_size: codec_cfg.config().codebook_size,
+        },
+    };
+    let p = b
+        .build(text, &[crate::prompt::Reference { transcript: tr.into(), codes: refcodes }])
+        .map_err(|e| e.to_string())?;
+    let got: Vec<i64> = p.rows.concat();
+    r.exact("prompt_rows (builder)", &got, &want);
+    Ok(())
+}
+
+fn codec_cases(r: &mut GoldenReport, g: &Goldens, dir: &Path) -> Result<(), String> {
+    let codec = Codec::load(dir, None).map_err(|e| e.to_string())?;
+    let dec = |r: &mut GoldenReport, name: &str, codes_key: &str, pcm_key: &str| -> Result<(), String> {
+        let (Some(c), Some(s), Some(w)) = (g.i64(codes_key), g.shape(codes_key), g.f64(pcm_key)) else {
+            r.push(name, false, "golden tensor missing".into());
+            return Ok(());
+        };
+        let codes = codes_of(&c, &s)?;
+        let pcm = codec.decode(&codes).map_err(|e| e.to_string())?;
+        r.close(name, &pcm, &w, PCM_ATOL, 0.0);
+        // Streaming: frame-by-frame pushes equal the whole decode bit for bit.
+        let mut st = codec.decoder_state();
+        let mut streamed = Vec::with_capacity(pcm.len());
+        for f in 0..codes.frames() {
+            streamed.extend(st.push(&codes.slice(f, f + 1)).map_err(|e| e.to_string())?);
+        }
+        let same = streamed.len() == pcm.len() && streamed.iter().zip(&pcm).all(|(a, b)| a.to_bits() == b.to_bits());
+        r.push(&format!("{name} streamed"), same, "1-frame chunks vs whole decode, bit for bit".into());
+        Ok(())
+    };
+    dec(r, "codec_decode", "codec_decode_codes", "codec_decode_pcm_f64")?;
+    let enc = |r: &mut GoldenReport, name: &str, in_key: &str, codes_key: &str| -> Result<(), String> {
+        let (Some(x), Some(c)) = (g.f64(in_key), g.i64(codes_key)) else {
+            r.push(name, false, "golden tensor missing".into());
+            return Ok(());
+        };
+        let pcm: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let codes = codec.encode(&pcm).map_err(|e| e.to_string())?;
+        let got: Vec<i64> = codes.data().iter().map(|&v| i64::from(v)).collect();
+        r.exact(name, &got, &c);
+        Ok(())
+    };
+    enc(r, "codec_encode", "codec_encode_input_chirp", "codec_encode_codes")?;
+    if g.long.is_some() {
+        dec(r, "codec_long_decode", "codec_long_decode_codes", "codec_long_decode_pcm_f64")?;
+        enc(r, "codec_long_encode", "codec_long_encode_input", "codec_long_encode_codes")?;
+    }
+    Ok(())
+}
