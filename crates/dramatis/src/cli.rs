@@ -218,6 +218,26 @@ enum Cmd {
     },
     /// Run every golden case of a fixture folder; non-zero exit on any failure.
     Golden { dir: PathBuf },
+    /// Throughput and latency receipts (JSON, median of several runs).
+    Bench {
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "cpu")]
+        backend: BackendArg,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Frame cap per request.
+        #[arg(long, default_value_t = 64)]
+        frames: u64,
+        /// Lane counts to measure, comma separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,4")]
+        lanes: Vec<usize>,
+        #[arg(long, default_value = "A quick benchmark sentence for the engine, read once.")]
+        text: String,
+        /// Receipt path (JSON); without it the receipt goes to stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Static facts about this build. Needs no GPU and no model.
     Capabilities {
         #[arg(long)]
@@ -387,6 +407,28 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 report.failures
             );
             Ok(if report.failures == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        Cmd::Bench {
+            model,
+            backend,
+            runs,
+            frames,
+            lanes,
+            text,
+            out,
+        } => {
+            if backend == BackendArg::Cuda {
+                bail!("the CUDA backend is not available in this build's engine yet; use --backend cpu");
+            }
+            crate::bench::run(crate::bench::BenchArgs {
+                model,
+                runs: runs.max(1),
+                frames,
+                lanes,
+                text,
+                out,
+            })?;
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Capabilities { json } => {
             let c = crate::caps::capabilities();

@@ -1,5 +1,6 @@
 //! dramatis: the one binary. CLI parsing and wiring only; every command's work lives in a crate.
 
+mod bench;
 mod caps;
 mod cli;
 mod fixture;

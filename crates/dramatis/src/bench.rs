@@ -1,0 +1,175 @@
+//! `dramatis bench`: throughput and latency receipts as JSON (median of several runs), never a
+//! timed test. One run = `lanes` concurrent requests of the same text with distinct seeds.
+
+use anyhow::{anyhow, Context, Result};
+use serde_json::json;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use speech::{Engine, EngineOptions, JobEvent, SynthesisRequest};
+
+pub struct BenchArgs {
+    pub model: Option<PathBuf>,
+    pub runs: usize,
+    pub frames: u64,
+    pub lanes: Vec<usize>,
+    pub text: String,
+    pub out: Option<PathBuf>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+struct RunResult {
+    wall: f64,
+    frames: u64,
+    first_audio: Vec<f64>,
+    audio_seconds: f64,
+}
+
+fn one_run(eng: &Arc<Engine>, lanes: usize, frames: u64, text: &str, run: usize) -> Result<RunResult> {
+    let t0 = Instant::now();
+    let handles = (0..lanes)
+        .map(|i| {
+            eng.submit(SynthesisRequest {
+                text: text.to_string(),
+                seed: Some((run * 1000 + i) as u64),
+                max_frames: Some(frames),
+                split: speech::Split::None,
+                ..Default::default()
+            })
+            .map_err(|e| anyhow!("refused: {}", e.message))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut total = 0u64;
+    let mut first = Vec::new();
+    let mut secs = 0.0;
+    for mut h in handles {
+        loop {
+            match h.events.blocking_recv() {
+                Some(JobEvent::Done(s)) => {
+                    total += s.frames;
+                    secs += s.audio_seconds;
+                    if let Some(f) = s.first_audio_seconds {
+                        first.push(f);
+                    }
+                    break;
+                }
+                Some(JobEvent::Failed(e)) => return Err(anyhow!("job failed: {e}")),
+                Some(_) => {}
+                None => return Err(anyhow!("engine stopped")),
+            }
+        }
+    }
+    Ok(RunResult {
+        wall: t0.elapsed().as_secs_f64(),
+        frames: total,
+        first_audio: first,
+        audio_seconds: secs,
+    })
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let max_lanes = a.lanes.iter().copied().max().unwrap_or(1).max(1);
+    let opts = EngineOptions {
+        model_dir: a.model.clone(),
+        parallel: max_lanes,
+        queue: Some(max_lanes),
+        context: Some(4096),
+        ..Default::default()
+    };
+    let t_load = Instant::now();
+    let eng = Engine::load(opts).map_err(|e| anyhow!("{e}"))?;
+    let load_s = t_load.elapsed().as_secs_f64();
+    let mut results = Vec::new();
+    for &lanes in &a.lanes {
+        // One warm-up run, then the measured ones.
+        one_run(&eng, lanes, a.frames, &a.text, 999)?;
+        let mut fps = Vec::new();
+        let mut ttfa = Vec::new();
+        let mut rtf = Vec::new();
+        let mut frames = Vec::new();
+        for r in 0..a.runs {
+            let res = one_run(&eng, lanes, a.frames, &a.text, r)?;
+            fps.push(res.frames as f64 / res.wall);
+            ttfa.push(median(res.first_audio.clone()));
+            rtf.push(res.wall / (res.audio_seconds / lanes as f64).max(1e-9));
+            frames.push(res.frames as f64);
+        }
+        results.push(json!({
+            "lanes": lanes,
+            "runs": a.runs,
+            "frames_cap_per_request": a.frames,
+            "frames_generated_median": median(frames),
+            "aggregate_frames_per_s_median": median(fps.clone()),
+            "per_lane_frames_per_s_median": median(fps) / lanes as f64,
+            "time_to_first_audio_s_median": median(ttfa),
+            "real_time_factor_median": median(rtf),
+        }));
+        eprintln!("lanes {lanes}: {}", results.last().map(|v| v.to_string()).unwrap_or_default());
+    }
+    let facts = eng.facts();
+    let receipt = json!({
+        "kind": "dramatis-bench",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": env!("DRAMATIS_GIT"),
+        "version": env!("CARGO_PKG_VERSION"),
+        "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "machine": machine(),
+        "backend": facts.backend,
+        "model": eng.model_id(),
+        "expert_format": facts.expert_format,
+        "load_seconds": load_s,
+        "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
+                      "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
+        "results": results,
+    });
+    let text = serde_json::to_string_pretty(&receipt)?;
+    match &a.out {
+        Some(p) => {
+            if let Some(d) = p.parent() {
+                std::fs::create_dir_all(d).ok();
+            }
+            std::fs::write(p, &text).with_context(|| format!("writing {}", p.display()))?;
+            eprintln!("receipt written to {}", p.display());
+        }
+        None => println!("{text}"),
+    }
+    println!("| lanes | frames/s (all lanes) | frames/s per lane | first audio (s) | RTF |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    for r in &receipt["results"].as_array().cloned().unwrap_or_default() {
+        println!(
+            "| {} | {:.1} | {:.1} | {:.4} | {:.4} |",
+            r["lanes"], r["aggregate_frames_per_s_median"].as_f64().unwrap_or(0.0),
+            r["per_lane_frames_per_s_median"].as_f64().unwrap_or(0.0),
+            r["time_to_first_audio_s_median"].as_f64().unwrap_or(0.0),
+            r["real_time_factor_median"].as_f64().unwrap_or(0.0)
+        );
+    }
+    eng.shutdown();
+    Ok(())
+}
+
+fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_default();
+    json!({
+        "cpu": cpu,
+        "threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+    })
+}
