@@ -31,7 +31,9 @@ pub fn ensure_builtin() -> Result<PathBuf, String> {
     }
     let parent = dir.parent().ok_or("no cache parent")?.to_path_buf();
     std::fs::create_dir_all(&parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-    let tmp = parent.join(format!(".{BUILTIN_VERSION}.{}", std::process::id()));
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = parent.join(format!(".{BUILTIN_VERSION}.{}.{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     write_tiny(&tmp, BUILTIN_SEED)?;
     match std::fs::rename(&tmp, &dir) {

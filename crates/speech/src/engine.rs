@@ -748,7 +748,13 @@ impl<B: Backend> Worker<B> {
             if active.is_empty() {
                 continue;
             }
-            self.round(&mut active);
+            let ended = self.round(&mut active);
+            // Finished lanes (and their KV rows) are free before a caller sees their last event.
+            let (m, _) = &*self.shared;
+            m.lock().unwrap_or_else(|e| e.into_inner()).busy = active.len();
+            for (tx, ev) in ended {
+                let _ = tx.send(ev);
+            }
         }
     }
 
@@ -802,7 +808,10 @@ impl<B: Backend> Worker<B> {
         Ok(())
     }
 
-    fn round(&self, active: &mut Vec<Active<B>>) {
+    /// One shared frame round; returns the final events of lanes that ended, to send once their
+    /// state is released.
+    fn round(&self, active: &mut Vec<Active<B>>) -> Vec<(mpsc::UnboundedSender<JobEvent>, JobEvent)> {
+        let mut ended = Vec::new();
         let steps: Vec<LaneStep> = active
             .iter()
             .map(|a| LaneStep {
@@ -819,9 +828,9 @@ impl<B: Backend> Worker<B> {
             Ok(o) => o,
             Err(e) => {
                 for a in active.drain(..) {
-                    let _ = a.job.events.send(JobEvent::Failed(format!("model: {e}")));
+                    ended.push((a.job.events.clone(), JobEvent::Failed(format!("model: {e}"))));
                 }
-                return;
+                return ended;
             }
         };
         let mut finished = vec![false; active.len()];
@@ -846,7 +855,7 @@ impl<B: Backend> Worker<B> {
                             let _ = a.job.events.send(JobEvent::Audio(pcm));
                         }
                         Err(e) => {
-                            let _ = a.job.events.send(JobEvent::Failed(format!("codec: {e}")));
+                            ended.push((a.job.events.clone(), JobEvent::Failed(format!("codec: {e}"))));
                             finished[i] = true;
                             continue;
                         }
@@ -864,7 +873,7 @@ impl<B: Backend> Worker<B> {
                 a.segment += 1;
                 if a.segment < a.job.segments.len() {
                     if let Err(e) = self.prefill_segment(a) {
-                        let _ = a.job.events.send(JobEvent::Failed(e));
+                        ended.push((a.job.events.clone(), JobEvent::Failed(e)));
                         finished[i] = true;
                     }
                 } else {
@@ -882,7 +891,7 @@ impl<B: Backend> Worker<B> {
                         frame_cap: a.job.frame_cap,
                         guided: false,
                     };
-                    let _ = a.job.events.send(JobEvent::Done(summary));
+                    ended.push((a.job.events.clone(), JobEvent::Done(summary)));
                     finished[i] = true;
                 }
             }
@@ -893,6 +902,6 @@ impl<B: Backend> Worker<B> {
             k += 1;
             keep
         });
-        let _ = active.first().map(|a| a.job.id);
+        ended
     }
 }
