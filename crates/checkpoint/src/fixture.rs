@@ -769,25 +769,43 @@ fn expert_weights(seed: u64, key: &str, out: usize, inp: usize) -> Vec<f32> {
 fn quantise_fp8_block(w: &[f32], out: usize, inp: usize) -> Vec<u8> {
     let (br, bc) = (out.div_ceil(FP8_BLOCK), inp.div_ceil(FP8_BLOCK));
     let mut scales = vec![0f32; br * bc];
-    for r in 0..out {
-        for (c, v) in w[r * inp..(r + 1) * inp].iter().enumerate() {
-            let s = &mut scales[(r / FP8_BLOCK) * bc + c / FP8_BLOCK];
-            *s = s.max(v.abs());
+    for (r, row) in w.chunks_exact(inp).enumerate() {
+        let srow = &mut scales[(r / FP8_BLOCK) * bc..(r / FP8_BLOCK + 1) * bc];
+        for (s, blk) in srow.iter_mut().zip(row.chunks(FP8_BLOCK)) {
+            *s = blk.iter().fold(*s, |a, v| a.max(v.abs()));
         }
     }
-    for s in &mut scales {
-        *s /= FP8_MAX;
-    }
-    let mut bytes = Vec::with_capacity(out * inp + 4 * br * bc);
-    for r in 0..out {
-        let row = &scales[(r / FP8_BLOCK) * bc..(r / FP8_BLOCK + 1) * bc];
-        for (c, v) in w[r * inp..(r + 1) * inp].iter().enumerate() {
-            let s = row[c / FP8_BLOCK];
-            bytes.push(if s > 0.0 { to_e4m3(v / s) } else { 0 });
+    let inv: Vec<f32> = scales
+        .iter_mut()
+        .map(|s| {
+            *s /= FP8_MAX;
+            if *s > 0.0 {
+                1.0 / *s
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut bytes = vec![0u8; out * inp + 4 * br * bc];
+    let (codes, tail) = bytes.split_at_mut(out * inp);
+    for (r, (row, crow)) in w
+        .chunks_exact(inp)
+        .zip(codes.chunks_exact_mut(inp))
+        .enumerate()
+    {
+        let irow = &inv[(r / FP8_BLOCK) * bc..(r / FP8_BLOCK + 1) * bc];
+        for ((blk, cblk), &k) in row
+            .chunks(FP8_BLOCK)
+            .zip(crow.chunks_mut(FP8_BLOCK))
+            .zip(irow)
+        {
+            for (v, c) in blk.iter().zip(cblk) {
+                *c = to_e4m3(v * k);
+            }
         }
     }
-    for s in scales {
-        bytes.extend_from_slice(&s.to_le_bytes());
+    for (s, o) in scales.iter().zip(tail.chunks_exact_mut(4)) {
+        o.copy_from_slice(&s.to_le_bytes());
     }
     bytes
 }

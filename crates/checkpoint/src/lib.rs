@@ -9,6 +9,7 @@ pub mod geometry;
 pub mod inspect;
 pub mod manifest;
 pub mod pth;
+pub mod pth_write;
 pub mod store;
 
 use std::path::{Path, PathBuf};
