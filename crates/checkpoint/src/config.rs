@@ -205,7 +205,7 @@ impl Config {
                 ),
             ));
         }
-        if t.num_attention_heads % t.num_key_value_heads != 0 {
+        if !t.num_attention_heads.is_multiple_of(t.num_key_value_heads) {
             return Err(bad(
                 "text_config.num_key_value_heads",
                 format!(
@@ -214,7 +214,7 @@ impl Config {
                 ),
             ));
         }
-        if t.linear_num_value_heads % t.linear_num_key_heads != 0 {
+        if !t.linear_num_value_heads.is_multiple_of(t.linear_num_key_heads) {
             return Err(bad(
                 "text_config.linear_num_key_heads",
                 format!(
@@ -239,7 +239,7 @@ impl Config {
             ));
         }
         let rot = t.rope_parameters.partial_rotary_factor;
-        if !(rot > 0.0 && rot <= 1.0) || !t.rope_parameters.rope_theta.is_finite() {
+        if !(rot > 0.0 && rot <= 1.0 && t.rope_parameters.rope_theta.is_finite()) {
             return Err(bad(
                 "text_config.rope_parameters",
                 format!(
@@ -393,14 +393,14 @@ impl Config {
             }
         }
         let rot_dims = self.backbone_rotary_dims();
-        if rot_dims % 2 != 0 || rot_dims == 0 {
+        if !rot_dims.is_multiple_of(2) || rot_dims == 0 {
             return Err(bad(
                 "text_config.rope_parameters.partial_rotary_factor",
                 format!("gives {rot_dims} rotary dims; must be even and positive"),
             ));
         }
         let trot = self.tower_rotary_dims();
-        if trot % 2 != 0 || trot == 0 {
+        if !trot.is_multiple_of(2) || trot == 0 {
             return Err(bad(
                 "audio_decoder_config.rotary_percent",
                 format!("gives {trot} rotary dims; must be even and positive"),

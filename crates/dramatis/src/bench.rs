@@ -11,6 +11,7 @@ use speech::{Engine, EngineOptions, JobEvent, SynthesisRequest};
 
 pub struct BenchArgs {
     pub model: Option<PathBuf>,
+    pub backend: speech::BackendChoice,
     pub runs: usize,
     pub frames: u64,
     pub lanes: Vec<usize>,
@@ -84,6 +85,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let max_lanes = a.lanes.iter().copied().max().unwrap_or(1).max(1);
     let opts = EngineOptions {
         model_dir: a.model.clone(),
+        backend: a.backend,
         parallel: max_lanes,
         queue: Some(max_lanes),
         context: Some(4096),

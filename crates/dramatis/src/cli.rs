@@ -262,11 +262,16 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
-    if a.backend == BackendArg::Cuda {
-        bail!("the CUDA backend is not available in this build's engine yet; use --backend cpu");
+fn choice(b: BackendArg) -> speech::BackendChoice {
+    match b {
+        BackendArg::Cpu => speech::BackendChoice::Cpu,
+        BackendArg::Cuda => speech::BackendChoice::Cuda,
     }
+}
+
+fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
     Ok(EngineOptions {
+        backend: choice(a.backend),
         model_dir: a.model.clone(),
         context: a.context,
         voices_dir: a.voices.clone(),
@@ -417,11 +422,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             text,
             out,
         } => {
-            if backend == BackendArg::Cuda {
-                bail!("the CUDA backend is not available in this build's engine yet; use --backend cpu");
-            }
             crate::bench::run(crate::bench::BenchArgs {
                 model,
+                backend: choice(backend),
                 runs: runs.max(1),
                 frames,
                 lanes,

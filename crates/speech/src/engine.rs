@@ -48,6 +48,15 @@ pub struct EngineOptions {
     pub limits: Limits,
     /// Host memory budget override (GiB); default `MemAvailable`.
     pub host_gib: Option<f64>,
+    pub backend: BackendChoice,
+}
+
+/// Which compute backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    #[default]
+    Cpu,
+    Cuda,
 }
 
 impl Default for EngineOptions {
@@ -62,6 +71,7 @@ impl Default for EngineOptions {
             cfg: CfgOptions::default(),
             limits: Limits::default(),
             host_gib: None,
+            backend: BackendChoice::Cpu,
         }
     }
 }
@@ -84,7 +94,6 @@ struct Defaults {
 
 /// A request ready to run: every segment's prompt built and admitted.
 struct Job {
-    id: u64,
     seed: u64,
     params: SamplingParams,
     segments: Vec<(Prompt, Admission)>,
@@ -157,7 +166,6 @@ pub struct Engine {
     codec: Codec,
     voices: VoiceCatalog,
     shared: Arc<(Mutex<Shared>, Condvar)>,
-    next_id: AtomicU64,
     frames_total: Arc<AtomicU64>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -229,7 +237,7 @@ impl Engine {
             Some(g) => (g * (1u64 << 30) as f64) as u64,
             None => admission::host_mem_available().map(|b| b.0).unwrap_or(u64::MAX),
         };
-        let pool_bytes = pool_rows.checked_mul(per_row).unwrap_or(u64::MAX);
+        let pool_bytes = pool_rows.saturating_mul(per_row);
         if pool_bytes > host_budget {
             let fit_rows = host_budget / per_row.max(1);
             return Err(SpeechError::Engine(format!(
@@ -246,9 +254,6 @@ impl Engine {
         let frame_seconds = codec.frame_length() as f64 / codec.sample_rate() as f64;
         let voices = VoiceCatalog::open(&voices_dir, frame_seconds)
             .map_err(|e| SpeechError::Engine(format!("voices {}: {e}", voices_dir.display())))?;
-        let backend = backend_cpu::CpuBackend::new();
-        let backend_name = backend.name().to_string();
-        let model = Model::load(&ck, backend).map_err(err)?;
         let shared = Arc::new((
             Mutex::new(Shared {
                 queue: VecDeque::new(),
@@ -259,18 +264,27 @@ impl Engine {
             Condvar::new(),
         ));
         let frames_total = Arc::new(AtomicU64::new(0));
-        let worker = Worker {
-            model,
+        let ctx = WorkerCtx {
             codec: codec.clone(),
             pool: pool.clone(),
             lanes,
             shared: Arc::clone(&shared),
             frames_total: Arc::clone(&frames_total),
         };
-        let handle = std::thread::Builder::new()
-            .name("dramatis-frames".into())
-            .spawn(move || worker.run())
-            .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
+        let (handle, backend_name) = match opts.backend {
+            BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
+            #[cfg(feature = "cuda")]
+            BackendChoice::Cuda => {
+                let be = backend_cuda::CudaBackend::new().map_err(|e| SpeechError::Engine(format!("CUDA: {e}")))?;
+                spawn_worker(&ck, be, ctx)?
+            }
+            #[cfg(not(feature = "cuda"))]
+            BackendChoice::Cuda => {
+                return Err(SpeechError::Engine(
+                    "this build has no CUDA backend: rebuild with --features cuda".into(),
+                ))
+            }
+        };
         Ok(Arc::new(Engine {
             model_id: model_id(&dir, opts.model_dir.is_none()),
             backend_name,
@@ -287,7 +301,6 @@ impl Engine {
             codec,
             voices,
             shared,
-            next_id: AtomicU64::new(1),
             frames_total,
             worker: Mutex::new(Some(handle)),
         }))
@@ -380,7 +393,6 @@ impl Engine {
         let cancel = Arc::new(AtomicBool::new(false));
         let seed = job_parts.seed;
         let job = Job {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
             seed,
             params: job_parts.params,
             rows: job_parts.rows,
@@ -553,7 +565,7 @@ impl Engine {
             ));
         }
         let p = req.top_p.unwrap_or(self.defaults.top_p);
-        if !p.is_finite() || !(p > 0.0 && p <= 1.0) {
+        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
             return Err(RequestError::invalid(
                 "invalid_top_p",
                 Some("top_p"),
@@ -678,6 +690,38 @@ struct Active<B: Backend> {
     first_audio: Option<f64>,
 }
 
+/// Everything the worker needs besides the model.
+struct WorkerCtx {
+    codec: Codec,
+    pool: KvPool,
+    lanes: usize,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    frames_total: Arc<AtomicU64>,
+}
+
+/// Loads the model on `backend` and starts the frame-round thread.
+fn spawn_worker<B: Backend + 'static>(
+    ck: &Checkpoint,
+    backend: B,
+    ctx: WorkerCtx,
+) -> Result<(std::thread::JoinHandle<()>, String), SpeechError> {
+    let name = backend.name().to_string();
+    let model = Model::load(ck, backend).map_err(err)?;
+    let worker = Worker {
+        model,
+        codec: ctx.codec,
+        pool: ctx.pool,
+        lanes: ctx.lanes,
+        shared: ctx.shared,
+        frames_total: ctx.frames_total,
+    };
+    let h = std::thread::Builder::new()
+        .name("dramatis-frames".into())
+        .spawn(move || worker.run())
+        .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
+    Ok((h, name))
+}
+
 struct Worker<B: Backend> {
     model: Model<B>,
     codec: Codec,
@@ -738,8 +782,8 @@ impl<B: Backend> Worker<B> {
             for (job, reservation) in fresh {
                 match self.start(job, reservation) {
                     Ok(a) => active.push(a),
-                    Err((job, e)) => {
-                        let _ = job.events.send(JobEvent::Failed(e));
+                    Err((tx, e)) => {
+                        let _ = tx.send(JobEvent::Failed(e));
                     }
                 }
             }
@@ -758,10 +802,11 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn start(&self, job: Job, reservation: admission::Reservation) -> Result<Active<B>, (Job, String)> {
+    /// Takes a lane and prefills the first segment; on failure the job's sender and the reason.
+    fn start(&self, job: Job, reservation: admission::Reservation) -> Result<Active<B>, (mpsc::UnboundedSender<JobEvent>, String)> {
         let lane = match self.model.new_lane(job.rows as usize) {
             Ok(l) => l,
-            Err(e) => return Err((job, e.to_string())),
+            Err(e) => return Err((job.events, e.to_string())),
         };
         let mut a = Active {
             lane,
@@ -784,7 +829,7 @@ impl<B: Backend> Worker<B> {
             prompt_rows: a.job.segments[0].0.rows.len() as u64,
         });
         if let Err(e) = self.prefill_segment(&mut a) {
-            return Err((a.job, e));
+            return Err((a.job.events, e));
         }
         Ok(a)
     }

@@ -12,7 +12,7 @@ pub mod split;
 pub mod voices;
 
 pub use api::*;
-pub use engine::{CfgOptions, Engine, EngineOptions, EngineStats, JobHandle};
+pub use engine::{BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpeechError {

@@ -1,0 +1,901 @@
+//! Typed launch wrappers. Each kernel has a pure launch plan (grid, block, shared memory, index
+//! ranges), used both to launch and to record launch limits at the largest admitted shapes.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use crate::error::{i32_of, i64_of, mul, u32_of, CudaError, Result};
+use crate::runtime::{DeviceInfo, Gpu, Source, Variant};
+
+/// Geometry fixed by the kernels' code.
+pub const GDN_HEAD_DIM: usize = 128;
+pub const ATTN_HEAD_DIM: usize = 256;
+pub const ATTN_GROUP: usize = 8;
+const ATTN_SPLIT_SMEM: u64 = 8 * 256 * 4 + 4 * 32 * 136 * 2 + 4 * 32 * 8 * 4 + 2 * 4 * 8 * 4;
+const ATTN_MIN_CHUNK: usize = 128;
+
+/// How one kernel is launched at a shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchPlan {
+    pub kernel: &'static str,
+    pub grid: [u64; 3],
+    pub block: u64,
+    /// static + dynamic shared memory, bytes
+    pub smem: u64,
+    pub dyn_smem: u64,
+    /// the largest value held by a 32-bit (int) index or size in the kernel
+    pub i32_max: u64,
+    /// the largest element offset, computed in 64-bit
+    pub offset_max: u64,
+}
+
+impl LaunchPlan {
+    /// Every way this plan breaks the device's limits (empty when it fits).
+    pub fn problems(&self, info: &DeviceInfo) -> Vec<String> {
+        let mut p = Vec::new();
+        for (axis, (&g, &lim)) in self.grid.iter().zip(&info.max_grid).enumerate() {
+            if g == 0 || g > lim {
+                p.push(format!("grid[{axis}] = {g} outside 1..={lim}"));
+            }
+        }
+        if self.block == 0 || self.block > info.max_block_threads {
+            p.push(format!(
+                "block = {} outside 1..={}",
+                self.block, info.max_block_threads
+            ));
+        }
+        if self.smem > info.max_smem_block {
+            p.push(format!(
+                "shared memory {} B over {} B (no opt-in used)",
+                self.smem, info.max_smem_block
+            ));
+        }
+        if self.i32_max > i32::MAX as u64 {
+            p.push(format!(
+                "32-bit index reaches {} > {}",
+                self.i32_max,
+                i32::MAX
+            ));
+        }
+        p
+    }
+
+    fn cfg(&self) -> Result<LaunchConfig> {
+        let g = |i: usize| {
+            u32_of(
+                "grid dimension",
+                usize::try_from(self.grid[i]).unwrap_or(usize::MAX),
+            )
+        };
+        Ok(LaunchConfig {
+            grid_dim: (g(0)?, g(1)?, g(2)?),
+            block_dim: (u32_of("block", self.block as usize)?, 1, 1),
+            shared_mem_bytes: u32_of("shared memory", self.dyn_smem as usize)?,
+        })
+    }
+
+    fn check(&self, info: &DeviceInfo) -> Result<()> {
+        match self.problems(info).first() {
+            None => Ok(()),
+            Some(what) => Err(CudaError::Shape {
+                kernel: self.kernel,
+                what: what.clone(),
+            }),
+        }
+    }
+}
+
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+fn need(kernel: &'static str, ok: bool, what: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CudaError::Shape {
+            kernel,
+            what: what(),
+        })
+    }
+}
+
+fn len_at_least<T>(kernel: &'static str, name: &str, buf: &CudaSlice<T>, n: usize) -> Result<()> {
+    need(kernel, buf.len() >= n, || {
+        format!("{name} holds {} elements, needs {n}", buf.len())
+    })
+}
+
+macro_rules! launch {
+    ($gpu:expr, $plan:expr, $src:expr, $var:expr, $($arg:expr),* $(,)?) => {{
+        let plan: &LaunchPlan = $plan;
+        plan.check(&$gpu.info)?;
+        let f = $gpu.func($src, $var, plan.kernel)?;
+        let mut b = $gpu.stream.launch_builder(&f);
+        $( b.arg($arg); )*
+        // SAFETY: argument types and order match the kernel's signature in kernels/*.cu, and the
+        // wrapper checked every buffer length against the extents the kernel touches.
+        unsafe { b.launch(plan.cfg()?) }?;
+    }};
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+pub fn plan_rmsnorm(rows: usize, n: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "rmsnorm_f32",
+        grid: [rows as u64, 1, 1],
+        block: 256,
+        smem: 128,
+        dyn_smem: 0,
+        i32_max: n as u64,
+        offset_max: mul("rmsnorm extent", &[rows, n])? as u64,
+    })
+}
+
+/// out[r] = rms(x[r]) * (add_one ? 1 + w : w), rows of n.
+#[allow(clippy::too_many_arguments)]
+pub fn rmsnorm(
+    gpu: &Gpu,
+    v: Variant,
+    x: &CudaSlice<f32>,
+    w: &CudaSlice<u16>,
+    out: &mut CudaSlice<f32>,
+    rows: usize,
+    n: usize,
+    eps: f32,
+    add_one: bool,
+) -> Result<()> {
+    let k = "rmsnorm_f32";
+    let total = mul("rmsnorm extent", &[rows, n])?;
+    len_at_least(k, "x", x, total)?;
+    len_at_least(k, "out", out, total)?;
+    len_at_least(k, "w", w, n)?;
+    let p = plan_rmsnorm(rows, n)?;
+    let (n32, a) = (i32_of("n", n)?, i32::from(add_one));
+    launch!(gpu, &p, Source::Norm, v, x, w, out, &n32, &eps, &a);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- GEMV / small-batch GEMM
+
+pub fn plan_gemv(n_out: usize, k: usize, rows: usize, w_rows: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gemv_bf16",
+        grid: [cdiv(n_out, 8) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: [k, n_out, rows].into_iter().max().unwrap_or(0) as u64,
+        offset_max: mul("gemv weight extent", &[w_rows, k])?
+            .max(mul("gemv output", &[rows, n_out])?) as u64,
+    })
+}
+
+/// y[r, n] = W[row(n)] . x[r] for r < rows; W [w_rows, k] bf16, row(n) = row_ids[n] or n.
+/// Each row's result is bit-identical whatever `rows` is.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    gpu: &Gpu,
+    v: Variant,
+    w: &CudaSlice<u16>,
+    w_rows: usize,
+    x: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    row_ids: Option<&CudaSlice<u32>>,
+    n_out: usize,
+    k: usize,
+    rows: usize,
+) -> Result<()> {
+    let kn = "gemv_bf16";
+    need(kn, k.is_multiple_of(8) && k > 0, || {
+        format!("k = {k} must be a positive multiple of 8")
+    })?;
+    len_at_least(kn, "w", w, mul("gemv weight", &[w_rows, k])?)?;
+    len_at_least(kn, "x", x, mul("gemv x", &[rows, k])?)?;
+    len_at_least(kn, "y", y, mul("gemv y", &[rows, n_out])?)?;
+    match row_ids {
+        Some(ids) => len_at_least(kn, "row_ids", ids, n_out)?,
+        None => need(kn, n_out <= w_rows, || {
+            format!("n_out {n_out} > weight rows {w_rows}")
+        })?,
+    }
+    let p = plan_gemv(n_out, k, rows, w_rows)?;
+    let (n32, k32, r32) = (
+        i32_of("n_out", n_out)?,
+        i32_of("k", k)?,
+        i32_of("rows", rows)?,
+    );
+    let null = 0u64;
+    match row_ids {
+        Some(ids) => launch!(gpu, &p, Source::Gemv, v, w, x, y, ids, &n32, &k32, &r32),
+        None => launch!(gpu, &p, Source::Gemv, v, w, x, y, &null, &n32, &k32, &r32),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- MoE
+
+pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
+    let dyn_smem = mul("router shared memory", &[e, 4])? as u64;
+    Ok(LaunchPlan {
+        kernel: "moe_router",
+        grid: [rows as u64, 1, 1],
+        block: 256,
+        smem: dyn_smem + 128 + 128 + 128,
+        dyn_smem,
+        i32_max: e as u64,
+        offset_max: mul("router logits", &[rows, e])? as u64,
+    })
+}
+
+/// Softmax over e logits per row, top-k (ties to the lower index), renormalised weights.
+#[allow(clippy::too_many_arguments)]
+pub fn router(
+    gpu: &Gpu,
+    v: Variant,
+    logits: &CudaSlice<f32>,
+    ids: &mut CudaSlice<u32>,
+    wts: &mut CudaSlice<f32>,
+    rows: usize,
+    e: usize,
+    k: usize,
+) -> Result<()> {
+    let kn = "moe_router";
+    need(kn, k >= 1 && k <= e, || {
+        format!("k = {k} must be in 1..={e}")
+    })?;
+    len_at_least(kn, "logits", logits, mul("router logits", &[rows, e])?)?;
+    len_at_least(kn, "ids", ids, mul("router ids", &[rows, k])?)?;
+    len_at_least(kn, "weights", wts, mul("router weights", &[rows, k])?)?;
+    let p = plan_router(rows, e)?;
+    let (e32, k32) = (i32_of("e", e)?, i32_of("k", k)?);
+    launch!(gpu, &p, Source::Moe, v, logits, ids, wts, &e32, &k32);
+    Ok(())
+}
+
+/// FP8 expert weights of one layer: gate, up [E, I, H]; down [E, H, I]; block scales.
+pub struct ExpertWeights {
+    pub gate: CudaSlice<u8>,
+    pub up: CudaSlice<u8>,
+    pub down: CudaSlice<u8>,
+    pub gate_s: CudaSlice<f32>,
+    pub up_s: CudaSlice<f32>,
+    pub down_s: CudaSlice<f32>,
+    pub e: usize,
+    pub i: usize,
+    pub h: usize,
+}
+
+impl ExpertWeights {
+    fn validate(&self, kernel: &'static str) -> Result<()> {
+        need(
+            kernel,
+            self.i.is_multiple_of(16) && self.h.is_multiple_of(16) && self.i > 0 && self.h > 0,
+            || {
+                format!(
+                    "I = {} and H = {} must be positive multiples of 16",
+                    self.i, self.h
+                )
+            },
+        )?;
+        let mat = mul("expert weights", &[self.e, self.i, self.h])?;
+        let smat = mul(
+            "expert scales",
+            &[self.e, cdiv(self.i, 128), cdiv(self.h, 128)],
+        )?;
+        len_at_least(kernel, "gate", &self.gate, mat)?;
+        len_at_least(kernel, "up", &self.up, mat)?;
+        len_at_least(kernel, "down", &self.down, mat)?;
+        len_at_least(kernel, "gate scales", &self.gate_s, smat)?;
+        len_at_least(kernel, "up scales", &self.up_s, smat)?;
+        len_at_least(kernel, "down scales", &self.down_s, smat)
+    }
+}
+
+pub fn plan_gate_up(k: usize, i: usize, h: usize, e: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "moe_gate_up_fp8",
+        grid: [cdiv(mul("gate/up warps", &[k, i])?, 8) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: [i, h, k].into_iter().max().unwrap_or(0) as u64,
+        offset_max: mul("expert weights", &[e, i, h])? as u64,
+    })
+}
+
+pub fn plan_down(k: usize, i: usize, h: usize, e: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "moe_down_fp8",
+        grid: [cdiv(h, 8) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: [i, h, k].into_iter().max().unwrap_or(0) as u64,
+        offset_max: mul("expert weights", &[e, i, h])? as u64,
+    })
+}
+
+/// h[j, :] = silu(gate_{ids[j]} x) * (up_{ids[j]} x) for j < k; x one row of H.
+pub fn expert_gate_up(
+    gpu: &Gpu,
+    v: Variant,
+    w: &ExpertWeights,
+    ids: &CudaSlice<u32>,
+    x: &CudaSlice<f32>,
+    h: &mut CudaSlice<f32>,
+    k: usize,
+) -> Result<()> {
+    let kn = "moe_gate_up_fp8";
+    w.validate(kn)?;
+    len_at_least(kn, "ids", ids, k)?;
+    len_at_least(kn, "x", x, w.h)?;
+    len_at_least(kn, "h", h, mul("h", &[k, w.i])?)?;
+    let p = plan_gate_up(k, w.i, w.h, w.e)?;
+    let (i32v, h32, k32) = (i32_of("I", w.i)?, i32_of("H", w.h)?, i32_of("k", k)?);
+    launch!(
+        gpu,
+        &p,
+        Source::Moe,
+        v,
+        &w.gate,
+        &w.up,
+        &w.gate_s,
+        &w.up_s,
+        ids,
+        x,
+        h,
+        &i32v,
+        &h32,
+        &k32
+    );
+    Ok(())
+}
+
+/// y = sum_j wts[j] * down_{ids[j]} h[j].
+#[allow(clippy::too_many_arguments)]
+pub fn expert_down(
+    gpu: &Gpu,
+    v: Variant,
+    w: &ExpertWeights,
+    ids: &CudaSlice<u32>,
+    wts: &CudaSlice<f32>,
+    h: &CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    k: usize,
+) -> Result<()> {
+    let kn = "moe_down_fp8";
+    w.validate(kn)?;
+    len_at_least(kn, "ids", ids, k)?;
+    len_at_least(kn, "weights", wts, k)?;
+    len_at_least(kn, "h", h, mul("h", &[k, w.i])?)?;
+    len_at_least(kn, "y", y, w.h)?;
+    let p = plan_down(k, w.i, w.h, w.e)?;
+    let (i32v, h32, k32) = (i32_of("I", w.i)?, i32_of("H", w.h)?, i32_of("k", k)?);
+    launch!(
+        gpu,
+        &p,
+        Source::Moe,
+        v,
+        &w.down,
+        &w.down_s,
+        ids,
+        wts,
+        h,
+        y,
+        &i32v,
+        &h32,
+        &k32
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------- Gated DeltaNet
+
+pub fn plan_conv(c: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gdn_conv_step",
+        grid: [cdiv(c, 256) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: mul("conv state", &[c, 4])? as u64,
+        offset_max: mul("conv state", &[c, 4])? as u64,
+    })
+}
+
+/// u = silu(causal depthwise conv of [state; x] with w [C, 4]); state [3, C] shifted in place.
+pub fn conv_step(
+    gpu: &Gpu,
+    v: Variant,
+    x: &CudaSlice<f32>,
+    state: &mut CudaSlice<f32>,
+    w: &CudaSlice<u16>,
+    u: &mut CudaSlice<f32>,
+    c: usize,
+) -> Result<()> {
+    let kn = "gdn_conv_step";
+    len_at_least(kn, "x", x, c)?;
+    len_at_least(kn, "state", state, mul("conv state", &[3, c])?)?;
+    len_at_least(kn, "w", w, mul("conv w", &[4, c])?)?;
+    len_at_least(kn, "u", u, c)?;
+    let p = plan_conv(c)?;
+    let c32 = i32_of("C", c)?;
+    launch!(gpu, &p, Source::Gdn, v, x, state, w, u, &c32);
+    Ok(())
+}
+
+pub fn plan_l2norm(nk: usize, dk: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gdn_l2norm",
+        grid: [cdiv(mul("l2norm warps", &[2, nk, 32])?, 256) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: mul("l2norm extent", &[2, nk, dk])? as u64,
+        offset_max: mul("l2norm extent", &[2, nk, dk])? as u64,
+    })
+}
+
+/// In place over [q; k] (nk heads of dk each): l2-normalise, q also times q_scale.
+pub fn l2norm(
+    gpu: &Gpu,
+    v: Variant,
+    qk: &mut CudaSlice<f32>,
+    nk: usize,
+    dk: usize,
+    q_scale: f32,
+) -> Result<()> {
+    len_at_least("gdn_l2norm", "qk", qk, mul("l2norm extent", &[2, nk, dk])?)?;
+    let p = plan_l2norm(nk, dk)?;
+    let (nk32, dk32) = (i32_of("nk", nk)?, i32_of("dk", dk)?);
+    launch!(gpu, &p, Source::Gdn, v, qk, &nk32, &dk32, &q_scale);
+    Ok(())
+}
+
+pub fn plan_recurrent(nv: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gdn_recurrent_step",
+        grid: [nv as u64, 1, 1],
+        block: 512,
+        smem: (2 * 128 + 8 * 128) * 4,
+        dyn_smem: 0,
+        i32_max: nv as u64,
+        offset_max: mul("delta state", &[nv, GDN_HEAD_DIM, GDN_HEAD_DIM])? as u64,
+    })
+}
+
+/// Device buffers of one recurrent step.
+pub struct DeltaBuffers<'a> {
+    pub q: &'a CudaSlice<f32>,
+    pub k: &'a CudaSlice<f32>,
+    pub v: &'a CudaSlice<f32>,
+    pub b: &'a CudaSlice<f32>,
+    pub a: &'a CudaSlice<f32>,
+    pub a_log: &'a CudaSlice<u16>,
+    pub dt_bias: &'a CudaSlice<u16>,
+}
+
+/// One delta-rule step for nv value heads (dk = dv = 128); state [nv, 128, 128] f32 in place.
+pub fn recurrent_step(
+    gpu: &Gpu,
+    v: Variant,
+    bufs: &DeltaBuffers,
+    state: &mut CudaSlice<f32>,
+    o: &mut CudaSlice<f32>,
+    nk: usize,
+    nv: usize,
+) -> Result<()> {
+    let kn = "gdn_recurrent_step";
+    let d = GDN_HEAD_DIM;
+    need(kn, nk > 0 && nv.is_multiple_of(nk), || {
+        format!("nv = {nv} must be a multiple of nk = {nk}")
+    })?;
+    len_at_least(kn, "q", bufs.q, mul("q", &[nk, d])?)?;
+    len_at_least(kn, "k", bufs.k, mul("k", &[nk, d])?)?;
+    len_at_least(kn, "v", bufs.v, mul("v", &[nv, d])?)?;
+    for (n, b) in [("b", bufs.b), ("a", bufs.a)] {
+        len_at_least(kn, n, b, nv)?;
+    }
+    len_at_least(kn, "A_log", bufs.a_log, nv)?;
+    len_at_least(kn, "dt_bias", bufs.dt_bias, nv)?;
+    len_at_least(kn, "state", state, mul("state", &[nv, d, d])?)?;
+    len_at_least(kn, "o", o, mul("o", &[nv, d])?)?;
+    let p = plan_recurrent(nv)?;
+    let (nk32, nv32) = (i32_of("nk", nk)?, i32_of("nv", nv)?);
+    launch!(
+        gpu,
+        &p,
+        Source::Gdn,
+        v,
+        bufs.q,
+        bufs.k,
+        bufs.v,
+        bufs.b,
+        bufs.a,
+        bufs.a_log,
+        bufs.dt_bias,
+        state,
+        o,
+        &nk32,
+        &nv32
+    );
+    Ok(())
+}
+
+pub fn plan_gated_norm(nv: usize, dv: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gdn_gated_norm",
+        grid: [cdiv(mul("gated norm warps", &[nv, 32])?, 256) as u64, 1, 1],
+        block: 256,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: dv as u64,
+        offset_max: mul("gated norm extent", &[nv, dv])? as u64,
+    })
+}
+
+/// out = rms(o) * w * silu(z) per head of dv (plain w).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_norm(
+    gpu: &Gpu,
+    v: Variant,
+    o: &CudaSlice<f32>,
+    z: &CudaSlice<f32>,
+    w: &CudaSlice<u16>,
+    out: &mut CudaSlice<f32>,
+    nv: usize,
+    dv: usize,
+    eps: f32,
+) -> Result<()> {
+    let kn = "gdn_gated_norm";
+    let total = mul("gated norm extent", &[nv, dv])?;
+    len_at_least(kn, "o", o, total)?;
+    len_at_least(kn, "z", z, total)?;
+    len_at_least(kn, "out", out, total)?;
+    len_at_least(kn, "w", w, dv)?;
+    let p = plan_gated_norm(nv, dv)?;
+    let (nv32, dv32) = (i32_of("nv", nv)?, i32_of("dv", dv)?);
+    launch!(gpu, &p, Source::Gdn, v, o, z, w, out, &nv32, &dv32, &eps);
+    Ok(())
+}
+
+// ---------------------------------------------------------------- attention
+
+/// Attention geometry of one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnGeom {
+    pub nh: usize,
+    pub nkv: usize,
+    pub hd: usize,
+    pub rot: usize,
+    pub cap: usize,
+    pub theta: f32,
+    pub eps: f32,
+}
+
+impl AttnGeom {
+    fn validate(&self, kernel: &'static str) -> Result<()> {
+        need(kernel, self.hd == ATTN_HEAD_DIM, || {
+            format!("head dim {} must be {ATTN_HEAD_DIM}", self.hd)
+        })?;
+        need(
+            kernel,
+            self.nkv > 0 && self.nh == self.nkv * ATTN_GROUP,
+            || {
+                format!(
+                    "{} query heads over {} kv heads: the kernel needs groups of {ATTN_GROUP}",
+                    self.nh, self.nkv
+                )
+            },
+        )?;
+        need(
+            kernel,
+            self.rot.is_multiple_of(2) && self.rot <= self.hd,
+            || format!("rotary dims {} must be even and <= {}", self.rot, self.hd),
+        )
+    }
+}
+
+pub fn plan_prep(t: usize, g: &AttnGeom) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "attn_prep",
+        grid: [mul("prep blocks", &[t, g.nh + g.nkv])? as u64, 1, 1],
+        block: g.hd as u64,
+        smem: (g.hd * 4 + 128) as u64,
+        dyn_smem: (g.hd * 4) as u64,
+        i32_max: (g.nh + g.nkv).max(g.hd) as u64,
+        offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(mul("qg", &[t, g.nh, 2 * g.hd])?)
+            as u64,
+    })
+}
+
+/// q_out [t, nh, hd] = rope(rms(q)); K/V cache rows pos0..pos0+t = rope(rms(k)), v (bf16).
+#[allow(clippy::too_many_arguments)]
+pub fn attn_prep(
+    gpu: &Gpu,
+    v: Variant,
+    g: &AttnGeom,
+    qg: &CudaSlice<f32>,
+    k: &CudaSlice<f32>,
+    vv: &CudaSlice<f32>,
+    q_norm: &CudaSlice<u16>,
+    k_norm: &CudaSlice<u16>,
+    q_out: &mut CudaSlice<f32>,
+    kc: &mut CudaSlice<u16>,
+    vc: &mut CudaSlice<u16>,
+    t: usize,
+    pos0: usize,
+) -> Result<()> {
+    let kn = "attn_prep";
+    g.validate(kn)?;
+    need(kn, pos0.checked_add(t).is_some_and(|e| e <= g.cap), || {
+        format!("rows {pos0}..{pos0}+{t} exceed cache capacity {}", g.cap)
+    })?;
+    len_at_least(kn, "qg", qg, mul("qg", &[t, g.nh, 2 * g.hd])?)?;
+    len_at_least(kn, "k", k, mul("k", &[t, g.nkv, g.hd])?)?;
+    len_at_least(kn, "v", vv, mul("v", &[t, g.nkv, g.hd])?)?;
+    len_at_least(kn, "q_norm", q_norm, g.hd)?;
+    len_at_least(kn, "k_norm", k_norm, g.hd)?;
+    len_at_least(kn, "q_out", q_out, mul("q_out", &[t, g.nh, g.hd])?)?;
+    let cache = mul("kv cache", &[g.nkv, g.cap, g.hd])?;
+    len_at_least(kn, "k cache", kc, cache)?;
+    len_at_least(kn, "v cache", vc, cache)?;
+    let p = plan_prep(t, g)?;
+    let (nh, nkv, hd, rot) = (
+        i32_of("nh", g.nh)?,
+        i32_of("nkv", g.nkv)?,
+        i32_of("hd", g.hd)?,
+        i32_of("rot", g.rot)?,
+    );
+    let (cap, pos) = (i64_of("cap", g.cap)?, i64_of("pos", pos0)?);
+    launch!(
+        gpu,
+        &p,
+        Source::Attention,
+        v,
+        qg,
+        k,
+        vv,
+        q_norm,
+        k_norm,
+        q_out,
+        kc,
+        vc,
+        &nh,
+        &nkv,
+        &hd,
+        &rot,
+        &cap,
+        &pos,
+        &g.theta,
+        &g.eps
+    );
+    Ok(())
+}
+
+/// Keys per split chunk and chunk count for `t` rows whose longest sees `max_len` keys: enough
+/// blocks to fill the device at decode, one chunk per row once rows alone fill it.
+pub fn attn_chunks(t: usize, nkv: usize, max_len: usize) -> (usize, usize) {
+    let target_blocks = 1024usize;
+    let max_chunks = cdiv(max_len.max(1), ATTN_MIN_CHUNK);
+    let want = cdiv(target_blocks, t.max(1) * nkv.max(1)).clamp(1, max_chunks);
+    let chunk = cdiv(cdiv(max_len.max(1), want), ATTN_MIN_CHUNK) * ATTN_MIN_CHUNK;
+    (chunk, cdiv(max_len.max(1), chunk))
+}
+
+/// Workspace floats for split attention: (m, l, acc).
+pub fn attn_workspace(t: usize, g: &AttnGeom, nchunks: usize) -> Result<(usize, usize)> {
+    let ml = mul("attention partials", &[t, g.nh, nchunks])?;
+    Ok((ml, mul("attention partial acc", &[ml, g.hd])?))
+}
+
+pub fn plan_split(t: usize, g: &AttnGeom, nchunks: usize, chunk: usize) -> Result<LaunchPlan> {
+    let (_, acc) = attn_workspace(t, g, nchunks)?;
+    Ok(LaunchPlan {
+        kernel: "attn_split",
+        grid: [mul("split blocks", &[t, nchunks])? as u64, g.nkv as u64, 1],
+        block: 128,
+        smem: ATTN_SPLIT_SMEM,
+        dyn_smem: 0,
+        i32_max: [nchunks, chunk, g.nh].into_iter().max().unwrap_or(0) as u64,
+        offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(acc) as u64,
+    })
+}
+
+pub fn plan_combine(t: usize, g: &AttnGeom, nchunks: usize) -> Result<LaunchPlan> {
+    let (_, acc) = attn_workspace(t, g, nchunks)?;
+    Ok(LaunchPlan {
+        kernel: "attn_combine",
+        grid: [mul("combine blocks", &[t, g.nh])? as u64, 1, 1],
+        block: g.hd as u64,
+        smem: 0,
+        dyn_smem: 0,
+        i32_max: nchunks.max(g.hd) as u64,
+        offset_max: acc as u64,
+    })
+}
+
+/// Split-key workspace.
+pub struct AttnWorkspace {
+    pub m: CudaSlice<f32>,
+    pub l: CudaSlice<f32>,
+    pub acc: CudaSlice<f32>,
+}
+
+impl AttnWorkspace {
+    pub fn new(gpu: &Gpu, t: usize, g: &AttnGeom, nchunks: usize) -> Result<Self> {
+        let (ml, acc) = attn_workspace(t, g, nchunks)?;
+        Ok(AttnWorkspace {
+            m: gpu.stream.alloc_zeros(ml)?,
+            l: gpu.stream.alloc_zeros(ml)?,
+            acc: gpu.stream.alloc_zeros(acc)?,
+        })
+    }
+}
+
+/// Causal attention for t query rows; row r sees keys [0, base_len + r). Decode is t = 1.
+/// out [t, nh, hd], gated by sigmoid of the gate half of qg when given.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    gpu: &Gpu,
+    v: Variant,
+    g: &AttnGeom,
+    q: &CudaSlice<f32>,
+    kc: &CudaSlice<u16>,
+    vc: &CudaSlice<u16>,
+    qg: Option<&CudaSlice<f32>>,
+    out: &mut CudaSlice<f32>,
+    ws: &mut AttnWorkspace,
+    t: usize,
+    base_len: usize,
+    chunk: usize,
+    nchunks: usize,
+) -> Result<()> {
+    let kn = "attn_split";
+    g.validate(kn)?;
+    need(kn, base_len >= 1, || {
+        "every row must see at least one key".to_string()
+    })?;
+    let last = base_len
+        .checked_add(t)
+        .and_then(|e| e.checked_sub(1))
+        .ok_or(CudaError::Overflow {
+            what: "attention limit",
+        })?;
+    need(kn, last <= g.cap, || {
+        format!("row limit {last} exceeds cache capacity {}", g.cap)
+    })?;
+    need(
+        kn,
+        chunk.is_multiple_of(32) && chunk > 0 && mul("chunks", &[chunk, nchunks])? >= last,
+        || format!("{nchunks} chunks of {chunk} keys do not cover {last} keys"),
+    )?;
+    len_at_least(kn, "q", q, mul("q", &[t, g.nh, g.hd])?)?;
+    let cache = mul("kv cache", &[g.nkv, g.cap, g.hd])?;
+    len_at_least(kn, "k cache", kc, cache)?;
+    len_at_least(kn, "v cache", vc, cache)?;
+    let (ml, acc) = attn_workspace(t, g, nchunks)?;
+    len_at_least(kn, "workspace m", &ws.m, ml)?;
+    len_at_least(kn, "workspace l", &ws.l, ml)?;
+    len_at_least(kn, "workspace acc", &ws.acc, acc)?;
+    len_at_least(kn, "out", out, mul("out", &[t, g.nh, g.hd])?)?;
+    if let Some(qg) = qg {
+        len_at_least(kn, "qg", qg, mul("qg", &[t, g.nh, 2 * g.hd])?)?;
+    }
+    let p = plan_split(t, g, nchunks, chunk)?;
+    let (nh, hd) = (i32_of("nh", g.nh)?, i32_of("hd", g.hd)?);
+    let (cap, base) = (i64_of("cap", g.cap)?, i64_of("base_len", base_len)?);
+    let (ch, nc) = (i32_of("chunk", chunk)?, i32_of("nchunks", nchunks)?);
+    let scale = 1.0f32 / (g.hd as f32).sqrt();
+    launch!(
+        gpu,
+        &p,
+        Source::Attention,
+        v,
+        q,
+        kc,
+        vc,
+        &mut ws.m,
+        &mut ws.l,
+        &mut ws.acc,
+        &nh,
+        &cap,
+        &base,
+        &ch,
+        &nc,
+        &scale
+    );
+    let pc = plan_combine(t, g, nchunks)?;
+    let null = 0u64;
+    match qg {
+        Some(qg) => launch!(
+            gpu,
+            &pc,
+            Source::Attention,
+            Variant::Exact,
+            &ws.m,
+            &ws.l,
+            &ws.acc,
+            qg,
+            out,
+            &nh,
+            &hd,
+            &nc
+        ),
+        None => launch!(
+            gpu,
+            &pc,
+            Source::Attention,
+            Variant::Exact,
+            &ws.m,
+            &ws.l,
+            &ws.acc,
+            &null,
+            out,
+            &nh,
+            &hd,
+            &nc
+        ),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_keys_and_fill_the_device() {
+        for (t, n) in [
+            (1, 1),
+            (1, 4096),
+            (1, 262_144),
+            (4096, 262_144),
+            (96, 300),
+            (1, 129),
+        ] {
+            let (chunk, nc) = attn_chunks(t, 2, n);
+            assert!(
+                chunk.is_multiple_of(128) && chunk * nc >= n && chunk * (nc - 1) < n,
+                "{t} {n}: {chunk} x {nc}"
+            );
+        }
+        assert_eq!(attn_chunks(1, 2, 262_144), (512, 512));
+        assert_eq!(attn_chunks(4096, 2, 262_144).1, 1);
+    }
+
+    #[test]
+    fn plans_fit_h200_at_largest_shapes_and_flag_overflow() {
+        let info = DeviceInfo::h200_nominal();
+        let g = AttnGeom {
+            nh: 16,
+            nkv: 2,
+            hd: 256,
+            rot: 64,
+            cap: 262_144,
+            theta: 1e7,
+            eps: 1e-6,
+        };
+        let (chunk, nc) = attn_chunks(1, 2, 262_144);
+        assert!(plan_split(1, &g, nc, chunk)
+            .unwrap()
+            .problems(&info)
+            .is_empty());
+        assert!(plan_prep(262_144, &g).unwrap().problems(&info).is_empty());
+        assert!(plan_combine(262_144, &g, 1)
+            .unwrap()
+            .problems(&info)
+            .is_empty());
+        assert!(plan_gemv(262_144, 8192, 8, 262_144)
+            .unwrap()
+            .problems(&info)
+            .is_empty());
+        // a grid.y past 65535 and a 32-bit index past 2^31 are both reported
+        let mut bad = plan_split(1, &g, nc, chunk).unwrap();
+        bad.grid[1] = 70_000;
+        bad.i32_max = 1 << 31;
+        assert_eq!(bad.problems(&info).len(), 2);
+        const { assert!(ATTN_SPLIT_SMEM <= 48 * 1024) };
+    }
+}

@@ -1,0 +1,395 @@
+//! Opening the driver, compiling kernels with NVRTC (cached on disk), and the device handle.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use sha2::{Digest, Sha256};
+
+use crate::error::{CudaError, Result};
+
+const PRELUDE: &str = include_str!("../kernels/prelude.cu");
+
+/// One CUDA C source file of the crate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    Norm,
+    Gemv,
+    Moe,
+    Gdn,
+    Attention,
+}
+
+impl Source {
+    pub const ALL: [Source; 5] = [
+        Source::Norm,
+        Source::Gemv,
+        Source::Moe,
+        Source::Gdn,
+        Source::Attention,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Source::Norm => "norm.cu",
+            Source::Gemv => "gemv.cu",
+            Source::Moe => "moe.cu",
+            Source::Gdn => "gdn.cu",
+            Source::Attention => "attention.cu",
+        }
+    }
+
+    fn body(self) -> &'static str {
+        match self {
+            Source::Norm => include_str!("../kernels/norm.cu"),
+            Source::Gemv => include_str!("../kernels/gemv.cu"),
+            Source::Moe => include_str!("../kernels/moe.cu"),
+            Source::Gdn => include_str!("../kernels/gdn.cu"),
+            Source::Attention => include_str!("../kernels/attention.cu"),
+        }
+    }
+
+    /// The full translation unit: the shared prelude then the file.
+    pub fn text(self) -> String {
+        format!("{PRELUDE}\n{}", self.body())
+    }
+}
+
+/// Which build of a source: the real kernels, a lower-precision twin that the contract's
+/// precision-discriminating cases must reject, or deliberately wrong kernels (planted controls).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    Exact,
+    LowPrecision,
+    Planted,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 3] = [Variant::Exact, Variant::LowPrecision, Variant::Planted];
+
+    fn defines(self) -> &'static [&'static str] {
+        match self {
+            Variant::Exact => &[],
+            Variant::LowPrecision => &["-DLOWP=1"],
+            Variant::Planted => &["-DPLANT=1"],
+        }
+    }
+}
+
+/// True when the CUDA driver library can be opened (never panics).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// True when NVRTC can be opened (never panics).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its candidate names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC's version; part of the cache key.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if !nvrtc_present() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is present; the pointers are to live locals.
+    let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(CudaError::NoNvrtc);
+    }
+    Ok((major, minor))
+}
+
+/// The virtual architecture to compile for: `compute_90a` on Hopper (wgmma-capable), else plain.
+pub fn arch_for(major: i32, minor: i32) -> String {
+    if (major, minor) == (9, 0) {
+        "compute_90a".to_string()
+    } else {
+        format!("compute_{major}{minor}")
+    }
+}
+
+/// NVRTC options for one source variant.
+pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
+    let mut o = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+    ];
+    o.extend(variant.defines().iter().map(|s| s.to_string()));
+    o
+}
+
+/// sha256 over source, options, architecture and NVRTC version, hex encoded.
+pub fn cache_key(source: &str, options: &[String], arch: &str, nvrtc: (i32, i32)) -> String {
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    for o in options {
+        h.update([0u8]);
+        h.update(o.as_bytes());
+    }
+    h.update([1u8]);
+    h.update(arch.as_bytes());
+    h.update(format!("nvrtc {}.{}", nvrtc.0, nvrtc.1).as_bytes());
+    hex::encode(h.finalize())
+}
+
+/// `$XDG_CACHE_HOME/dramatis/kernels`, else `~/.cache/dramatis/kernels`.
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("dramatis").join("kernels"))
+}
+
+/// Compiles one source variant to PTX, reading and filling the disk cache.
+/// Returns the PTX and whether it came from the cache.
+pub fn compile_cached(source: Source, variant: Variant, arch: &str) -> Result<(String, bool)> {
+    let text = source.text();
+    let options = compile_options(arch, variant);
+    let key = cache_key(&text, &options, arch, nvrtc_version()?);
+    let path = cache_dir().map(|d| d.join(format!("{key}.ptx")));
+    if let Some(p) = &path {
+        if let Ok(ptx) = std::fs::read_to_string(p) {
+            return Ok((ptx, true));
+        }
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.clone(),
+        name: Some(source.name().to_string()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&text, opts)
+        .map_err(|e| CudaError::Compile {
+            source_name: source.name(),
+            options: options.join(" "),
+            log: match e {
+                cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                    log.to_string_lossy().into_owned()
+                }
+                other => format!("{other:?}"),
+            },
+        })?
+        .to_src();
+    if let Some(p) = &path {
+        // A cache that cannot be written only costs a recompile next time.
+        let _ = write_atomic(p, &ptx);
+    }
+    Ok((ptx, false))
+}
+
+fn write_atomic(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(tmp, path)
+}
+
+/// Limits and identity of the device, read once.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub sm_count: i32,
+    pub max_grid: [u64; 3],
+    pub max_block_threads: u64,
+    pub max_smem_block: u64,
+    pub max_smem_optin: u64,
+    pub l2_bytes: i64,
+    pub total_mem: usize,
+    pub cuda_driver_version: i32,
+}
+
+impl DeviceInfo {
+    /// Hopper (H200) limits, for launch records made without a device.
+    pub fn h200_nominal() -> Self {
+        DeviceInfo {
+            name: "NVIDIA H200 (nominal limits)".into(),
+            compute_capability: (9, 0),
+            sm_count: 132,
+            max_grid: [(1 << 31) - 1, 65535, 65535],
+            max_block_threads: 1024,
+            max_smem_block: 48 * 1024,
+            max_smem_optin: 227 * 1024,
+            l2_bytes: 60 * 1024 * 1024,
+            total_mem: 143_771 * 1024 * 1024,
+            cuda_driver_version: 13000,
+        }
+    }
+}
+
+/// One device, one stream, and the kernels compiled for it.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub info: DeviceInfo,
+    pub arch: String,
+    modules: Mutex<HashMap<(Source, Variant), Arc<CudaModule>>>,
+    funcs: Mutex<HashMap<(Source, Variant, String), CudaFunction>>,
+    /// Kernel builds compiled now versus read from the disk cache.
+    pub compile_stats: Mutex<(usize, usize)>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`; a clear error, never a panic, without a driver or NVRTC.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        if !nvrtc_present() {
+            return Err(CudaError::NoNvrtc);
+        }
+        let count = CudaContext::device_count()?;
+        if usize::try_from(count).map_or(true, |c| ordinal >= c) {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        let (major, minor) = ctx.compute_capability()?;
+        let name = ctx.name()?;
+        if (major, minor) < (8, 9) {
+            return Err(CudaError::Arch { name, major, minor });
+        }
+        let attr = |a| -> Result<u64> { Ok(u64::try_from(ctx.attribute(a)?).unwrap_or(0)) };
+        let mut drv = 0;
+        // SAFETY: the driver is loaded (context created); the pointer is a live local.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut drv) };
+        let info = DeviceInfo {
+            name,
+            compute_capability: (major, minor),
+            sm_count: ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            max_grid: [
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
+            ],
+            max_block_threads: attr(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+            max_smem_block: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+            max_smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+            l2_bytes: i64::from(ctx.attribute(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?),
+            total_mem: ctx.total_mem()?,
+            cuda_driver_version: drv,
+        };
+        // SAFETY: all of this backend's work is ordered on the one stream below, so cudarc's
+        // per-buffer event tracking (several driver calls per launch argument) is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        // a created stream, not the legacy default one, so that frame rounds can be captured
+        let stream = ctx.new_stream()?;
+        Ok(Gpu {
+            arch: arch_for(major, minor),
+            ctx,
+            stream,
+            info,
+            modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+            compile_stats: Mutex::new((0, 0)),
+        })
+    }
+
+    /// The named kernel of a source variant, compiling (or reading the cache) on first use.
+    pub fn func(&self, source: Source, variant: Variant, name: &str) -> Result<CudaFunction> {
+        let key = (source, variant, name.to_string());
+        if let Some(f) = self
+            .funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(f.clone());
+        }
+        let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        let module = match mods.get(&(source, variant)) {
+            Some(m) => m.clone(),
+            None => {
+                let (ptx, hit) = compile_cached(source, variant, &self.arch)?;
+                {
+                    let mut st = self.compile_stats.lock().unwrap_or_else(|p| p.into_inner());
+                    if hit {
+                        st.1 += 1
+                    } else {
+                        st.0 += 1
+                    }
+                }
+                let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+                mods.insert((source, variant), m.clone());
+                m
+            }
+        };
+        let f = module.load_function(name)?;
+        self.funcs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, f.clone());
+        Ok(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_depends_on_every_part() {
+        let o = compile_options("compute_90a", Variant::Exact);
+        let base = cache_key("src", &o, "compute_90a", (13, 0));
+        assert_eq!(base.len(), 64);
+        assert_eq!(base, cache_key("src", &o, "compute_90a", (13, 0)));
+        assert_ne!(base, cache_key("src2", &o, "compute_90a", (13, 0)));
+        assert_ne!(base, cache_key("src", &o, "compute_89", (13, 0)));
+        assert_ne!(base, cache_key("src", &o, "compute_90a", (13, 1)));
+        let p = compile_options("compute_90a", Variant::Planted);
+        assert_ne!(base, cache_key("src", &p, "compute_90a", (13, 0)));
+        // options are separated, so moving a byte across the boundary changes the key
+        assert_ne!(
+            cache_key("a", &["bc".into()], "x", (1, 0)),
+            cache_key("ab", &["c".into()], "x", (1, 0))
+        );
+    }
+
+    #[test]
+    fn arch_and_variant_options() {
+        assert_eq!(arch_for(9, 0), "compute_90a");
+        assert_eq!(arch_for(8, 9), "compute_89");
+        assert!(compile_options("compute_90a", Variant::Planted).contains(&"-DPLANT=1".into()));
+        assert!(compile_options("compute_90a", Variant::LowPrecision).contains(&"-DLOWP=1".into()));
+        assert!(!compile_options("compute_90a", Variant::Exact)
+            .iter()
+            .any(|o| o.starts_with("-D")));
+    }
+
+    /// Compiles every kernel variant when NVRTC can be opened (CI: pip-installed libnvrtc);
+    /// otherwise says it was skipped.
+    #[test]
+    fn every_kernel_compiles_with_nvrtc() {
+        if !nvrtc_present() {
+            eprintln!("skipped: NVRTC not present (set LD_LIBRARY_PATH to a libnvrtc.so.13)");
+            return;
+        }
+        for s in Source::ALL {
+            for v in Variant::ALL {
+                let text = s.text();
+                let opts = cudarc::nvrtc::CompileOptions {
+                    options: compile_options("compute_90a", v),
+                    ..Default::default()
+                };
+                let r = cudarc::nvrtc::compile_ptx_with_opts(&text, opts);
+                assert!(r.is_ok(), "{} {:?}: {:?}", s.name(), v, r.err());
+            }
+        }
+    }
+
+    #[test]
+    fn gpu_new_errors_cleanly_without_driver() {
+        if driver_present() {
+            eprintln!("skipped: a CUDA driver is present");
+            return;
+        }
+        assert!(matches!(Gpu::new(0), Err(CudaError::NoDriver)));
+    }
+}
