@@ -37,7 +37,7 @@ impl CpuKv {
     }
 
     pub fn append(&mut self, k: &[f32], v: &[f32], rows: usize) -> Result<(), BackendError> {
-        let need = self.len.checked_add(rows).unwrap_or(usize::MAX);
+        let need = self.len.saturating_add(rows);
         if need > self.capacity {
             return Err(BackendError::KvFull {
                 len: self.len,
@@ -54,7 +54,15 @@ impl CpuKv {
 }
 
 /// Rotary embedding in place on `[n, heads·hd]`, row i at `positions[i]`.
-pub fn rope(x: &mut [f32], cols: usize, hd: usize, rot: usize, theta: f64, style: Rope, positions: &[usize]) {
+pub fn rope(
+    x: &mut [f32],
+    cols: usize,
+    hd: usize,
+    rot: usize,
+    theta: f64,
+    style: Rope,
+    positions: &[usize],
+) {
     let half = rot / 2;
     let inv: Vec<f64> = (0..half)
         .map(|i| theta.powf(-((2 * i) as f64) / rot as f64))

@@ -119,7 +119,14 @@ fn head_row(
 
 /// The recurrence for rows `0..t` of one value head: `S ← αS; δ = β(v − Sᵀk); S += kδᵀ;
 /// o = Sᵀq`. Writes `o` rows into `out` (`[t, dv]` with stride `stride`).
-fn recur_head(rows: &[HeadRow], s: &mut [f32], dk: usize, dv: usize, out: &mut [f32], stride: usize) {
+fn recur_head(
+    rows: &[HeadRow],
+    s: &mut [f32],
+    dk: usize,
+    dv: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     let mut kv = vec![0f32; dv];
     for (t, hr) in rows.iter().enumerate() {
         let alpha = hr.g.exp();
@@ -151,7 +158,14 @@ fn recur_head(rows: &[HeadRow], s: &mut [f32], dk: usize, dv: usize, out: &mut [
 /// The chunked form over one value head (DRAMA3.md §4.3): within a chunk of L ≤ 64 rows,
 /// `U = (I+M)⁻¹ βV`, `W = (I+M)⁻¹ (βK ⊙ e^G)` with `M_ij = β_i k_i·k_j e^{G_i−G_j}` (j < i);
 /// `V' = U − W S`; `O = (Q ⊙ e^G) S + (QKᵀ ⊙ D) V'`; `S ← e^{G_L} S + Σ_j e^{G_L−G_j} k_j v'_jᵀ`.
-fn chunked_head(rows: &[HeadRow], s: &mut [f32], dk: usize, dv: usize, out: &mut [f32], stride: usize) {
+fn chunked_head(
+    rows: &[HeadRow],
+    s: &mut [f32],
+    dk: usize,
+    dv: usize,
+    out: &mut [f32],
+    stride: usize,
+) {
     for (ci, ch) in rows.chunks(CHUNK).enumerate() {
         let l = ch.len();
         let mut gc = vec![0f32; l];
@@ -196,7 +210,10 @@ fn chunked_head(rows: &[HeadRow], s: &mut [f32], dk: usize, dv: usize, out: &mut
         for i in 0..l {
             for a in 0..dk {
                 let wa = w[i * dk + a];
-                for (x, sv) in vn[i * dv..(i + 1) * dv].iter_mut().zip(&s[a * dv..(a + 1) * dv]) {
+                for (x, sv) in vn[i * dv..(i + 1) * dv]
+                    .iter_mut()
+                    .zip(&s[a * dv..(a + 1) * dv])
+                {
                     *x -= wa * sv;
                 }
             }
@@ -227,7 +244,10 @@ fn chunked_head(rows: &[HeadRow], s: &mut [f32], dk: usize, dv: usize, out: &mut
             let f = (gl - gc[j]).exp();
             for a in 0..dk {
                 let ka = ch[j].k[a] * f;
-                for (x, y) in s[a * dv..(a + 1) * dv].iter_mut().zip(&vn[j * dv..(j + 1) * dv]) {
+                for (x, y) in s[a * dv..(a + 1) * dv]
+                    .iter_mut()
+                    .zip(&vn[j * dv..(j + 1) * dv])
+                {
                     *x += ka * y;
                 }
             }

@@ -115,7 +115,7 @@ impl Backend for CpuBackend {
     }
 
     fn cols_grouped(&self, x: &CpuBuf, group: usize, offset: usize, len: usize) -> BResult<CpuBuf> {
-        if group == 0 || x.cols % group != 0 || offset + len > group {
+        if group == 0 || !x.cols.is_multiple_of(group) || offset + len > group {
             return Err(shape_err(
                 "cols_grouped",
                 format!(
@@ -191,15 +191,14 @@ impl Backend for CpuBackend {
             DType::F8E4M3 => {
                 let sname = format!("{name}_scale_inv");
                 let s = ck.tensor(&sname)?;
-                let want = [rows.div_ceil(linear::FP8_BLOCK), cols.div_ceil(linear::FP8_BLOCK)];
+                let want = [
+                    rows.div_ceil(linear::FP8_BLOCK),
+                    cols.div_ceil(linear::FP8_BLOCK),
+                ];
                 if s.dtype() != DType::F32 || s.shape() != want {
                     return Err(BackendError::Weight {
                         name: sname,
-                        why: format!(
-                            "expected F32 {want:?}, found {} {:?}",
-                            s.dtype(),
-                            s.shape()
-                        ),
+                        why: format!("expected F32 {want:?}, found {} {:?}", s.dtype(), s.shape()),
                     });
                 }
                 Format::Fp8 {
@@ -297,21 +296,36 @@ impl Backend for CpuBackend {
         Ok(CpuBuf::new(rows.len(), cols, d))
     }
 
-    fn rms_norm(&self, x: &CpuBuf, w: &CpuVector, group: usize, eps: f32, plus_one: bool) -> BResult<CpuBuf> {
-        if group == 0 || x.cols % group != 0 || w.0.len() != group {
+    fn rms_norm(
+        &self,
+        x: &CpuBuf,
+        w: &CpuVector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<CpuBuf> {
+        if group == 0 || !x.cols.is_multiple_of(group) || w.0.len() != group {
             return Err(shape_err(
                 "rms_norm",
                 format!("{} cols, group {group}, weight {}", x.cols, w.0.len()),
             ));
         }
-        let wp: Vec<f32> = w.0.iter().map(|v| if plus_one { 1.0 + v } else { *v }).collect();
+        let wp: Vec<f32> =
+            w.0.iter()
+                .map(|v| if plus_one { 1.0 + v } else { *v })
+                .collect();
         let mut d = x.data.clone();
-        d.par_chunks_mut(group).for_each(|g| {
+        let norm = |g: &mut [f32]| {
             let inv = 1.0 / (linear::dot(g, g) / group as f32 + eps).sqrt();
             for (v, w) in g.iter_mut().zip(&wp) {
                 *v = *v * inv * w;
             }
-        });
+        };
+        if d.len() < linear::PARALLEL_MIN_MACS {
+            d.chunks_mut(group).for_each(norm);
+        } else {
+            d.par_chunks_mut(group).for_each(norm);
+        }
         Ok(CpuBuf::new(x.rows, x.cols, d))
     }
 
@@ -350,7 +364,10 @@ impl Backend for CpuBackend {
         if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
             return Err(shape_err(
                 "sigmoid_mul",
-                format!("x [{}, {}], gate [{}, {}]", x.rows, x.cols, gate.rows, gate.cols),
+                format!(
+                    "x [{}, {}], gate [{}, {}]",
+                    x.rows, x.cols, gate.rows, gate.cols
+                ),
             ));
         }
         let mut d = x.data.clone();
@@ -372,7 +389,12 @@ impl Backend for CpuBackend {
         style: Rope,
         positions: &[usize],
     ) -> BResult<CpuBuf> {
-        if positions.len() != x.rows || head_dim == 0 || x.cols % head_dim != 0 || rot_dims > head_dim || rot_dims % 2 != 0 {
+        if positions.len() != x.rows
+            || head_dim == 0
+            || !x.cols.is_multiple_of(head_dim)
+            || rot_dims > head_dim
+            || !rot_dims.is_multiple_of(2)
+        {
             return Err(shape_err(
                 "rope",
                 format!(
@@ -388,7 +410,14 @@ impl Backend for CpuBackend {
         Ok(CpuBuf::new(x.rows, x.cols, d))
     }
 
-    fn attn_prefill(&self, q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, cache: &mut CpuKv) -> BResult<CpuBuf> {
+    fn attn_prefill(
+        &self,
+        q: &CpuBuf,
+        k: &CpuBuf,
+        v: &CpuBuf,
+        d: &AttnDims,
+        cache: &mut CpuKv,
+    ) -> BResult<CpuBuf> {
         check_attn(q, k, v, d, cache.width)?;
         let base = cache.len;
         cache.append(&k.data, &v.data, k.rows)?;
@@ -401,7 +430,14 @@ impl Backend for CpuBackend {
         Ok(CpuBuf::new(q.rows, width, out))
     }
 
-    fn attn_step(&self, q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, caches: &mut [&mut CpuKv]) -> BResult<CpuBuf> {
+    fn attn_step(
+        &self,
+        q: &CpuBuf,
+        k: &CpuBuf,
+        v: &CpuBuf,
+        d: &AttnDims,
+        caches: &mut [&mut CpuKv],
+    ) -> BResult<CpuBuf> {
         if caches.len() != q.rows {
             return Err(shape_err(
                 "attn_step",
@@ -421,12 +457,28 @@ impl Backend for CpuBackend {
         Ok(CpuBuf::new(q.rows, width, out))
     }
 
-    fn gdn_conv(&self, x: &CpuBuf, w: &CpuVector, d: &GdnDims, state: &mut CpuGdn) -> BResult<CpuBuf> {
+    fn gdn_conv(
+        &self,
+        x: &CpuBuf,
+        w: &CpuVector,
+        d: &GdnDims,
+        state: &mut CpuGdn,
+    ) -> BResult<CpuBuf> {
         check_conv(x, w, d)?;
-        Ok(CpuBuf::new(x.rows, x.cols, gdn::conv(&x.data, x.rows, &w.0, d, state)))
+        Ok(CpuBuf::new(
+            x.rows,
+            x.cols,
+            gdn::conv(&x.data, x.rows, &w.0, d, state),
+        ))
     }
 
-    fn gdn_conv_step(&self, x: &CpuBuf, w: &CpuVector, d: &GdnDims, states: &mut [&mut CpuGdn]) -> BResult<CpuBuf> {
+    fn gdn_conv_step(
+        &self,
+        x: &CpuBuf,
+        w: &CpuVector,
+        d: &GdnDims,
+        states: &mut [&mut CpuGdn],
+    ) -> BResult<CpuBuf> {
         check_conv(x, w, d)?;
         if states.len() != x.rows {
             return Err(shape_err(
@@ -454,7 +506,15 @@ impl Backend for CpuBackend {
     ) -> BResult<CpuBuf> {
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
         let o = gdn::delta_rule(
-            &qkv.data, &b.data, &a.data, &a_log.0, &dt_bias.0, d, qkv.rows, &mut state.s, chunked,
+            &qkv.data,
+            &b.data,
+            &a.data,
+            &a_log.0,
+            &dt_bias.0,
+            d,
+            qkv.rows,
+            &mut state.s,
+            chunked,
         );
         Ok(CpuBuf::new(qkv.rows, d.v_heads * d.v_dim, o))
     }
@@ -501,7 +561,10 @@ impl Backend for CpuBackend {
         if k == 0 || k > e || keep.is_some_and(|m| m.len() != e) {
             return Err(shape_err(
                 "route",
-                format!("top-{k} of {e} experts (keep mask {:?} long)", keep.map(<[bool]>::len)),
+                format!(
+                    "top-{k} of {e} experts (keep mask {:?} long)",
+                    keep.map(<[bool]>::len)
+                ),
             ));
         }
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
@@ -541,7 +604,10 @@ impl Backend for CpuBackend {
                 continue;
             }
             let ex = experts[e].as_ref().ok_or_else(|| {
-                shape_err("moe_experts", format!("expert {e} was routed to but is pruned"))
+                shape_err(
+                    "moe_experts",
+                    format!("expert {e} was routed to but is pruned"),
+                )
             })?;
             let mut xs = Vec::with_capacity(rs.len() * x.cols);
             for &r in rs {
@@ -610,7 +676,7 @@ fn check_attn(q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, width: usize) ->
         || k.rows != q.rows
         || v.rows != q.rows
         || d.kv_heads == 0
-        || d.q_heads % d.kv_heads != 0
+        || !d.q_heads.is_multiple_of(d.kv_heads)
     {
         return Err(shape_err(
             "attention",
@@ -639,7 +705,14 @@ fn check_conv(x: &CpuBuf, w: &CpuVector, d: &GdnDims) -> BResult<()> {
     Ok(())
 }
 
-fn check_gdn(qkv: &CpuBuf, b: &CpuBuf, a: &CpuBuf, a_log: &CpuVector, dt: &CpuVector, d: &GdnDims) -> BResult<()> {
+fn check_gdn(
+    qkv: &CpuBuf,
+    b: &CpuBuf,
+    a: &CpuBuf,
+    a_log: &CpuVector,
+    dt: &CpuVector,
+    d: &GdnDims,
+) -> BResult<()> {
     let nv = d.v_heads;
     if qkv.cols != d.channels()
         || b.cols != nv
@@ -649,7 +722,7 @@ fn check_gdn(qkv: &CpuBuf, b: &CpuBuf, a: &CpuBuf, a_log: &CpuVector, dt: &CpuVe
         || a_log.0.len() != nv
         || dt.0.len() != nv
         || d.k_heads == 0
-        || nv % d.k_heads != 0
+        || !nv.is_multiple_of(d.k_heads)
     {
         return Err(shape_err(
             "gated delta rule",

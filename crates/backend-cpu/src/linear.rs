@@ -37,7 +37,10 @@ impl Bytes {
 pub enum Format {
     Bf16,
     /// E4M3 with one f32 multiplier per 128x128 block, `[ceil(rows/128), ceil(cols/128)]`.
-    Fp8 { scale: Vec<f32>, scale_cols: usize },
+    Fp8 {
+        scale: Vec<f32>,
+        scale_cols: usize,
+    },
     F32,
 }
 
@@ -107,6 +110,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Output columns per parallel task in the row-exact kernel (any value gives the same bits).
 const EXACT_TILE: usize = 16;
+/// Below this many multiply-adds a linear runs on the calling thread.
+pub const PARALLEL_MIN_MACS: usize = 1 << 18;
 /// Output columns per sgemm tile.
 const BULK_TILE: usize = 128;
 /// Below this many rows the sgemm path is not worth its dequantisation pass.
@@ -116,19 +121,25 @@ const BULK_MIN_ROWS: usize = 8;
 pub fn linear_exact(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
     let (out, k) = (w.rows, w.cols);
     let mut yt = vec![0f32; out * n]; // [out, n]
-    yt.par_chunks_mut(EXACT_TILE * n)
-        .enumerate()
-        .for_each_init(
-            || vec![0f32; k],
-            |buf, (ti, chunk)| {
-                for (jj, col) in chunk.chunks_mut(n).enumerate() {
-                    w.row_f32(ti * EXACT_TILE + jj, buf);
-                    for (i, y) in col.iter_mut().enumerate() {
-                        *y = dot(&x[i * k..(i + 1) * k], buf);
-                    }
-                }
-            },
-        );
+    let tile = |buf: &mut Vec<f32>, (ti, chunk): (usize, &mut [f32])| {
+        for (jj, col) in chunk.chunks_mut(n).enumerate() {
+            w.row_f32(ti * EXACT_TILE + jj, buf);
+            for (i, y) in col.iter_mut().enumerate() {
+                *y = dot(&x[i * k..(i + 1) * k], buf);
+            }
+        }
+    };
+    // Threads cost more than they save on small products; the bits are the same either way.
+    if out * k * n < PARALLEL_MIN_MACS {
+        let mut buf = vec![0f32; k];
+        yt.chunks_mut(EXACT_TILE * n)
+            .enumerate()
+            .for_each(|c| tile(&mut buf, c));
+    } else {
+        yt.par_chunks_mut(EXACT_TILE * n)
+            .enumerate()
+            .for_each_init(|| vec![0f32; k], tile);
+    }
     let mut y = vec![0f32; n * out];
     for (j, col) in yt.chunks_exact(n).enumerate() {
         for (i, &v) in col.iter().enumerate() {
@@ -146,6 +157,13 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above; no two tiles touch the same element.
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// A method (not a field access) so closures capture the whole Send wrapper.
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// `y = x Wᵀ` through f32 tiles and sgemm (one lane's prompt).
 pub fn linear_bulk(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
     if n < BULK_MIN_ROWS {
@@ -162,7 +180,6 @@ pub fn linear_bulk(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
         for (jj, row) in wt.chunks_mut(k).enumerate() {
             w.row_f32(j0 + jj, row);
         }
-        let yp = yp;
         // SAFETY: x is [n, k] and wt is [jt, k] (read as its transpose [k, jt]); the output
         // view starts at column j0 of the [n, out] buffer with row stride `out`, and tile t
         // writes only columns j0..j0+jt, disjoint from every other tile.
@@ -179,7 +196,7 @@ pub fn linear_bulk(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
                 1,
                 k as isize,
                 0.0,
-                yp.0.add(j0),
+                yp.at(j0),
                 out as isize,
                 1,
             );

@@ -57,7 +57,9 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
     let mut ok = true;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let d = (g - w).abs();
-        if !(d <= 1e-3 + 1e-3 * w.abs()) {
+        // NaN fails too.
+        let within = d <= 1e-3 + 1e-3 * w.abs();
+        if !within {
             ok = false;
         }
         if d > worst || d.is_nan() {
@@ -66,8 +68,15 @@ fn close(what: &str, got: &[f32], want: &[f32]) {
         }
     }
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    eprintln!("{what}: max |diff| {worst:.3e} at {at} (want {:.4}, max |want| {scale:.3})", want[at]);
-    assert!(ok, "{what}: max |diff| {worst} at {at} (got {}, want {})", got[at], want[at]);
+    eprintln!(
+        "{what}: max |diff| {worst:.3e} at {at} (want {:.4}, max |want| {scale:.3})",
+        want[at]
+    );
+    assert!(
+        ok,
+        "{what}: max |diff| {worst} at {at} (got {}, want {})",
+        got[at], want[at]
+    );
 }
 
 #[test]
@@ -76,16 +85,43 @@ fn prompt_backbone_goldens() {
     let m = model();
     let rows = g.rows("prompt_rows");
     let t = m.backbone_teacher_forced(&rows).unwrap();
-    close("prompt_input_embeds", &t.input_embeds, &g.f32("prompt_input_embeds"));
+    close(
+        "prompt_input_embeds",
+        &t.input_embeds,
+        &g.f32("prompt_input_embeds"),
+    );
     let want = g.f32("prompt_layer_outputs");
     let per = want.len() / t.layer_outputs.len();
     for (l, got) in t.layer_outputs.iter().enumerate() {
-        close(&format!("prompt_layer_outputs[{l}]"), got, &want[l * per..(l + 1) * per]);
+        close(
+            &format!("prompt_layer_outputs[{l}]"),
+            got,
+            &want[l * per..(l + 1) * per],
+        );
     }
-    close("prompt_final_hidden", &t.final_hidden, &g.f32("prompt_final_hidden"));
-    close("prompt_full_logits", &t.full_logits, &g.f32("prompt_full_logits"));
-    close("prompt_semantic_logits", &t.candidate_logits, &g.f32("prompt_semantic_logits"));
-    let cand: Vec<u32> = g.store.get("candidate_token_ids").unwrap().to_i64().iter().map(|&v| v as u32).collect();
+    close(
+        "prompt_final_hidden",
+        &t.final_hidden,
+        &g.f32("prompt_final_hidden"),
+    );
+    close(
+        "prompt_full_logits",
+        &t.full_logits,
+        &g.f32("prompt_full_logits"),
+    );
+    close(
+        "prompt_semantic_logits",
+        &t.candidate_logits,
+        &g.f32("prompt_semantic_logits"),
+    );
+    let cand: Vec<u32> = g
+        .store
+        .get("candidate_token_ids")
+        .unwrap()
+        .to_i64()
+        .iter()
+        .map(|&v| v as u32)
+        .collect();
     assert_eq!(m.candidates(), cand.as_slice());
 }
 
@@ -95,13 +131,35 @@ fn teacher_forced_backbone_and_tower_goldens() {
     let m = model();
     let rows = g.rows("tf_sequence");
     let t = m.backbone_teacher_forced(&rows).unwrap();
-    close("tf_final_hidden", &t.final_hidden, &g.f32("tf_final_hidden"));
-    close("tf_semantic_logits", &t.candidate_logits, &g.f32("tf_semantic_logits"));
+    close(
+        "tf_final_hidden",
+        &t.final_hidden,
+        &g.f32("tf_final_hidden"),
+    );
+    close(
+        "tf_semantic_logits",
+        &t.candidate_logits,
+        &g.f32("tf_semantic_logits"),
+    );
     // Feed the golden hidden so the tower is checked on its own.
-    let tower = m.tower_teacher_forced(&rows, &g.f32("tf_final_hidden")).unwrap();
-    close("tf_shared_out", &tower.layer_outputs[3], &g.f32("tf_shared_out"));
-    close("tf_tower_layer_outputs", &tower.layer_outputs.concat(), &g.f32("tf_tower_layer_outputs"));
-    close("tf_codebook_logits", &tower.codebook_logits, &g.f32("tf_codebook_logits"));
+    let tower = m
+        .tower_teacher_forced(&rows, &g.f32("tf_final_hidden"))
+        .unwrap();
+    close(
+        "tf_shared_out",
+        &tower.layer_outputs[3],
+        &g.f32("tf_shared_out"),
+    );
+    close(
+        "tf_tower_layer_outputs",
+        &tower.layer_outputs.concat(),
+        &g.f32("tf_tower_layer_outputs"),
+    );
+    close(
+        "tf_codebook_logits",
+        &tower.codebook_logits,
+        &g.f32("tf_codebook_logits"),
+    );
 }
 
 #[test]
@@ -112,9 +170,12 @@ fn greedy_generation_matches_golden_frames() {
     let want = g.rows("gen_frames");
     let mut lane = m.new_lane(prompt.len() + want.len() + 1).unwrap();
     m.prefill(&mut lane, &prompt).unwrap();
-    let (mut frames, mut hidden, mut sem, mut heads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut frames, mut hidden, mut sem, mut heads) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for step in 0..want.len() as u64 {
-        let (out, tr) = m.step_frame_traced(&mut lane, &SamplingParams::greedy(), 0, step).unwrap();
+        let (out, tr) = m
+            .step_frame_traced(&mut lane, &SamplingParams::greedy(), 0, step)
+            .unwrap();
         match out {
             FrameOut::Frame(f) => frames.push(f),
             FrameOut::Eos => panic!("EOS at step {step}"),
@@ -128,4 +189,3 @@ fn greedy_generation_matches_golden_frames() {
     close("gen_codebook_logits", &heads, &g.f32("gen_codebook_logits"));
     assert_eq!(frames, want, "greedy frames differ from the golden");
 }
-

@@ -217,7 +217,17 @@ enum Cmd {
         manifest_only: bool,
     },
     /// Run every golden case of a fixture folder; non-zero exit on any failure.
-    Golden { dir: PathBuf },
+    Golden {
+        dir: PathBuf,
+        #[arg(long, value_enum, default_value = "cpu")]
+        backend: BackendArg,
+    },
+    /// Every registered CUDA kernel against its FP64 reference, with planted controls.
+    KernelContract {
+        /// Only kernels whose name contains this.
+        #[arg(long)]
+        only: Option<String>,
+    },
     /// Throughput and latency receipts (JSON, median of several runs).
     Bench {
         #[arg(long)]
@@ -400,8 +410,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             },
             manifest_only,
         ),
-        Cmd::Golden { dir } => {
-            let report = speech::golden::run(&dir).map_err(|e| anyhow!("{e}"))?;
+        Cmd::KernelContract { only } => crate::gpu::kernel_contract(only.as_deref()),
+        Cmd::Golden { dir, backend } => {
+            let report = match backend {
+                BackendArg::Cpu => speech::golden::run(&dir),
+                BackendArg::Cuda => crate::gpu::golden_cuda(&dir),
+            }
+            .map_err(|e| anyhow!("{e}"))?;
             for line in &report.lines {
                 println!("{line}");
             }

@@ -4,6 +4,7 @@ mod bench;
 mod caps;
 mod cli;
 mod fixture;
+mod gpu;
 mod synth_codec;
 
 fn main() -> std::process::ExitCode {

@@ -252,8 +252,7 @@ pub trait Backend: Send + Sync + Sized {
     /// Router: softmax over `logits` (`[n, E]`, f32) restricted to `keep` (experts outside it
     /// get probability 0 before normalisation), top `k` with ties to the lower index,
     /// renormalised over the chosen k.
-    fn route(&self, logits: &Self::Buf, k: usize, keep: Option<&[bool]>)
-        -> BResult<Self::Route>;
+    fn route(&self, logits: &Self::Buf, k: usize, keep: Option<&[bool]>) -> BResult<Self::Route>;
     /// The host form of a routing, for tests and traces.
     fn route_host(&self, route: &Self::Route) -> BResult<Route>;
     /// `Σ_j w_ij · expert_{e_ij}(x_i)`, summed in rank order; `experts[e]` is `None` for a pruned

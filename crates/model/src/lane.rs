@@ -35,10 +35,9 @@ impl<B: Backend> LaneState<B> {
         let g = &m.geometry;
         let max = m.config.text_config.max_position_embeddings;
         if capacity == 0 || capacity > max {
-            return Err(ModelError::Capacity {
-                rows: 0,
-                add: capacity,
-                capacity: max,
+            return Err(ModelError::LaneSize {
+                requested: capacity,
+                max,
             });
         }
         let be = &m.backend;

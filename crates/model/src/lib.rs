@@ -13,7 +13,7 @@ pub mod lane;
 pub mod model;
 pub mod sampling;
 
-pub use backend::{AttnDims, BackendError, Backend, Expert, GatherRow, GdnDims, Rope, Route, Rows};
+pub use backend::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 pub use generate::{FrameOut, LaneStep, LogitsHook, StepTrace};
 pub use lane::{LaneState, RAS_WINDOW};
 pub use model::{BackboneTrace, Geometry, Model, Row, TowerTrace, ROW_WIDTH};
@@ -27,6 +27,8 @@ pub enum ModelError {
         add: usize,
         capacity: usize,
     },
+    #[error("a lane of {requested} rows was asked for; the model's window is 1..={max} rows")]
+    LaneSize { requested: usize, max: usize },
     #[error("row {index}: {why}")]
     BadRow { index: usize, why: String },
     #[error("the lane has no rows yet: prefill it before stepping")]

@@ -570,11 +570,8 @@ impl<B: Backend> Model<B> {
     /// semantic, plus (layer 0, semantic input row) the residual codes the backbone did not see.
     fn tower_embed(&self, t: usize, inputs: &[Row], labels: &[Row]) -> Result<B::Buf> {
         let g = &self.geometry;
-        let col = if t < g.tower_shared {
-            0
-        } else {
-            t - g.tower_shared
-        };
+        // Shared layers embed c0; residual layer r embeds c_r.
+        let col = t.saturating_sub(g.tower_shared);
         let rows = inputs
             .iter()
             .zip(labels)

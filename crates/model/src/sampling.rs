@@ -207,7 +207,13 @@ pub fn sample_main(
 }
 
 /// Code of residual head r.
-pub fn sample_head(logits: &[f32], params: &SamplingParams, seed: u64, step: u64, r: usize) -> usize {
+pub fn sample_head(
+    logits: &[f32],
+    params: &SamplingParams,
+    seed: u64,
+    step: u64,
+    r: usize,
+) -> usize {
     let stream = STREAM_HEAD0.saturating_add(u32::try_from(r).unwrap_or(u32::MAX));
     sample(
         logits,
@@ -255,7 +261,10 @@ mod tests {
     #[test]
     fn greedy_ties_go_low() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
-        assert_eq!(sample(&[1.0, 3.0, 3.0], 0.0, 0, 1.0, Crossing::Keep, 0.99), 1);
+        assert_eq!(
+            sample(&[1.0, 3.0, 3.0], 0.0, 0, 1.0, Crossing::Keep, 0.99),
+            1
+        );
     }
 
     #[test]
@@ -301,7 +310,10 @@ mod tests {
             ..SamplingParams::default()
         };
         // 20 not recent: greedy pick stays.
-        assert_eq!(sample_main(&logits, &cands, sem, [21i64].into_iter(), &p, 0, 0), 1);
+        assert_eq!(
+            sample_main(&logits, &cands, sem, [21i64].into_iter(), &p, 0, 0),
+            1
+        );
         // 20 recent: the RAS draw (temperature 1) decides; over many steps it is not always 1.
         let picks: std::collections::BTreeSet<usize> = (0..64)
             .map(|s| sample_main(&logits, &cands, sem, [20i64].into_iter(), &p, 0, s))
@@ -309,7 +321,10 @@ mod tests {
         assert!(picks.len() > 1, "{picks:?}");
         // RAS off: never replaced.
         let off = SamplingParams { ras: false, ..p };
-        assert_eq!(sample_main(&logits, &cands, sem, [20i64].into_iter(), &off, 0, 0), 1);
+        assert_eq!(
+            sample_main(&logits, &cands, sem, [20i64].into_iter(), &off, 0, 0),
+            1
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use checkpoint::{Checkpoint, Store};
 use codec::{Codec, Codes};
-use model::{FrameOut, Model, Row, SamplingParams, ROW_WIDTH};
+use model::{Backend, FrameOut, Model, Row, SamplingParams, ROW_WIDTH};
 
 /// Hidden states and logits: |a − g| ≤ atol + rtol·|g|.
 pub const ATOL: f64 = 1e-3;
@@ -124,7 +124,13 @@ fn codes_of(flat: &[i64], shape: &[usize]) -> Result<Codes, String> {
     Codes::from_i64(shape[0], shape[1], flat).map_err(|e| e.to_string())
 }
 
+/// Runs every case on the CPU backend.
 pub fn run(dir: &Path) -> Result<GoldenReport, String> {
+    run_with(dir, backend_cpu::CpuBackend::new())
+}
+
+/// Runs every case with the model on `backend` (the codec runs on the CPU).
+pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, String> {
     let gdir = dir.join("golden");
     let (short, t1) = open_file(&gdir.join("golden.safetensors"), "short")?;
     let (long, t2) = match gdir.join("golden_long.safetensors") {
@@ -146,7 +152,7 @@ pub fn run(dir: &Path) -> Result<GoldenReport, String> {
     };
     let ck = Checkpoint::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     r.push("manifest", ck.report.ok(), format!("{} tensors match the config", ck.report.expected));
-    let model = Model::load(&ck, backend_cpu::CpuBackend::new()).map_err(|e| e.to_string())?;
+    let model = Model::load(&ck, backend).map_err(|e| e.to_string())?;
     backbone_cases(&mut r, &g, &model)?;
     generation_cases(&mut r, &g, &model)?;
     prompt_case(&mut r, &g, dir, &ck)?;
@@ -157,7 +163,7 @@ pub fn run(dir: &Path) -> Result<GoldenReport, String> {
     Ok(r)
 }
 
-fn backbone_cases(r: &mut GoldenReport, g: &Goldens, m: &Model<backend_cpu::CpuBackend>) -> Result<(), String> {
+fn backbone_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -> Result<(), String> {
     let cands: Vec<i64> = m.candidates().iter().map(|&c| i64::from(c)).collect();
     if let Some(want) = g.i64("candidate_token_ids") {
         r.exact("candidate_token_ids", &cands, &want);
@@ -197,7 +203,7 @@ fn backbone_cases(r: &mut GoldenReport, g: &Goldens, m: &Model<backend_cpu::CpuB
     Ok(())
 }
 
-fn generation_cases(r: &mut GoldenReport, g: &Goldens, m: &Model<backend_cpu::CpuBackend>) -> Result<(), String> {
+fn generation_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -> Result<(), String> {
     let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
         r.push("gen_frames", false, "golden tensor missing".into());
         return Ok(());

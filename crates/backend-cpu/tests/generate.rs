@@ -1,0 +1,278 @@
+//! The frame loop on the tiny fixture: seeds, batching, capacity, split prefill and the
+//! `mtp_shared_pre` placement.
+
+use backend_cpu::CpuBackend;
+use checkpoint::{Checkpoint, Store};
+use model::{
+    Backend, FrameOut, LaneState, LaneStep, Model, ModelError, Row, SamplingParams, StepTrace,
+};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/drama3-tiny")
+}
+
+fn golden_rows(name: &str) -> Vec<Row> {
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        fixture().join("golden/golden.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    let v = store.get(name).unwrap().to_i64();
+    v.chunks_exact(11).map(|c| c.try_into().unwrap()).collect()
+}
+
+fn prompt() -> &'static [Row] {
+    static P: OnceLock<Vec<Row>> = OnceLock::new();
+    P.get_or_init(|| golden_rows("prompt_rows"))
+}
+
+fn model() -> &'static Model<CpuBackend> {
+    static M: OnceLock<Model<CpuBackend>> = OnceLock::new();
+    M.get_or_init(|| {
+        let ck = Checkpoint::open(&fixture()).unwrap();
+        Model::load(&ck, CpuBackend::new()).unwrap()
+    })
+}
+
+fn sampled() -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 30,
+        top_p: 0.9,
+        ras: true,
+    }
+}
+
+/// Prefills `rows` and runs up to `n` frames solo; stops at EOS.
+fn run_solo(rows: &[Row], n: u64, seed: u64) -> (Vec<FrameOut>, Vec<StepTrace>) {
+    let m = model();
+    let mut lane = m.new_lane(rows.len() + n as usize + 1).unwrap();
+    m.prefill(&mut lane, rows).unwrap();
+    let (mut out, mut tr) = (Vec::new(), Vec::new());
+    for step in 0..n {
+        let (f, t) = m
+            .step_frame_traced(&mut lane, &sampled(), seed, step)
+            .unwrap();
+        out.push(f);
+        tr.push(t);
+        if f == FrameOut::Eos {
+            break;
+        }
+    }
+    (out, tr)
+}
+
+#[test]
+fn same_seed_same_frames_other_seed_other_frames() {
+    let (a, _) = run_solo(prompt(), 8, 11);
+    let (b, _) = run_solo(prompt(), 8, 11);
+    let (c, _) = run_solo(prompt(), 8, 12);
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+#[test]
+fn batched_round_equals_solo_runs_bit_for_bit() {
+    let m = model();
+    let p = prompt();
+    // Lane B's prompt ends inside the reference frames, so it differs in length and content.
+    let prompts: [&[Row]; 3] = [p, &p[..60], &p[..40]];
+    let seeds = [3u64, 4, 3];
+    let steps = 6u64;
+    let solo: Vec<_> = prompts
+        .iter()
+        .zip(seeds)
+        .map(|(r, s)| run_solo(r, steps, s))
+        .collect();
+    let mut lanes: Vec<LaneState<CpuBackend>> = prompts
+        .iter()
+        .map(|r| {
+            let mut l = m.new_lane(r.len() + steps as usize + 1).unwrap();
+            m.prefill(&mut l, r).unwrap();
+            l
+        })
+        .collect();
+    let mut done = [false; 3];
+    for step in 0..steps {
+        let idx: Vec<usize> = (0..3).filter(|&i| !done[i]).collect();
+        if idx.is_empty() {
+            break;
+        }
+        let mut refs: Vec<&mut LaneState<CpuBackend>> = lanes
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| !done[*i])
+            .map(|(_, l)| l)
+            .collect();
+        let settings: Vec<LaneStep> = idx
+            .iter()
+            .map(|&i| LaneStep {
+                params: sampled(),
+                seed: seeds[i],
+                step,
+            })
+            .collect();
+        let mut tr = Vec::new();
+        let outs = m
+            .step_frames(&mut refs, &settings, None, Some(&mut tr))
+            .unwrap();
+        for (j, &i) in idx.iter().enumerate() {
+            let s = step as usize;
+            assert_eq!(outs[j], solo[i].0[s], "lane {i} step {step}");
+            assert_eq!(
+                tr[j].main_logits, solo[i].1[s].main_logits,
+                "lane {i} step {step}"
+            );
+            assert_eq!(tr[j].hidden, solo[i].1[s].hidden, "lane {i} step {step}");
+            assert_eq!(
+                tr[j].head_logits, solo[i].1[s].head_logits,
+                "lane {i} step {step}"
+            );
+            if outs[j] == FrameOut::Eos {
+                done[i] = true;
+            }
+        }
+    }
+}
+
+#[test]
+fn split_prefill_gives_the_golden_greedy_frames() {
+    let m = model();
+    let p = prompt();
+    let want = golden_rows("gen_frames");
+    let mut lane = m.new_lane(p.len() + want.len() + 1).unwrap();
+    // 70 rows cross the 64-row GDN chunk; the tower picks up row 69's label from the next call.
+    m.prefill(&mut lane, &p[..70]).unwrap();
+    m.prefill(&mut lane, &p[70..]).unwrap();
+    let mut got = Vec::new();
+    for step in 0..want.len() as u64 {
+        match m
+            .step_frame(&mut lane, &SamplingParams::greedy(), 0, step)
+            .unwrap()
+        {
+            FrameOut::Frame(f) => got.push(f),
+            FrameOut::Eos => panic!("EOS at {step}"),
+        }
+    }
+    assert_eq!(got, want);
+}
+
+#[test]
+fn capacity_is_refused_with_figures() {
+    let m = model();
+    let p = prompt();
+    let mut small = m.new_lane(50).unwrap();
+    let e = m.prefill(&mut small, p).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::Capacity {
+                rows: 0,
+                add: 99,
+                capacity: 50
+            }
+        ),
+        "{e}"
+    );
+    let mut exact = m.new_lane(p.len()).unwrap();
+    m.prefill(&mut exact, p).unwrap();
+    let e = m.step_frame(&mut exact, &sampled(), 0, 0).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("99") && msg.contains("capacity"), "{msg}");
+    assert!(matches!(
+        m.new_lane(262_145),
+        Err(ModelError::LaneSize {
+            requested: 262_145,
+            max: 262_144
+        })
+    ));
+    let mut fresh = m.new_lane(10).unwrap();
+    assert!(matches!(
+        m.step_frame(&mut fresh, &sampled(), 0, 0),
+        Err(ModelError::NotPrefilled)
+    ));
+}
+
+#[test]
+fn bad_rows_are_refused() {
+    let m = model();
+    let mut lane = m.new_lane(4).unwrap();
+    let mut r = [0i64; 11];
+    r[0] = 100_000;
+    assert!(matches!(
+        m.prefill(&mut lane, &[r]),
+        Err(ModelError::BadRow { index: 0, .. })
+    ));
+    // A semantic row whose c0 disagrees with its token.
+    let mut s = prompt()[53];
+    s[1] = (s[1] + 1) % 64;
+    assert!(matches!(
+        m.prefill(&mut lane, &[s]),
+        Err(ModelError::BadRow { .. })
+    ));
+}
+
+/// The same checkpoint declared `mtp_shared_pre`: semantic rows enter the backbone as E[tok]
+/// alone and all nine residual codes go to tower layer 0.
+#[test]
+fn mtp_shared_pre_placement() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let e = entry.unwrap();
+        if e.file_name() != "config.json" && e.file_type().unwrap().is_file() {
+            std::os::unix::fs::symlink(e.path(), dir.path().join(e.file_name())).unwrap();
+        }
+    }
+    let cfg = std::fs::read_to_string(fixture().join("config.json")).unwrap();
+    let cfg = cfg
+        .replace("\"backbone_partial\"", "\"mtp_shared_pre\"")
+        .replace(
+            "\"vq_backbone_codebooks\": 2",
+            "\"vq_backbone_codebooks\": 0",
+        );
+    std::fs::write(dir.path().join("config.json"), cfg).unwrap();
+    let ck = Checkpoint::open(dir.path()).unwrap();
+    let pre = Model::load(&ck, CpuBackend::new()).unwrap();
+    assert_eq!(pre.geometry.backbone_codebooks, 0);
+    let p = prompt();
+    let sem = p[53];
+    let emb = pre
+        .backend
+        .download(&pre.embed_rows(&[sem]).unwrap())
+        .unwrap();
+    let table = ck
+        .tensor("model.language_model.embed_tokens.weight")
+        .unwrap()
+        .to_f32();
+    let tok = sem[0] as usize;
+    assert_eq!(emb, table[tok * 128..(tok + 1) * 128]);
+    // Text-only rows: both placements agree; with frames they differ.
+    let text = &p[..40];
+    let a = model().backbone_teacher_forced(text).unwrap();
+    let b = pre.backbone_teacher_forced(text).unwrap();
+    assert_eq!(a.final_hidden, b.final_hidden);
+    let a = model().backbone_teacher_forced(p).unwrap();
+    let b = pre.backbone_teacher_forced(p).unwrap();
+    assert_ne!(a.final_hidden, b.final_hidden);
+    // The tower reads codes 1..=9 of semantic input rows at layer 0 (vs 3..=9 before).
+    let ta = model().tower_teacher_forced(p, &a.final_hidden).unwrap();
+    let tb = pre.tower_teacher_forced(p, &a.final_hidden).unwrap();
+    let d = 128;
+    // Position 60 has a semantic input row; position 10 a text one.
+    assert_ne!(
+        ta.layer_outputs[0][60 * d..61 * d],
+        tb.layer_outputs[0][60 * d..61 * d]
+    );
+    assert_eq!(
+        ta.layer_outputs[0][10 * d..11 * d],
+        tb.layer_outputs[0][10 * d..11 * d]
+    );
+    // And it generates.
+    let mut lane = pre.new_lane(p.len() + 3).unwrap();
+    pre.prefill(&mut lane, p).unwrap();
+    pre.step_frame(&mut lane, &sampled(), 1, 0).unwrap();
+}
