@@ -10,6 +10,7 @@
 
 mod config;
 pub mod ops;
+pub mod synth;
 mod weights;
 
 #[cfg(test)]
