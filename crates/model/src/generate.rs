@@ -4,7 +4,7 @@
 use crate::backend::Backend;
 use crate::lane::LaneState;
 use crate::model::{Model, Row};
-use crate::sampling::{sample_head, sample_main, SamplingParams};
+use crate::sampling::{cfg_mix, sample_head, sample_main, SamplingParams};
 use crate::ModelError;
 
 /// What one frame round produced for a lane.
@@ -34,6 +34,14 @@ pub struct StepTrace {
     pub main_logits: Vec<f32>,
     /// Head r's logits, `[codebooks-1][CB]` (empty on EOS).
     pub head_logits: Vec<Vec<f32>>,
+}
+
+/// Classifier-free guidance for one round: per lane an optional unconditional branch and its γ.
+pub struct Guidance<'a, B: Backend> {
+    pub uncond: Vec<Option<&'a mut LaneState<B>>>,
+    pub gamma: Vec<f32>,
+    /// Both branches in one batched step (same bits as separate steps; fewer launches).
+    pub batched: bool,
 }
 
 /// A hook on each lane's candidate logits before sampling (lane index, logits): where
@@ -82,6 +90,22 @@ impl<B: Backend> Model<B> {
         lanes: &mut [&mut LaneState<B>],
         steps: &[LaneStep],
         hook: Option<LogitsHook<'_>>,
+        trace: Option<&mut Vec<StepTrace>>,
+    ) -> Result<Vec<FrameOut>, ModelError> {
+        self.step_frames_guided(lanes, steps, None, hook, trace)
+    }
+
+    /// A frame round with classifier-free guidance (DRAMA3.md section 7): lane i's unconditional
+    /// branch (`guidance.uncond[i]`, its own backbone state only) gives `l_u`, and the lane samples
+    /// from `l_c + γ_i (l_c − l_u)`; the tower and heads run on the conditional branch alone, and
+    /// both branches advance with the same frame. Rows are exact, so batching the two branches in
+    /// one backbone call (`guidance.batched`) gives the same bits as separate calls.
+    pub fn step_frames_guided(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        steps: &[LaneStep],
+        mut guidance: Option<&mut Guidance<'_, B>>,
+        hook: Option<LogitsHook<'_>>,
         mut trace: Option<&mut Vec<StepTrace>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
         if lanes.len() != steps.len() {
@@ -91,6 +115,16 @@ impl<B: Backend> Model<B> {
                 steps.len()
             )));
         }
+        if let Some(gd) = guidance.as_deref() {
+            if gd.uncond.len() != lanes.len() || gd.gamma.len() != lanes.len() {
+                return Err(ModelError::Unsupported(format!(
+                    "{} lanes but guidance for {} (gamma for {})",
+                    lanes.len(),
+                    gd.uncond.len(),
+                    gd.gamma.len()
+                )));
+            }
+        }
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
@@ -98,8 +132,40 @@ impl<B: Backend> Model<B> {
             // Room for the frame's backbone row, checked before anything is sampled.
             l.check_room(1)?;
         }
+        if let Some(gd) = guidance.as_deref() {
+            for u in gd.uncond.iter().flatten() {
+                u.check_room(1)?;
+            }
+        }
         let g = &self.geometry;
-        let mut logits = self.main_logits(lanes)?;
+        let n_lanes = lanes.len();
+        // Main logits of both branches: one call when batched, else one per branch.
+        let (mut logits, uncond_logits) = match guidance.as_deref_mut() {
+            None => (self.main_logits(lanes)?, Vec::new()),
+            Some(gd) => {
+                if gd.batched {
+                    let mut all: Vec<&mut LaneState<B>> = lanes.iter_mut().map(|l| &mut **l).collect();
+                    all.extend(gd.uncond.iter_mut().filter_map(|u| u.as_deref_mut()));
+                    let mut l = self.main_logits(&all)?;
+                    let u = l.split_off(n_lanes);
+                    (l, u)
+                } else {
+                    let c = self.main_logits(lanes)?;
+                    let us: Vec<&mut LaneState<B>> = gd.uncond.iter_mut().filter_map(|u| u.as_deref_mut()).collect();
+                    let u = if us.is_empty() { Vec::new() } else { self.main_logits(&us)? };
+                    (c, u)
+                }
+            }
+        };
+        if let Some(gd) = guidance.as_deref() {
+            let mut j = 0;
+            for (i, u) in gd.uncond.iter().enumerate() {
+                if u.is_some() {
+                    cfg_mix(&mut logits[i], &uncond_logits[j], gd.gamma[i]);
+                    j += 1;
+                }
+            }
+        }
         if let Some(h) = hook {
             for (i, l) in logits.iter_mut().enumerate() {
                 h(i, l)?;
@@ -159,7 +225,36 @@ impl<B: Backend> Model<B> {
             },
             Some(&mut heads),
         )?;
-        self.advance(&mut sub, &frames)?;
+        // The unconditional branches of the lanes that produced a frame follow with that frame.
+        let mut sub_u: Vec<&mut LaneState<B>> = Vec::new();
+        let mut frames_u: Vec<Row> = Vec::new();
+        let batched = guidance.as_deref().map(|g| g.batched).unwrap_or(false);
+        if let Some(gd) = guidance.as_deref_mut() {
+            let mut want = active.iter().enumerate().peekable();
+            for (i, u) in gd.uncond.iter_mut().enumerate() {
+                if let Some(&(j, &a)) = want.peek() {
+                    if a == i {
+                        want.next();
+                        if let Some(u) = u.as_deref_mut() {
+                            sub_u.push(u);
+                            frames_u.push(frames[j]);
+                        }
+                    }
+                }
+            }
+        }
+        if batched && !sub_u.is_empty() {
+            let mut all = sub;
+            all.extend(sub_u);
+            let mut all_frames = frames.clone();
+            all_frames.extend_from_slice(&frames_u);
+            self.advance(&mut all, &all_frames)?;
+        } else {
+            self.advance(&mut sub, &frames)?;
+            if !sub_u.is_empty() {
+                self.advance(&mut sub_u, &frames_u)?;
+            }
+        }
         let n = active.len();
         for (j, &i) in active.iter().enumerate() {
             out[i] = FrameOut::Frame(frames[j]);

@@ -14,7 +14,7 @@ pub mod model;
 pub mod sampling;
 
 pub use backend::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
-pub use generate::{FrameOut, LaneStep, LogitsHook, StepTrace};
+pub use generate::{FrameOut, Guidance, LaneStep, LogitsHook, StepTrace};
 pub use lane::{LaneState, RAS_WINDOW};
 pub use model::{BackboneTrace, Geometry, Model, Row, TowerTrace, ROW_WIDTH};
 pub use sampling::SamplingParams;

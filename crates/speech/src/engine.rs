@@ -97,6 +97,8 @@ struct Job {
     seed: u64,
     params: SamplingParams,
     segments: Vec<(Prompt, Admission)>,
+    /// Guidance: γ and, per segment, the unconditional prompt (the same text, no references).
+    guidance: Option<(f32, Vec<Prompt>)>,
     /// Largest P + F + 1 over the segments: the rows this job's lane needs.
     rows: u64,
     cap: CapApplied,
@@ -265,6 +267,7 @@ impl Engine {
         ));
         let frames_total = Arc::new(AtomicU64::new(0));
         let ctx = WorkerCtx {
+            cfg_batched: opts.cfg.batched,
             codec: codec.clone(),
             pool: pool.clone(),
             lanes,
@@ -399,6 +402,7 @@ impl Engine {
             cap: job_parts.cap,
             frame_cap: job_parts.frame_cap,
             segments: job_parts.segments,
+            guidance: job_parts.guidance,
             events: tx,
             cancel: Arc::clone(&cancel),
             submitted: Instant::now(),
@@ -524,16 +528,6 @@ impl Engine {
         if segments.is_empty() {
             return Err(RequestError::invalid("empty_input", Some("input"), "input text is empty"));
         }
-        if Rows(rows) > self.pool.capacity() {
-            return Err(RequestError::limit(
-                "pool_exceeded",
-                None,
-                format!(
-                    "the request needs {rows} KV rows, more than the pool's {} rows",
-                    self.pool.capacity().0
-                ),
-            ));
-        }
         // Report the loosest cap kind: shrunk if any segment's default cap shrank.
         let kinds: Vec<admission::CapKind> = segments.iter().map(|s| s.1.cap).collect();
         let cap_applied = if kinds.contains(&admission::CapKind::Explicit) {
@@ -545,7 +539,38 @@ impl Engine {
         };
         let frame_cap = segments.iter().map(|s| s.1.frames.0).min().unwrap_or(0);
         let seed = req.seed.unwrap_or_else(draw_seed);
+        // Guided only with a reference (the builtin voice never is), and only when γ > 0 or the
+        // guided path is forced for qualification.
+        let gamma = req.cfg_gamma.unwrap_or(self.cfg.gamma);
+        let guidance = if !refs.is_empty() && (gamma > 0.0 || self.cfg.force_guided) {
+            let mut un = Vec::with_capacity(texts.len());
+            for t in &texts {
+                let p = builder
+                    .build(t, &[])
+                    .map_err(|e| RequestError::invalid(speech_code(&e), Some("input"), e.to_string()))?;
+                un.push(p);
+            }
+            Some((gamma, un))
+        } else {
+            None
+        };
+        // The unconditional branch keeps its own backbone state: reserve its rows too.
+        if let Some((_, un)) = &guidance {
+            let extra = un.iter().zip(&segments).map(|(p, s)| p.rows.len() as u64 + s.1.frames.0 + 1).max().unwrap_or(0);
+            rows = rows.saturating_add(extra);
+        }
+        if Rows(rows) > self.pool.capacity() {
+            return Err(RequestError::limit(
+                "pool_exceeded",
+                None,
+                format!(
+                    "the request needs {rows} KV rows (both branches when guided), more than the pool's {} rows",
+                    self.pool.capacity().0
+                ),
+            ));
+        }
         Ok(Prepared {
+            guidance,
             seed,
             params,
             segments,
@@ -609,6 +634,7 @@ impl Drop for Engine {
 }
 
 struct Prepared {
+    guidance: Option<(f32, Vec<Prompt>)>,
     seed: u64,
     params: SamplingParams,
     segments: Vec<(Prompt, Admission)>,
@@ -674,10 +700,22 @@ fn read_generation_defaults(dir: &Path) -> Defaults {
     d
 }
 
+fn to_rows(rows: &[crate::prompt::Row]) -> Vec<model::Row> {
+    rows.iter()
+        .map(|r| {
+            let mut row = [0i64; model::ROW_WIDTH];
+            row.copy_from_slice(&r[..model::ROW_WIDTH]);
+            row
+        })
+        .collect()
+}
+
 /// One job occupying a lane.
 struct Active<B: Backend> {
     job: Job,
     lane: LaneState<B>,
+    /// The unconditional branch of a guided job.
+    uncond: Option<LaneState<B>>,
     _reservation: admission::Reservation,
     segment: usize,
     seg_frames: u64,
@@ -692,6 +730,7 @@ struct Active<B: Backend> {
 
 /// Everything the worker needs besides the model.
 struct WorkerCtx {
+    cfg_batched: bool,
     codec: Codec,
     pool: KvPool,
     lanes: usize,
@@ -709,6 +748,7 @@ fn spawn_worker<B: Backend + 'static>(
     let model = Model::load(ck, backend).map_err(err)?;
     let worker = Worker {
         model,
+        cfg_batched: ctx.cfg_batched,
         codec: ctx.codec,
         pool: ctx.pool,
         lanes: ctx.lanes,
@@ -724,6 +764,7 @@ fn spawn_worker<B: Backend + 'static>(
 
 struct Worker<B: Backend> {
     model: Model<B>,
+    cfg_batched: bool,
     codec: Codec,
     pool: KvPool,
     lanes: usize,
@@ -810,6 +851,7 @@ impl<B: Backend> Worker<B> {
         };
         let mut a = Active {
             lane,
+            uncond: None,
             _reservation: reservation,
             segment: 0,
             seg_frames: 0,
@@ -838,17 +880,16 @@ impl<B: Backend> Worker<B> {
         if a.segment > 0 {
             a.lane = self.model.new_lane(a.job.rows as usize).map_err(|e| e.to_string())?;
         }
-        let rows: Vec<model::Row> = a.job.segments[a.segment]
-            .0
-            .rows
-            .iter()
-            .map(|r| {
-                let mut row = [0i64; model::ROW_WIDTH];
-                row.copy_from_slice(&r[..model::ROW_WIDTH]);
-                row
-            })
-            .collect();
+        let rows = to_rows(&a.job.segments[a.segment].0.rows);
         self.model.prefill(&mut a.lane, &rows).map_err(|e| e.to_string())?;
+        if let Some((_, un)) = &a.job.guidance {
+            let seg = &a.job.segments[a.segment];
+            let urows = to_rows(&un[a.segment].rows);
+            let cap = urows.len() + seg.1.frames.0 as usize + 1;
+            let mut lane = self.model.new_lane(cap).map_err(|e| e.to_string())?;
+            self.model.prefill(&mut lane, &urows).map_err(|e| e.to_string())?;
+            a.uncond = Some(lane);
+        }
         a.seg_frames = 0;
         Ok(())
     }
@@ -866,8 +907,20 @@ impl<B: Backend> Worker<B> {
             })
             .collect();
         let outs = {
-            let mut lanes: Vec<&mut LaneState<B>> = active.iter_mut().map(|a| &mut a.lane).collect();
-            self.model.step_frames(&mut lanes, &steps, None, None)
+            let guided = active.iter().any(|a| a.uncond.is_some());
+            let gammas: Vec<f32> = active.iter().map(|a| a.job.guidance.as_ref().map(|g| g.0).unwrap_or(0.0)).collect();
+            let (mut lanes, uncond): (Vec<&mut LaneState<B>>, Vec<Option<&mut LaneState<B>>>) =
+                active.iter_mut().map(|a| (&mut a.lane, a.uncond.as_mut())).unzip();
+            if guided {
+                let mut g = model::Guidance {
+                    uncond,
+                    gamma: gammas,
+                    batched: self.cfg_batched,
+                };
+                self.model.step_frames_guided(&mut lanes, &steps, Some(&mut g), None, None)
+            } else {
+                self.model.step_frames(&mut lanes, &steps, None, None)
+            }
         };
         let outs = match outs {
             Ok(o) => o,
@@ -934,7 +987,7 @@ impl<B: Backend> Worker<B> {
                         first_audio_seconds: a.first_audio,
                         cap: a.job.cap,
                         frame_cap: a.job.frame_cap,
-                        guided: false,
+                        guided: a.uncond.is_some(),
                     };
                     ended.push((a.job.events.clone(), JobEvent::Done(summary)));
                     finished[i] = true;
