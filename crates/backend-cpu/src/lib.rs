@@ -80,6 +80,78 @@ fn matrix_shape(name: &str, v: &TensorView<'_>) -> BResult<(usize, usize)> {
     }
 }
 
+/// The scales of an NVFP4 matrix `name` (`[rows, cols/2]` U8 codes): `<stem>.weight_scale`
+/// F8_E4M3 `[rows, cols/16]` kept on the mmap, `<stem>.weight_scale_2` one F32. Scale codes
+/// that are NaN or negative, and a global scale that is not finite and non-negative, are refused.
+fn nvfp4_format(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> BResult<Format> {
+    let bad = |n: &str, why: String| BackendError::Weight {
+        name: n.into(),
+        why,
+    };
+    let stem = name.strip_suffix(".weight").ok_or_else(|| {
+        bad(
+            name,
+            "a U8 (NVFP4) matrix must be named <stem>.weight, beside <stem>.weight_scale and \
+             <stem>.weight_scale_2"
+                .into(),
+        )
+    })?;
+    if !cols.is_multiple_of(linear::NVFP4_GROUP) {
+        return Err(bad(
+            name,
+            format!(
+                "NVFP4 needs a multiple of {} columns, found {cols}",
+                linear::NVFP4_GROUP
+            ),
+        ));
+    }
+    let sname = format!("{stem}.weight_scale");
+    let s = ck.tensor(&sname)?;
+    let want = [rows, cols / linear::NVFP4_GROUP];
+    if s.dtype() != DType::F8E4M3 || s.shape() != want {
+        return Err(bad(
+            &sname,
+            format!(
+                "expected F8_E4M3 {want:?}, found {} {:?}",
+                s.dtype(),
+                s.shape()
+            ),
+        ));
+    }
+    if let Some(i) = s.bytes.iter().position(|&b| b & 0x7f == 0x7f || b > 0x80) {
+        return Err(bad(
+            &sname,
+            format!(
+                "scale code {:#04x} at element {i} is NaN or negative",
+                s.bytes[i]
+            ),
+        ));
+    }
+    let gname = format!("{stem}.weight_scale_2");
+    let gv = ck.tensor(&gname)?;
+    let g = gv.to_f32();
+    if gv.dtype() != DType::F32 || g.len() != 1 {
+        return Err(bad(
+            &gname,
+            format!(
+                "expected one F32 value, found {} {:?}",
+                gv.dtype(),
+                gv.shape()
+            ),
+        ));
+    }
+    if !(g[0].is_finite() && g[0] >= 0.0) {
+        return Err(bad(
+            &gname,
+            format!("global scale {} is not finite and non-negative", g[0]),
+        ));
+    }
+    Ok(Format::Nvfp4 {
+        scale: mapped(ck, &s),
+        global: g[0],
+    })
+}
+
 impl Backend for CpuBackend {
     type Buf = CpuBuf;
     type Weight = CpuWeight;
@@ -184,7 +256,7 @@ impl Backend for CpuBackend {
 
     fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<CpuWeight> {
         let v = ck.tensor(name)?;
-        let (rows, cols) = matrix_shape(name, &v)?;
+        let (rows, mut cols) = matrix_shape(name, &v)?;
         let format = match v.dtype() {
             DType::BF16 => Format::Bf16,
             DType::F32 => Format::F32,
@@ -205,6 +277,10 @@ impl Backend for CpuBackend {
                     scale: s.to_f32(),
                     scale_cols: want[1],
                 }
+            }
+            DType::U8 => {
+                cols *= 2;
+                nvfp4_format(ck, name, rows, cols)?
             }
             d => {
                 return Err(BackendError::Weight {
@@ -263,6 +339,34 @@ impl Backend for CpuBackend {
 
     fn gdn_new(&self, dims: &GdnDims) -> BResult<CpuGdn> {
         Ok(CpuGdn::new(dims))
+    }
+
+    fn kv_copy(&self, src: &CpuKv, dst: &mut CpuKv) -> BResult<()> {
+        if dst.len != 0 || dst.width != src.width || dst.capacity < src.len {
+            return Err(BackendError::Shape {
+                op: "kv_copy",
+                why: format!(
+                    "source holds {} rows of width {}; destination holds {} rows of width {} with capacity {}",
+                    src.len, src.width, dst.len, dst.width, dst.capacity
+                ),
+            });
+        }
+        dst.k.extend_from_slice(&src.k);
+        dst.v.extend_from_slice(&src.v);
+        dst.len = src.len;
+        Ok(())
+    }
+
+    fn gdn_copy(&self, src: &CpuGdn, dst: &mut CpuGdn) -> BResult<()> {
+        if dst.conv.len() != src.conv.len() || dst.s.len() != src.s.len() {
+            return Err(BackendError::Shape {
+                op: "gdn_copy",
+                why: "source and destination have different GDN geometry".into(),
+            });
+        }
+        dst.conv.copy_from_slice(&src.conv);
+        dst.s.copy_from_slice(&src.s);
+        Ok(())
     }
 
     fn gather_sum(&self, tables: &[&CpuWeight], rows: &[GatherRow]) -> BResult<CpuBuf> {
@@ -558,18 +662,30 @@ impl Backend for CpuBackend {
 
     fn route(&self, logits: &CpuBuf, k: usize, keep: Option<&[bool]>) -> BResult<Route> {
         let e = logits.cols;
-        if k == 0 || k > e || keep.is_some_and(|m| m.len() != e) {
+        let kept = keep.map_or(e, |m| m.iter().filter(|&&b| b).count());
+        if k == 0 || k > kept || keep.is_some_and(|m| m.len() != e) {
             return Err(shape_err(
                 "route",
                 format!(
-                    "top-{k} of {e} experts (keep mask {:?} long)",
+                    "top-{k} of {e} experts, {kept} kept (keep mask {:?} long)",
                     keep.map(<[bool]>::len)
                 ),
             ));
         }
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
         for r in 0..logits.rows {
-            let (ids, w) = route_row(logits.row(r), k, keep);
+            let (ids, w) = route_row(logits.row(r), k, keep).ok_or_else(|| {
+                let row = logits.row(r);
+                BackendError::NonFinite {
+                    op: "route",
+                    why: format!(
+                        "row {r}: every kept router logit is NaN or -inf ({} NaN, {} -inf of {kept} \
+                         kept); the hidden state feeding the router is not finite",
+                        row.iter().filter(|v| v.is_nan()).count(),
+                        row.iter().filter(|v| **v == f32::NEG_INFINITY).count(),
+                    ),
+                }
+            })?;
             experts.push(ids);
             weights.push(w);
         }
@@ -641,30 +757,53 @@ impl Backend for CpuBackend {
     }
 }
 
-/// Softmax (over kept experts), top-k with ties to the lower index, renormalised.
-pub fn route_row(logits: &[f32], k: usize, keep: Option<&[bool]>) -> (Vec<u32>, Vec<f32>) {
+/// One row of [`Backend::route`], the reference definition every backend follows:
+///
+/// - Only kept experts (`keep[i]`, all when `None`) take part; a pruned one is never chosen.
+/// - NaN logits count as −∞. A kept expert at −∞ has probability 0; it is chosen only when fewer
+///   than `k` kept experts have a larger logit, and then with weight exactly 0.
+/// - Ranking is by logit, descending; equal logits (−0 = +0) go to the lower expert ID.
+/// - Probabilities are the softmax over the kept experts (shifted by their maximum, summed in
+///   ID order), renormalised over the chosen `k` (summed in rank order). If some kept logit is
+///   +∞, the +∞ experts share the mass equally (the softmax limit) and every other gets 0.
+/// - A row whose kept logits are all NaN or −∞ has no distribution: it is an error
+///   (`None` here, [`BackendError::NonFinite`] from `route`), never a silent pick.
+///
+/// `k` must be at most the kept count (`route` checks it).
+pub fn route_row(logits: &[f32], k: usize, keep: Option<&[bool]>) -> Option<(Vec<u32>, Vec<f32>)> {
     let kept = |i: usize| keep.is_none_or(|m| m[i]);
-    let max = logits
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| kept(*i))
-        .map(|(_, v)| *v)
+    let l = |i: usize| {
+        let v = logits[i];
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            v
+        }
+    };
+    let max = (0..logits.len())
+        .filter(|&i| kept(i))
+        .map(l)
         .fold(f32::NEG_INFINITY, f32::max);
-    let p: Vec<f32> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, v)| if kept(i) { (v - max).exp() } else { 0.0 })
+    if max == f32::NEG_INFINITY {
+        return None;
+    }
+    let p: Vec<f32> = (0..logits.len())
+        .map(|i| match (kept(i), max == f32::INFINITY) {
+            (false, _) => 0.0,
+            (true, false) => (l(i) - max).exp(),
+            (true, true) => f32::from(u8::from(l(i) == f32::INFINITY)),
+        })
         .collect();
     let sum: f32 = p.iter().sum();
     let p: Vec<f32> = p.iter().map(|v| v / sum).collect();
-    let mut order: Vec<usize> = (0..p.len()).filter(|&i| kept(i)).collect();
-    // Stable: equal probabilities keep ascending expert order.
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+    let mut order: Vec<usize> = (0..logits.len()).filter(|&i| kept(i)).collect();
+    // Stable sort on NaN-free logits: equal logits keep ascending expert order.
+    order.sort_by(|&a, &b| l(b).partial_cmp(&l(a)).unwrap_or(std::cmp::Ordering::Equal));
     order.truncate(k);
     let total: f32 = order.iter().map(|&i| p[i]).sum();
     let ids = order.iter().map(|&i| i as u32).collect();
     let w = order.iter().map(|&i| p[i] / total).collect();
-    (ids, w)
+    Some((ids, w))
 }
 
 fn check_attn(q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, width: usize) -> BResult<()> {

@@ -1,7 +1,7 @@
 //! The op-level interface every backend (CPU, CUDA, Metal) implements.
 //!
 //! Activations are 2-D row-major matrices `[rows, cols]` of f32 (or the backend's own precision);
-//! weights stay in stored precision (BF16, FP8 with 128x128 block scales) and are dequantised
+//! weights stay in stored precision (BF16, FP8 with 128x128 block scales, NVFP4) and are dequantised
 //! inside the op. Every op is row-independent: output row i depends only on input row i (and on
 //! the lane state paired with row i), never on how many rows share the call, when the call asks
 //! for [`Rows::Exact`]. That is what makes a batched frame round equal each lane's solo run.
@@ -92,6 +92,10 @@ pub enum BackendError {
     Shape { op: &'static str, why: String },
     #[error("backend: {0}")]
     Device(String),
+    /// Non-finite values where an op has no defined result (e.g. a router row whose kept
+    /// logits are all NaN or −∞).
+    #[error("{op}: {why}")]
+    NonFinite { op: &'static str, why: String },
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
 }
@@ -138,7 +142,12 @@ pub trait Backend: Send + Sync + Sized {
     fn concat_rows(&self, parts: &[&Self::Buf]) -> BResult<Self::Buf>;
 
     // ---- weights (checked against the stored shape; stored precision kept) ----
-    /// A BF16 matrix, or FP8 with its `<name>_scale_inv` when `name` is stored as F8_E4M3.
+    /// A BF16 matrix, or FP8 with its `<name>_scale_inv` when `name` is stored as F8_E4M3, or
+    /// NVFP4 when `<stem>.weight` is stored as U8 `[out, in/2]` (two E2M1 codes per byte, low
+    /// nibble = even column) beside `<stem>.weight_scale` (F8_E4M3 `[out, in/16]`) and
+    /// `<stem>.weight_scale_2` (one F32): value = e2m1 · e4m3 · f32, kept packed. The weight's
+    /// logical shape is `[out, in]`; a `<stem>.input_scale` is not read (activations stay in the
+    /// backend's precision).
     fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<Self::Weight>;
     /// Only the listed rows of a BF16 matrix, in that order (the candidate-restricted lm_head).
     fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<Self::Weight>;
@@ -149,6 +158,11 @@ pub trait Backend: Send + Sync + Sized {
     fn kv_new(&self, capacity: usize, kv_heads: usize, head_dim: usize) -> BResult<Self::Kv>;
     fn kv_len(&self, kv: &Self::Kv) -> usize;
     fn gdn_new(&self, dims: &GdnDims) -> BResult<Self::Gdn>;
+    /// Copies every row of `src` into `dst`, which must be empty with room for them (lane fork:
+    /// the reference prefill cache).
+    fn kv_copy(&self, src: &Self::Kv, dst: &mut Self::Kv) -> BResult<()>;
+    /// Copies one Gated DeltaNet layer's conv history and recurrent state.
+    fn gdn_copy(&self, src: &Self::Gdn, dst: &mut Self::Gdn) -> BResult<()>;
 
     // ---- ops ----
     /// Row i = `rows[i].scale · Σ tables[t][r]` (embedding gather with the codebook mix).
@@ -249,9 +263,13 @@ pub trait Backend: Send + Sync + Sized {
         states: &mut [&mut Self::Gdn],
     ) -> BResult<Self::Buf>;
 
-    /// Router: softmax over `logits` (`[n, E]`, f32) restricted to `keep` (experts outside it
-    /// get probability 0 before normalisation), top `k` with ties to the lower index,
-    /// renormalised over the chosen k.
+    /// Router: softmax over `logits` (`[n, E]`, f32, one column per original expert ID)
+    /// restricted to `keep` (experts outside it get probability 0 before normalisation and are
+    /// never chosen), top `k` by logit with ties to the lower ID, renormalised over the chosen k.
+    /// Non-finite logits: NaN counts as −∞; a −∞ expert has weight 0 and ranks after every
+    /// finite one; +∞ experts share the mass equally; a row whose kept logits are all NaN/−∞ is
+    /// [`BackendError::NonFinite`]. `k` above the kept count is a shape error. The CPU backend's
+    /// `route_row` is the reference.
     fn route(&self, logits: &Self::Buf, k: usize, keep: Option<&[bool]>) -> BResult<Self::Route>;
     /// The host form of a routing, for tests and traces.
     fn route_host(&self, route: &Self::Route) -> BResult<Route>;

@@ -63,6 +63,38 @@ impl<B: Backend> LaneState<B> {
         })
     }
 
+    /// A new lane of `capacity` rows holding an exact copy of this one's state (the reference
+    /// prefill cache restores a prefix this way; continuing from the copy gives the same bits).
+    pub fn fork(&self, m: &Model<B>, capacity: usize) -> Result<Self, ModelError> {
+        if capacity < self.rows {
+            return Err(ModelError::Capacity {
+                rows: self.rows,
+                add: 0,
+                capacity,
+            });
+        }
+        let mut out = Self::new(m, capacity)?;
+        let be = &m.backend;
+        for (d, s) in out.kv.iter_mut().zip(&self.kv) {
+            be.kv_copy(s, d)?;
+        }
+        for (d, s) in out.gdn.iter_mut().zip(&self.gdn) {
+            be.gdn_copy(s, d)?;
+        }
+        for (d, s) in out.tower_kv.iter_mut().zip(&self.tower_kv) {
+            be.kv_copy(s, d)?;
+        }
+        out.rows = self.rows;
+        out.tower_rows = self.tower_rows;
+        out.last_hidden = match &self.last_hidden {
+            Some(h) => Some(be.rows(h, 0, be.shape(h).0)?),
+            None => None,
+        };
+        out.last_row = self.last_row;
+        out.recent = self.recent.clone();
+        Ok(out)
+    }
+
     /// Rows this lane was sized for.
     pub fn capacity(&self) -> usize {
         self.capacity

@@ -78,6 +78,8 @@ impl Default for EngineOptions {
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct EngineStats {
+    pub prompt_cache_hits: u64,
+    pub prompt_cache_misses: u64,
     pub lanes: usize,
     pub lanes_busy: usize,
     pub queued: usize,
@@ -169,6 +171,8 @@ pub struct Engine {
     voices: VoiceCatalog,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    cache_hits: Arc<AtomicU64>,
+    cache_misses: Arc<AtomicU64>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -266,7 +270,17 @@ impl Engine {
             Condvar::new(),
         ));
         let frames_total = Arc::new(AtomicU64::new(0));
+        let cache_hits = Arc::new(AtomicU64::new(0));
+        let cache_misses = Arc::new(AtomicU64::new(0));
         let ctx = WorkerCtx {
+            cache_budget: admission::Bytes::from_gib_f64(opts.prompt_cache_gib).map(|b| b.0).unwrap_or(0),
+            cache_per_row: per_row,
+            cache_fixed: geom
+                .gdn_recurrent_bytes()
+                .and_then(|a| geom.gdn_conv_bytes().map(|b| a + b))
+                .unwrap_or(0),
+            cache_hits: Arc::clone(&cache_hits),
+            cache_misses: Arc::clone(&cache_misses),
             cfg_batched: opts.cfg.batched,
             codec: codec.clone(),
             pool: pool.clone(),
@@ -305,6 +319,8 @@ impl Engine {
             voices,
             shared,
             frames_total,
+            cache_hits,
+            cache_misses,
             worker: Mutex::new(Some(handle)),
         }))
     }
@@ -345,6 +361,8 @@ impl Engine {
     pub fn stats(&self) -> EngineStats {
         let s = self.shared.0.lock().unwrap_or_else(|e| e.into_inner());
         EngineStats {
+            prompt_cache_hits: self.cache_hits.load(Ordering::Relaxed),
+            prompt_cache_misses: self.cache_misses.load(Ordering::Relaxed),
             lanes: self.lanes,
             lanes_busy: s.busy,
             queued: s.queue.len(),
@@ -700,6 +718,64 @@ fn read_generation_defaults(dir: &Path) -> Defaults {
     d
 }
 
+fn prefix_key(rows: &[model::Row]) -> [u8; 32] {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for r in rows {
+        for v in r {
+            h.update(v.to_le_bytes());
+        }
+    }
+    h.finalize().into()
+}
+
+/// The reference prefill cache: lane snapshots after their reference prefix, LRU within a
+/// byte budget. Keys hash the prefix rows themselves, so changed references never hit.
+struct PrefixCache<B: Backend> {
+    entries: std::collections::HashMap<[u8; 32], (LaneState<B>, u64, u64)>,
+    bytes: u64,
+    budget: u64,
+    per_row: u64,
+    fixed: u64,
+    tick: u64,
+    hits: Arc<AtomicU64>,
+    misses: Arc<AtomicU64>,
+}
+
+impl<B: Backend> PrefixCache<B> {
+    fn get(&mut self, key: &[u8; 32]) -> Option<&LaneState<B>> {
+        self.tick += 1;
+        let tick = self.tick;
+        match self.entries.get_mut(key) {
+            Some(e) => {
+                e.2 = tick;
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                Some(&e.0)
+            }
+            None => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn insert(&mut self, key: [u8; 32], lane: LaneState<B>, rows: usize) {
+        let size = (rows as u64).saturating_mul(self.per_row).saturating_add(self.fixed);
+        if size > self.budget {
+            return;
+        }
+        while self.bytes + size > self.budget {
+            let Some(oldest) = self.entries.iter().min_by_key(|e| (e.1).2).map(|e| *e.0) else { break };
+            if let Some(e) = self.entries.remove(&oldest) {
+                self.bytes -= e.1;
+            }
+        }
+        self.tick += 1;
+        self.bytes += size;
+        self.entries.insert(key, (lane, size, self.tick));
+    }
+}
+
 fn to_rows(rows: &[crate::prompt::Row]) -> Vec<model::Row> {
     rows.iter()
         .map(|r| {
@@ -730,6 +806,11 @@ struct Active<B: Backend> {
 
 /// Everything the worker needs besides the model.
 struct WorkerCtx {
+    cache_budget: u64,
+    cache_per_row: u64,
+    cache_fixed: u64,
+    cache_hits: Arc<AtomicU64>,
+    cache_misses: Arc<AtomicU64>,
     cfg_batched: bool,
     codec: Codec,
     pool: KvPool,
@@ -747,6 +828,16 @@ fn spawn_worker<B: Backend + 'static>(
     let name = backend.name().to_string();
     let model = Model::load(ck, backend).map_err(err)?;
     let worker = Worker {
+        cache: std::cell::RefCell::new(PrefixCache {
+            entries: Default::default(),
+            bytes: 0,
+            budget: ctx.cache_budget,
+            per_row: ctx.cache_per_row,
+            fixed: ctx.cache_fixed,
+            tick: 0,
+            hits: Arc::clone(&ctx.cache_hits),
+            misses: Arc::clone(&ctx.cache_misses),
+        }),
         model,
         cfg_batched: ctx.cfg_batched,
         codec: ctx.codec,
@@ -763,6 +854,7 @@ fn spawn_worker<B: Backend + 'static>(
 }
 
 struct Worker<B: Backend> {
+    cache: std::cell::RefCell<PrefixCache<B>>,
     model: Model<B>,
     cfg_batched: bool,
     codec: Codec,
@@ -880,8 +972,28 @@ impl<B: Backend> Worker<B> {
         if a.segment > 0 {
             a.lane = self.model.new_lane(a.job.rows as usize).map_err(|e| e.to_string())?;
         }
-        let rows = to_rows(&a.job.segments[a.segment].0.rows);
-        self.model.prefill(&mut a.lane, &rows).map_err(|e| e.to_string())?;
+        let seg = &a.job.segments[a.segment].0;
+        let rows = to_rows(&seg.rows);
+        let p = seg.prefix_rows;
+        if p > 0 && p < rows.len() {
+            // The reference prefix: restored from the cache or prefilled (and then cached).
+            let capacity = a.lane.capacity();
+            let key = prefix_key(&rows[..p]);
+            let mut cache = self.cache.borrow_mut();
+            match cache.get(&key) {
+                Some(lane) => a.lane = lane.fork(&self.model, capacity).map_err(|e| e.to_string())?,
+                None => {
+                    self.model.prefill(&mut a.lane, &rows[..p]).map_err(|e| e.to_string())?;
+                    if let Ok(copy) = a.lane.fork(&self.model, p) {
+                        cache.insert(key, copy, p);
+                    }
+                }
+            }
+            drop(cache);
+            self.model.prefill(&mut a.lane, &rows[p..]).map_err(|e| e.to_string())?;
+        } else {
+            self.model.prefill(&mut a.lane, &rows).map_err(|e| e.to_string())?;
+        }
         if let Some((_, un)) = &a.job.guidance {
             let seg = &a.job.segments[a.segment];
             let urows = to_rows(&un[a.segment].rows);

@@ -42,6 +42,9 @@ pub struct PromptSpec {
 #[derive(Debug, Clone)]
 pub struct Prompt {
     pub rows: Vec<Row>,
+    /// Rows through the last reference frame (0 without references): the prefix the reference
+    /// prefill cache keys on. Every prefill splits here, cached or not, so a hit equals a miss.
+    pub prefix_rows: usize,
     pub text_tokens: usize,
     pub structural_tokens: usize,
     pub reference_transcript_tokens: usize,
@@ -193,6 +196,7 @@ impl<'a> PromptBuilder<'a> {
             }
             ref_frames += r.codes.len();
         }
+        let prefix_rows = if refs.is_empty() { 0 } else { rows.len() };
         structural += self.push_text(&mut rows, "<|im_end|>\n")?;
         structural += self.push_text(&mut rows, "<|im_start|>user\n")?;
         let text_tokens = self.push_text(&mut rows, &tag_user(text))?;
@@ -200,6 +204,7 @@ impl<'a> PromptBuilder<'a> {
         structural += self.push_text(&mut rows, "<|im_start|>assistant\n<|voice|>")?;
         Ok(Prompt {
             rows,
+            prefix_rows,
             text_tokens,
             structural_tokens: structural,
             reference_transcript_tokens: ref_tokens,
