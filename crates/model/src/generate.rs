@@ -229,7 +229,7 @@ impl<B: Backend> Model<B> {
         let mut sub_u: Vec<&mut LaneState<B>> = Vec::new();
         let mut frames_u: Vec<Row> = Vec::new();
         let batched = guidance.as_deref().map(|g| g.batched).unwrap_or(false);
-        if let Some(gd) = guidance.as_deref_mut() {
+        if let Some(gd) = guidance {
             let mut want = active.iter().enumerate().peekable();
             for (i, u) in gd.uncond.iter_mut().enumerate() {
                 if let Some(&(j, &a)) = want.peek() {
