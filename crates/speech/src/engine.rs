@@ -230,27 +230,42 @@ impl Engine {
             .map_err(|e| SpeechError::Engine(e.to_string()))?;
         let lanes = opts.parallel.max(1);
         let queue_cap = opts.queue.unwrap_or(4 * lanes);
-        // CPU keeps KV in f32: the pool holds C rows per lane, checked against the host budget.
-        let geom = crate::builtin::admission_geometry(&ck).map_err(err)?;
+        // The memory plan of ADMISSION.md, before anything else is allocated: weights, per-lane
+        // state, KV pool (C rows per lane), codec, PCM, caches, against the host budget.
+        let mut geom = crate::builtin::admission_geometry(&ck).map_err(err)?;
+        geom.codec.sample_rate = u64::from(codec.sample_rate());
+        geom.codec.frame_length = codec.frame_length() as u64;
+        geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
+        geom.codec.workspace_bytes_per_lane = codec.decoder_workspace_bytes(1) as u64;
+        let kv_bytes = match opts.backend {
+            BackendChoice::Cpu => 4,
+            BackendChoice::Cuda => 2,
+        };
         let per_row = geom
-            .backbone_kv_bytes_per_row(4)
-            .and_then(|a| geom.tower_kv_bytes_per_row(4).map(|b| a + b))
+            .backbone_kv_bytes_per_row(kv_bytes)
+            .and_then(|a| geom.tower_kv_bytes_per_row(kv_bytes).map(|b| a + b))
             .map_err(|e| SpeechError::Engine(e.to_string()))?;
         let pool_rows = window
             .checked_mul(lanes as u64)
             .ok_or_else(|| SpeechError::Engine("window x lanes overflows".into()))?;
-        let host_budget = match opts.host_gib {
-            Some(g) => (g * (1u64 << 30) as f64) as u64,
-            None => admission::host_mem_available().map(|b| b.0).unwrap_or(u64::MAX),
-        };
-        let pool_bytes = pool_rows.saturating_mul(per_row);
-        if pool_bytes > host_budget {
-            let fit_rows = host_budget / per_row.max(1);
+        let mut req = admission::PlanRequest::new(match opts.backend {
+            BackendChoice::Cpu => admission::Backend::Cpu,
+            BackendChoice::Cuda => admission::Backend::Cuda,
+        });
+        req.context = Some(Window(window));
+        req.lanes = Lanes(lanes as u64);
+        req.cfg = opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
+        req.prompt_cache = admission::Bytes::from_gib_f64(opts.prompt_cache_gib).unwrap_or(admission::Bytes(0));
+        req.limits = opts.limits;
+        // Replies are streamed to their caller chunk by chunk; the engine keeps no whole buffer.
+        req.reply = admission::ReplyMode::Streamed;
+        let host_flag = opts.host_gib.and_then(admission::Bytes::from_gib_f64);
+        req.host_budget = admission::MemoryBudget::choose(host_flag, admission::host_mem_available());
+        let plan = admission::plan(&geom, &req);
+        if !plan.is_admitted() {
             return Err(SpeechError::Engine(format!(
-                "the KV pool for a window of {window} rows x {lanes} lanes needs {pool_bytes} bytes of host memory, \
-                 more than the {host_budget}-byte budget; the largest window that fits with {lanes} lanes is {} rows \
-                 (use --context or --parallel)",
-                fit_rows / lanes as u64
+                "start-up refused by the memory plan (use --context, --parallel or --host-gib):\n{}",
+                plan.render_table()
             )));
         }
         let pool = KvPool::new(Rows(pool_rows), Lanes(lanes as u64))
