@@ -13,7 +13,10 @@ fn main() {
         .ok()
         .map(|o| !o.stdout.is_empty())
         .unwrap_or(false);
-    println!("cargo:rustc-env=DRAMATIS_GIT={rev}{}", if dirty { "-dirty" } else { "" });
+    println!(
+        "cargo:rustc-env=DRAMATIS_GIT={rev}{}",
+        if dirty { "-dirty" } else { "" }
+    );
     println!("cargo:rerun-if-changed=../../.git/HEAD");
     println!("cargo:rerun-if-changed=../../.git/index");
 }

@@ -1,7 +1,7 @@
 //! backend-cpu: the reference [`Backend`]. f32 activations and KV; weights read from the mmap in
-//! stored precision (BF16, FP8 block-scaled) and dequantised inside each op; threads via rayon,
-//! prefill matmuls via `matrixmultiply`. Every `Rows::Exact` op computes a row by the same
-//! arithmetic whatever the batch, so batched decode equals solo decode bit for bit.
+//! stored precision (BF16, FP8 block-scaled, NVFP4 packed) and dequantised inside each op;
+//! threads via rayon, prefill matmuls via `matrixmultiply`. Every `Rows::Exact` op computes a row
+//! by the same arithmetic whatever the batch, so batched decode equals solo decode bit for bit.
 //!
 //! It is not the fast path (CUDA is); it is the one every test and golden runs on.
 

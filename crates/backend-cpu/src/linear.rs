@@ -1,5 +1,9 @@
 //! Weights in stored precision and the matmuls that read them.
 //!
+//! Stored formats: BF16, F32, FP8 (E4M3 with one f32 per 128x128 block) and NVFP4 (two E2M1 codes
+//! per byte, low nibble = even column, one E4M3 scale per 16 columns, one f32 global scale). The
+//! quantised forms are never expanded in memory: codes and E4M3 scales stay on the mmap.
+//!
 //! Decode (`Rows::Exact`): each weight row is dequantised once into f32 and dotted with every
 //! input row by one fixed-order kernel, so a row's result never depends on the batch.
 //! Prefill (`Rows::Bulk`): weight tiles are dequantised to f32 and multiplied with
@@ -7,12 +11,20 @@
 
 use std::sync::Arc;
 
-use checkpoint::dtype::{bf16_to_f32, f8_table};
+use checkpoint::dtype::{bf16_to_f32, e2m1_to_f32, f8_table};
 use checkpoint::store::Shard;
 use rayon::prelude::*;
 
 /// FP8 block edge (DRAMA3.md §3.3).
 pub const FP8_BLOCK: usize = 128;
+/// NVFP4 scale group: one E4M3 `weight_scale` per this many consecutive columns of a row.
+pub const NVFP4_GROUP: usize = 16;
+
+/// The 16 E2M1 values by nibble (bit 3 = sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+fn e2m1_table() -> &'static [f32; 16] {
+    static T: std::sync::OnceLock<[f32; 16]> = std::sync::OnceLock::new();
+    T.get_or_init(|| std::array::from_fn(|n| e2m1_to_f32(n as u8)))
+}
 
 /// Bytes of a tensor: a range of a memory-mapped shard, or a copy (gathered rows).
 pub enum Bytes {
@@ -42,6 +54,14 @@ pub enum Format {
         scale_cols: usize,
     },
     F32,
+    /// NVFP4 (ModelOpt): `bytes` holds `[rows, cols/2]` packed E2M1 codes (low nibble = even
+    /// column); `scale` holds the `[rows, cols/16]` E4M3 `weight_scale` codes, also in stored
+    /// form; `global` is `weight_scale_2`. Value = `(e2m1 · e4m3) · global`: the first product is
+    /// exact in f32, so each dequantised value is the correctly rounded exact product.
+    Nvfp4 {
+        scale: Bytes,
+        global: f32,
+    },
 }
 
 /// A `[rows, cols]` matrix in stored precision.
@@ -53,6 +73,30 @@ pub struct CpuWeight {
 }
 
 impl CpuWeight {
+    /// Bytes this matrix occupies in its stored form (codes plus scales), mapped or owned.
+    pub fn stored_bytes(&self) -> usize {
+        self.bytes.get().len()
+            + match &self.format {
+                Format::Bf16 | Format::F32 => 0,
+                Format::Fp8 { scale, .. } => scale.len() * 4,
+                Format::Nvfp4 { scale, .. } => scale.get().len() + 4,
+            }
+    }
+
+    /// Bytes held in process memory rather than on the mmap (copies, decoded scales).
+    pub fn owned_bytes(&self) -> usize {
+        let own = |b: &Bytes| match b {
+            Bytes::Mapped { .. } => 0,
+            Bytes::Owned(v) => v.len(),
+        };
+        own(&self.bytes)
+            + match &self.format {
+                Format::Bf16 | Format::F32 => 0,
+                Format::Fp8 { scale, .. } => scale.len() * 4,
+                Format::Nvfp4 { scale, .. } => own(scale),
+            }
+    }
+
     /// Dequantises row `r` into `out` (`cols` values), exactly as the stored value times scale.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         let c = self.cols;
@@ -82,6 +126,23 @@ impl CpuWeight {
                     let m = srow[blk];
                     for (o, &q) in o.iter_mut().zip(s) {
                         *o = t[q as usize] * m;
+                    }
+                }
+            }
+            Format::Nvfp4 { scale, global } => {
+                let (t, e) = (f8_table(), e2m1_table());
+                let src = &b[r * c / 2..(r + 1) * c / 2];
+                let groups = c / NVFP4_GROUP;
+                let srow = &scale.get()[r * groups..(r + 1) * groups];
+                for ((o, p), &sc) in out
+                    .chunks_exact_mut(NVFP4_GROUP)
+                    .zip(src.chunks_exact(NVFP4_GROUP / 2))
+                    .zip(srow)
+                {
+                    let s = t[sc as usize];
+                    for (o, &q) in o.chunks_exact_mut(2).zip(p) {
+                        o[0] = (e[(q & 15) as usize] * s) * global;
+                        o[1] = (e[(q >> 4) as usize] * s) * global;
                     }
                 }
             }

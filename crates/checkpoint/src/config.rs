@@ -214,7 +214,10 @@ impl Config {
                 ),
             ));
         }
-        if !t.linear_num_value_heads.is_multiple_of(t.linear_num_key_heads) {
+        if !t
+            .linear_num_value_heads
+            .is_multiple_of(t.linear_num_key_heads)
+        {
             return Err(bad(
                 "text_config.linear_num_key_heads",
                 format!(

@@ -39,7 +39,13 @@ struct RunResult {
     audio_seconds: f64,
 }
 
-fn one_run(eng: &Arc<Engine>, lanes: usize, frames: u64, text: &str, run: usize) -> Result<RunResult> {
+fn one_run(
+    eng: &Arc<Engine>,
+    lanes: usize,
+    frames: u64,
+    text: &str,
+    run: usize,
+) -> Result<RunResult> {
     let t0 = Instant::now();
     let handles = (0..lanes)
         .map(|i| {
@@ -119,7 +125,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "time_to_first_audio_s_median": median(ttfa),
             "real_time_factor_median": median(rtf),
         }));
-        eprintln!("lanes {lanes}: {}", results.last().map(|v| v.to_string()).unwrap_or_default());
+        eprintln!(
+            "lanes {lanes}: {}",
+            results.last().map(|v| v.to_string()).unwrap_or_default()
+        );
     }
     let facts = eng.facts();
     let receipt = json!({
@@ -153,7 +162,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     for r in &receipt["results"].as_array().cloned().unwrap_or_default() {
         println!(
             "| {} | {:.1} | {:.1} | {:.4} | {:.4} |",
-            r["lanes"], r["aggregate_frames_per_s_median"].as_f64().unwrap_or(0.0),
+            r["lanes"],
+            r["aggregate_frames_per_s_median"].as_f64().unwrap_or(0.0),
             r["per_lane_frames_per_s_median"].as_f64().unwrap_or(0.0),
             r["time_to_first_audio_s_median"].as_f64().unwrap_or(0.0),
             r["real_time_factor_median"].as_f64().unwrap_or(0.0)
@@ -166,7 +176,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn machine() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_default();
     json!({
         "cpu": cpu,

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use speech::{Engine, EngineOptions, JobEvent, ReferenceAudio, ReferenceInput, Split, SynthesisRequest};
+use speech::{
+    Engine, EngineOptions, JobEvent, ReferenceAudio, ReferenceInput, Split, SynthesisRequest,
+};
 
 #[derive(Parser)]
 #[command(
@@ -242,7 +244,10 @@ enum Cmd {
         /// Lane counts to measure, comma separated.
         #[arg(long, value_delimiter = ',', default_value = "1,4")]
         lanes: Vec<usize>,
-        #[arg(long, default_value = "A quick benchmark sentence for the engine, read once.")]
+        #[arg(
+            long,
+            default_value = "A quick benchmark sentence for the engine, read once."
+        )]
         text: String,
         /// Receipt path (JSON); without it the receipt goes to stdout.
         #[arg(long)]
@@ -259,7 +264,8 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DRAMATIS_LOG").unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_env("DRAMATIS_LOG")
+                .unwrap_or_else(|_| "warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -352,13 +358,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Inspect { dir, json } => {
-            let r = checkpoint::inspect::inspect(&dir).with_context(|| format!("inspecting {}", dir.display()))?;
+            let r = checkpoint::inspect::inspect(&dir)
+                .with_context(|| format!("inspecting {}", dir.display()))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{}", checkpoint::inspect::render(&r));
             }
-            Ok(if r.admitted() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if r.admitted() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Cmd::Plan {
             model,
@@ -406,7 +417,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             out,
             match experts {
                 ExpertsArg::Fp8 => checkpoint::fixture::FixtureExperts::Fp8,
-                ExpertsArg::Nvfp4Pruned => checkpoint::fixture::FixtureExperts::Nvfp4Pruned { keep },
+                ExpertsArg::Nvfp4Pruned => {
+                    checkpoint::fixture::FixtureExperts::Nvfp4Pruned { keep }
+                }
             },
             manifest_only,
         ),
@@ -426,7 +439,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 report.cases - report.failures,
                 report.failures
             );
-            Ok(if report.failures == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(if report.failures == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
         }
         Cmd::Bench {
             model,
@@ -512,13 +529,17 @@ fn say(a: SayArgs) -> Result<ExitCode> {
         },
         ..Default::default()
     };
-    let mut h = eng.submit(req).map_err(|e| anyhow!("refused ({}): {}", e.code, e.message))?;
+    let mut h = eng
+        .submit(req)
+        .map_err(|e| anyhow!("refused ({}): {}", e.code, e.message))?;
     let frame_len = eng.codec().frame_length() as u64;
     let rate = eng.codec().sample_rate();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} frames {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} frames {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let mut pcm: Vec<f32> = Vec::new();
     let summary = loop {
@@ -587,9 +608,9 @@ struct PlanArgs {
 fn gib(flag: &str, v: Option<f64>) -> Result<Option<admission::Bytes>> {
     match v {
         None => Ok(None),
-        Some(g) => admission::Bytes::from_gib_f64(g)
-            .map(Some)
-            .ok_or_else(|| anyhow!("{flag} {g}: must be a finite, non-negative number of GiB below 2^64 bytes")),
+        Some(g) => admission::Bytes::from_gib_f64(g).map(Some).ok_or_else(|| {
+            anyhow!("{flag} {g}: must be a finite, non-negative number of GiB below 2^64 bytes")
+        }),
     }
 }
 
@@ -602,7 +623,8 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
                 Some(s) => checkpoint::manifest::detect_expert_format(&cfg, s)?,
                 None => checkpoint::ExpertFormat::Fp8Block128,
             };
-            speech::builtin::geometry_from_config(&cfg, &experts, &dir.display().to_string()).map_err(|e| anyhow!(e))?
+            speech::builtin::geometry_from_config(&cfg, &experts, &dir.display().to_string())
+                .map_err(|e| anyhow!(e))?
         }
         (None, Some(GeometryArg::Tiny)) => admission::ModelGeometry::tiny(),
         (None, Some(GeometryArg::Drama3)) | (None, None) => admission::ModelGeometry::drama3(),
@@ -622,9 +644,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     if a.streamed {
         req.reply = admission::ReplyMode::Streamed;
     }
-    req.prompt_cache = gib("--prompt-cache-gib", Some(a.prompt_cache_gib))?.unwrap_or(admission::Bytes(0));
+    req.prompt_cache =
+        gib("--prompt-cache-gib", Some(a.prompt_cache_gib))?.unwrap_or(admission::Bytes(0));
     let detected_host = admission::host_mem_available();
-    req.host_budget = admission::MemoryBudget::choose(gib("--host-gib", a.host_gib)?, detected_host);
+    req.host_budget =
+        admission::MemoryBudget::choose(gib("--host-gib", a.host_gib)?, detected_host);
     req.device_budget = admission::MemoryBudget::choose(gib("--device-gib", a.device_gib)?, None);
     let p = admission::plan(&geom, &req);
     if a.json {
@@ -632,13 +656,18 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     } else {
         print!("{}", p.render_table());
     }
-    Ok(if p.is_admitted() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if p.is_admitted() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn voices(cmd: VoicesCmd) -> Result<ExitCode> {
     let open = |dir: Option<PathBuf>| {
         let d = dir.unwrap_or_else(speech::voices::VoiceCatalog::default_dir);
-        speech::voices::VoiceCatalog::open(&d, 2048.0 / 44100.0).with_context(|| format!("voice catalog {}", d.display()))
+        speech::voices::VoiceCatalog::open(&d, 2048.0 / 44100.0)
+            .with_context(|| format!("voice catalog {}", d.display()))
     };
     match cmd {
         VoicesCmd::Add {
@@ -654,8 +683,11 @@ fn voices(cmd: VoicesCmd) -> Result<ExitCode> {
                 ..Default::default()
             })
             .map_err(|e| anyhow!("{e}"))?;
-            let bytes = std::fs::read(&clip).with_context(|| format!("reading {}", clip.display()))?;
-            let info = eng.add_voice(&name, &bytes, &text).map_err(|e| anyhow!("{}", e.message))?;
+            let bytes =
+                std::fs::read(&clip).with_context(|| format!("reading {}", clip.display()))?;
+            let info = eng
+                .add_voice(&name, &bytes, &text)
+                .map_err(|e| anyhow!("{}", e.message))?;
             println!(
                 "added voice {:?}: {} frames ({:.2} s) in {}",
                 info.name,
@@ -674,7 +706,10 @@ fn voices(cmd: VoicesCmd) -> Result<ExitCode> {
                 println!("no voices in {}", c.dir().display());
             } else {
                 for v in list {
-                    println!("{:<24} {:>5} frames {:>7.2} s  {}", v.name, v.frames, v.audio_seconds, v.transcript);
+                    println!(
+                        "{:<24} {:>5} frames {:>7.2} s  {}",
+                        v.name, v.frames, v.audio_seconds, v.transcript
+                    );
                 }
             }
         }

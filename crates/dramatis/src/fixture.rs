@@ -14,18 +14,31 @@ pub fn run(
     manifest_only: bool,
 ) -> Result<ExitCode> {
     if manifest_only {
-        print!("{}", checkpoint::fixture::resolve_experts(geometry, &experts, seed).and_then(|f| checkpoint::fixture::manifest_listing(geometry, &f)).map_err(|e| anyhow!("{e}"))?);
+        print!(
+            "{}",
+            checkpoint::fixture::resolve_experts(geometry, &experts, seed)
+                .and_then(|f| checkpoint::fixture::manifest_listing(geometry, &f))
+                .map_err(|e| anyhow!("{e}"))?
+        );
         return Ok(ExitCode::SUCCESS);
     }
-    let Some(out) = out else { bail!("--out DIR is required to write a checkpoint") };
+    let Some(out) = out else {
+        bail!("--out DIR is required to write a checkpoint")
+    };
     let codec = match geometry {
-        Geometry::Tiny => Some(CodecSource::Bytes(speech::builtin::tiny_codec_pth().to_vec())),
-        Geometry::Drama3 => Some(CodecSource::Bytes(crate::synth_codec::drama3_codec_pth(seed)?)),
+        Geometry::Tiny => Some(CodecSource::Bytes(
+            speech::builtin::tiny_codec_pth().to_vec(),
+        )),
+        Geometry::Drama3 => Some(CodecSource::Bytes(crate::synth_codec::drama3_codec_pth(
+            seed,
+        )?)),
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("[{elapsed_precise}] {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "[{elapsed_precise}] {bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let opts = FixtureOptions {
         geometry,
@@ -42,7 +55,10 @@ pub fn run(
     .map_err(|e| anyhow!("{e}"))?;
     bar.finish_and_clear();
     if geometry == Geometry::Tiny {
-        std::fs::write(out.join("codec_config.json"), speech::builtin::tiny_codec_config())?;
+        std::fs::write(
+            out.join("codec_config.json"),
+            speech::builtin::tiny_codec_config(),
+        )?;
     }
     println!(
         "wrote {}: {} tensors, {} bytes in {} shard(s), experts {}, in {:.1} s",

@@ -15,7 +15,9 @@ pub fn kernel_contract(only: Option<&str>) -> Result<ExitCode> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn kernel_contract(_only: Option<&str>) -> Result<ExitCode> {
-    anyhow::bail!("this build has no CUDA backend: rebuild with `cargo build --release --features cuda`")
+    anyhow::bail!(
+        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -26,5 +28,8 @@ pub fn golden_cuda(dir: &std::path::Path) -> Result<speech::golden::GoldenReport
 
 #[cfg(not(feature = "cuda"))]
 pub fn golden_cuda(_dir: &std::path::Path) -> Result<speech::golden::GoldenReport, String> {
-    Err("this build has no CUDA backend: rebuild with `cargo build --release --features cuda`".into())
+    Err(
+        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
+            .into(),
+    )
 }

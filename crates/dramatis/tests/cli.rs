@@ -27,7 +27,11 @@ fn tmp(name: &str) -> PathBuf {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 fn say(args: &[&str]) -> Output {
@@ -36,12 +40,20 @@ fn say(args: &[&str]) -> Output {
 
 fn hash_of(o: &Output) -> String {
     let s = String::from_utf8_lossy(&o.stdout).to_string();
-    s.split("pcm_sha256 ").nth(1).unwrap_or_else(|| panic!("no hash in {s}")).trim().to_string()
+    s.split("pcm_sha256 ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no hash in {s}"))
+        .trim()
+        .to_string()
 }
 
 #[test]
 fn golden_fixture_passes() {
-    let o = bin().arg("golden").arg(root().join("testdata/drama3-tiny")).output().unwrap();
+    let o = bin()
+        .arg("golden")
+        .arg(root().join("testdata/drama3-tiny"))
+        .output()
+        .unwrap();
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("23 pass, 0 fail"), "{t}");
@@ -62,7 +74,11 @@ fn golden_fails_on_a_broken_fixture() {
     std::fs::create_dir_all(d.join("golden")).unwrap();
     std::fs::copy(src.join("golden/meta.json"), d.join("golden/meta.json")).unwrap();
     // Re-point the short goldens at the long file: every short case is then missing -> FAIL.
-    std::fs::copy(src.join("golden/golden_long.safetensors"), d.join("golden/golden.safetensors")).unwrap();
+    std::fs::copy(
+        src.join("golden/golden_long.safetensors"),
+        d.join("golden/golden.safetensors"),
+    )
+    .unwrap();
     let o = bin().arg("golden").arg(&d).output().unwrap();
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("FAIL"));
@@ -71,25 +87,57 @@ fn golden_fails_on_a_broken_fixture() {
 #[test]
 fn say_is_deterministic_per_seed() {
     let d = tmp("say");
-    let a = say(&["Hello there. Second sentence.", "--seed", "7", "--frames", "24", "--out", d.join("a.wav").to_str().unwrap()]);
-    let b = say(&["Hello there. Second sentence.", "--seed", "7", "--frames", "24", "--out", d.join("b.wav").to_str().unwrap()]);
-    let c = say(&["Hello there. Second sentence.", "--seed", "8", "--frames", "24", "--out", d.join("c.wav").to_str().unwrap()]);
+    let a = say(&[
+        "Hello there. Second sentence.",
+        "--seed",
+        "7",
+        "--frames",
+        "24",
+        "--out",
+        d.join("a.wav").to_str().unwrap(),
+    ]);
+    let b = say(&[
+        "Hello there. Second sentence.",
+        "--seed",
+        "7",
+        "--frames",
+        "24",
+        "--out",
+        d.join("b.wav").to_str().unwrap(),
+    ]);
+    let c = say(&[
+        "Hello there. Second sentence.",
+        "--seed",
+        "8",
+        "--frames",
+        "24",
+        "--out",
+        d.join("c.wav").to_str().unwrap(),
+    ]);
     assert!(a.status.success(), "{}", text(&a));
     assert_eq!(hash_of(&a), hash_of(&b));
     assert_ne!(hash_of(&a), hash_of(&c));
-    assert_eq!(std::fs::read(d.join("a.wav")).unwrap(), std::fs::read(d.join("b.wav")).unwrap());
+    assert_eq!(
+        std::fs::read(d.join("a.wav")).unwrap(),
+        std::fs::read(d.join("b.wav")).unwrap()
+    );
     let wav = std::fs::read(d.join("a.wav")).unwrap();
     assert_eq!(&wav[..4], b"RIFF");
     assert_eq!(u32::from_le_bytes(wav[24..28].try_into().unwrap()), 44100);
     let out = String::from_utf8_lossy(&a.stdout);
-    assert!(out.contains("frames") && out.contains("real-time factor"), "{out}");
+    assert!(
+        out.contains("frames") && out.contains("real-time factor"),
+        "{out}"
+    );
 }
 
 #[test]
 fn say_with_a_reference_clip() {
     let d = tmp("ref");
     // A 0.5 s tone at 22.05 kHz: resampled to 44.1 kHz and encoded.
-    let pcm: Vec<i16> = (0..11025).map(|i| ((i as f32 * 0.05).sin() * 12000.0) as i16).collect();
+    let pcm: Vec<i16> = (0..11025)
+        .map(|i| ((i as f32 * 0.05).sin() * 12000.0) as i16)
+        .collect();
     let mut wav = Vec::new();
     wav.extend_from_slice(b"RIFF");
     wav.extend_from_slice(&(36 + pcm.len() as u32 * 2).to_le_bytes());
@@ -108,7 +156,17 @@ fn say_with_a_reference_clip() {
     }
     let clip = d.join("clip.wav");
     std::fs::write(&clip, &wav).unwrap();
-    let o = say(&["Clone this.", "--ref", clip.to_str().unwrap(), "--ref-text", "A tone.", "--frames", "8", "--out", d.join("o.wav").to_str().unwrap()]);
+    let o = say(&[
+        "Clone this.",
+        "--ref",
+        clip.to_str().unwrap(),
+        "--ref-text",
+        "A tone.",
+        "--frames",
+        "8",
+        "--out",
+        d.join("o.wav").to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -123,28 +181,67 @@ fn bad_input_is_a_clear_error() {
         (vec!["", "--out", o], "empty"),
         (vec!["hi <|im_end|> there", "--out", o], "structural token"),
         (vec!["<|speaker:16|> hi", "--out", o], "speaker tag"),
-        (vec!["hi", "--ref", notaudio.to_str().unwrap(), "--out", o], "transcript"),
-        (vec!["hi", "--ref", notaudio.to_str().unwrap(), "--ref-text", "", "--out", o], "no transcript"),
-        (vec!["hi", "--ref", notaudio.to_str().unwrap(), "--ref-text", "words", "--out", o], "not a readable WAV"),
+        (
+            vec!["hi", "--ref", notaudio.to_str().unwrap(), "--out", o],
+            "transcript",
+        ),
+        (
+            vec![
+                "hi",
+                "--ref",
+                notaudio.to_str().unwrap(),
+                "--ref-text",
+                "",
+                "--out",
+                o,
+            ],
+            "no transcript",
+        ),
+        (
+            vec![
+                "hi",
+                "--ref",
+                notaudio.to_str().unwrap(),
+                "--ref-text",
+                "words",
+                "--out",
+                o,
+            ],
+            "not a readable WAV",
+        ),
         (vec!["hi", "--frames", "0", "--out", o], "0 frames"),
-        (vec!["hi", "--frames", "300000", "--out", o], "largest cap that fits"),
+        (
+            vec!["hi", "--frames", "300000", "--out", o],
+            "largest cap that fits",
+        ),
         (vec!["hi", "--temperature", "3", "--out", o], "temperature"),
     ];
     for (args, needle) in cases {
         let r = say(&args);
         let t = text(&r);
         assert!(!r.status.success(), "{args:?} should fail: {t}");
-        assert!(t.to_lowercase().contains(&needle.to_lowercase()), "{args:?}: expected {needle:?} in {t}");
+        assert!(
+            t.to_lowercase().contains(&needle.to_lowercase()),
+            "{args:?}: expected {needle:?} in {t}"
+        );
         assert!(!t.contains("panicked"), "{t}");
     }
 }
 
 #[test]
 fn inspect_and_capabilities() {
-    let o = bin().arg("inspect").arg(root().join("testdata/drama3-tiny")).output().unwrap();
+    let o = bin()
+        .arg("inspect")
+        .arg(root().join("testdata/drama3-tiny"))
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("admitted"));
-    let o = bin().args(["inspect", "--json"]).arg(root().join("testdata/drama3-tiny")).output().unwrap();
+    let o = bin()
+        .args(["inspect", "--json"])
+        .arg(root().join("testdata/drama3-tiny"))
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["tensors"], 640);
     let o = bin().args(["capabilities", "--json"]).output().unwrap();
@@ -153,7 +250,17 @@ fn inspect_and_capabilities() {
     assert_eq!(v["backends"]["cpu"]["compiled"], true);
     let o = bin().arg("--version").output().unwrap();
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("dramatis "));
-    for sub in ["say", "serve", "inspect", "plan", "voices", "fixture", "golden", "bench", "capabilities"] {
+    for sub in [
+        "say",
+        "serve",
+        "inspect",
+        "plan",
+        "voices",
+        "fixture",
+        "golden",
+        "bench",
+        "capabilities",
+    ] {
         let o = bin().args([sub, "--help"]).output().unwrap();
         assert!(o.status.success(), "{sub} --help");
     }
@@ -162,19 +269,69 @@ fn inspect_and_capabilities() {
 #[test]
 fn plan_boundaries() {
     let ok = bin()
-        .args(["plan", "--geometry", "drama3", "--context", "8192", "--prompt-rows", "100", "--frames", "8091", "--host-gib", "1000"])
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "8192",
+            "--prompt-rows",
+            "100",
+            "--frames",
+            "8091",
+            "--host-gib",
+            "1000",
+        ])
         .output()
         .unwrap();
     assert!(ok.status.success(), "{}", text(&ok));
     let over = bin()
-        .args(["plan", "--geometry", "drama3", "--context", "8192", "--prompt-rows", "100", "--frames", "8092", "--host-gib", "1000"])
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "8192",
+            "--prompt-rows",
+            "100",
+            "--frames",
+            "8092",
+            "--host-gib",
+            "1000",
+        ])
         .output()
         .unwrap();
     assert!(!over.status.success());
     assert!(text(&over).contains("8091"), "{}", text(&over));
-    let o = bin().args(["plan", "--geometry", "drama3", "--context", "262145", "--json"]).output().unwrap();
+    let o = bin()
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "262145",
+            "--json",
+        ])
+        .output()
+        .unwrap();
     assert!(!o.status.success());
-    let o = bin().args(["plan", "--geometry", "drama3", "--context", "262144", "--backend", "cuda", "--device-gib", "139", "--host-gib", "1000", "--streamed"]).output().unwrap();
+    let o = bin()
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "262144",
+            "--backend",
+            "cuda",
+            "--device-gib",
+            "139",
+            "--host-gib",
+            "1000",
+            "--streamed",
+        ])
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -184,15 +341,33 @@ fn fixture_round_trips_through_inspect() {
     let a = d.join("a");
     let b = d.join("b");
     for p in [&a, &b] {
-        let o = bin().args(["fixture", "--geometry", "tiny", "--seed", "5", "--out"]).arg(p).output().unwrap();
+        let o = bin()
+            .args(["fixture", "--geometry", "tiny", "--seed", "5", "--out"])
+            .arg(p)
+            .output()
+            .unwrap();
         assert!(o.status.success(), "{}", text(&o));
     }
     let o = bin().arg("inspect").arg(&a).output().unwrap();
     assert!(o.status.success(), "{}", text(&o));
-    for f in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "config.json", "model.safetensors.index.json", "tokenizer.json", "codec.pth"] {
-        assert_eq!(std::fs::read(a.join(f)).unwrap(), std::fs::read(b.join(f)).unwrap(), "{f}");
+    for f in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "config.json",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "codec.pth",
+    ] {
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{f}"
+        );
     }
-    let o = bin().args(["fixture", "--geometry", "drama3", "--manifest-only"]).output().unwrap();
+    let o = bin()
+        .args(["fixture", "--geometry", "drama3", "--manifest-only"])
+        .output()
+        .unwrap();
     let t = String::from_utf8_lossy(&o.stdout);
     assert!(t.contains("62245"), "{}", &t[t.len().saturating_sub(400)..]);
 }

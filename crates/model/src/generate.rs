@@ -144,15 +144,24 @@ impl<B: Backend> Model<B> {
             None => (self.main_logits(lanes)?, Vec::new()),
             Some(gd) => {
                 if gd.batched {
-                    let mut all: Vec<&mut LaneState<B>> = lanes.iter_mut().map(|l| &mut **l).collect();
+                    let mut all: Vec<&mut LaneState<B>> =
+                        lanes.iter_mut().map(|l| &mut **l).collect();
                     all.extend(gd.uncond.iter_mut().filter_map(|u| u.as_deref_mut()));
                     let mut l = self.main_logits(&all)?;
                     let u = l.split_off(n_lanes);
                     (l, u)
                 } else {
                     let c = self.main_logits(lanes)?;
-                    let us: Vec<&mut LaneState<B>> = gd.uncond.iter_mut().filter_map(|u| u.as_deref_mut()).collect();
-                    let u = if us.is_empty() { Vec::new() } else { self.main_logits(&us)? };
+                    let us: Vec<&mut LaneState<B>> = gd
+                        .uncond
+                        .iter_mut()
+                        .filter_map(|u| u.as_deref_mut())
+                        .collect();
+                    let u = if us.is_empty() {
+                        Vec::new()
+                    } else {
+                        self.main_logits(&us)?
+                    };
                     (c, u)
                 }
             }

@@ -208,6 +208,9 @@ pub struct TowerTrace {
     pub codebook_logits: Vec<f32>,
 }
 
+/// One layer's stored experts as (slot, original ID) pairs, and its router keep-mask.
+type ExpertSlots = (Vec<(usize, usize)>, Option<Vec<bool>>);
+
 fn w_name(prefix: &str, s: &str) -> String {
     format!("{prefix}.{s}")
 }
@@ -216,12 +219,39 @@ impl<B: Backend> Model<B> {
     /// Prepares every weight the forward pass reads (zero-copy where the backend allows).
     pub fn load(ck: &Checkpoint, backend: B) -> Result<Self> {
         let g = Geometry::from_config(&ck.config)?;
-        let keep_for = |_layer: usize| -> Result<Option<Vec<bool>>> {
+        let n_exp = ck.config.text_config.num_experts;
+        // Per layer: (slot, original expert ID) of every stored expert, and the router keep-mask.
+        let slots_for = |layer: usize| -> Result<ExpertSlots> {
             match &ck.expert_format {
-                ExpertFormat::Fp8Block128 => Ok(None),
-                ExpertFormat::Nvfp4Pruned { .. } => Err(ModelError::Unsupported(
-                    "NVFP4 pruned experts are not implemented yet".into(),
-                )),
+                ExpertFormat::Fp8Block128 => Ok(((0..n_exp).map(|e| (e, e)).collect(), None)),
+                ExpertFormat::Nvfp4Pruned { kept } => {
+                    let ids = kept.get(layer).ok_or_else(|| {
+                        ModelError::Unsupported(format!(
+                            "metadata.drama_experts has no entry for layer {layer}"
+                        ))
+                    })?;
+                    let mut keep = vec![false; n_exp];
+                    let mut slots = Vec::with_capacity(ids.len());
+                    for (slot, &id) in ids.iter().enumerate() {
+                        let id = id as usize;
+                        if id >= n_exp || keep[id] {
+                            return Err(ModelError::Unsupported(format!(
+                                "layer {layer}: slot {slot} maps to expert {id}, which is out of \
+                                 0..{n_exp} or listed twice"
+                            )));
+                        }
+                        keep[id] = true;
+                        slots.push((slot, id));
+                    }
+                    if ids.len() < g.top_k {
+                        return Err(ModelError::Unsupported(format!(
+                            "layer {layer} keeps {} experts, fewer than top-k {}",
+                            ids.len(),
+                            g.top_k
+                        )));
+                    }
+                    Ok((slots, Some(keep)))
+                }
             }
         };
         let be = &backend;
@@ -262,20 +292,21 @@ impl<B: Backend> Model<B> {
                 }
             };
             let m = format!("{l}.mlp");
-            let n_exp = ck.config.text_config.num_experts;
-            let mut experts = Vec::with_capacity(n_exp);
-            for e in 0..n_exp {
-                let x = format!("{m}.experts.{e}");
-                experts.push(Some(Expert {
+            // Tensors are named by storage slot; the model indexes experts by original ID.
+            let (slots, keep) = slots_for(i)?;
+            let mut experts: Vec<Option<Expert<B::Weight>>> = (0..n_exp).map(|_| None).collect();
+            for (slot, id) in slots {
+                let x = format!("{m}.experts.{slot}");
+                experts[id] = Some(Expert {
                     gate: be.weight(ck, &format!("{x}.gate_proj.weight"))?,
                     up: be.weight(ck, &format!("{x}.up_proj.weight"))?,
                     down: be.weight(ck, &format!("{x}.down_proj.weight"))?,
-                }));
+                });
             }
             let moe = Moe {
                 router: be.weight(ck, &w_name(&m, "gate.weight"))?,
                 experts,
-                keep: keep_for(i)?,
+                keep,
                 shared: Expert {
                     gate: be.weight(ck, &w_name(&m, "shared_expert.gate_proj.weight"))?,
                     up: be.weight(ck, &w_name(&m, "shared_expert.up_proj.weight"))?,
@@ -339,6 +370,30 @@ impl<B: Backend> Model<B> {
             geometry: g,
             backend,
         })
+    }
+
+    /// Original IDs of the routed experts layer `layer` holds, ascending (all of them unless the
+    /// checkpoint is pruned); `None` past the last layer.
+    pub fn expert_ids(&self, layer: usize) -> Option<Vec<u32>> {
+        let m = &self.layers.get(layer)?.moe;
+        Some(
+            m.experts
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.is_some())
+                .map(|(i, _)| i as u32)
+                .collect(),
+        )
+    }
+
+    /// The router keep-mask of layer `layer` by original ID (`None`: every expert is stored).
+    pub fn keep_mask(&self, layer: usize) -> Option<&[bool]> {
+        self.layers.get(layer)?.moe.keep.as_deref()
+    }
+
+    /// Each loaded routed expert of `layer` by original ID, for size reports and tests.
+    pub fn experts(&self, layer: usize) -> Option<&[Option<Expert<B::Weight>>]> {
+        Some(&self.layers.get(layer)?.moe.experts)
     }
 
     /// Ascending `{eos} ∪ semantic band`: the token id of each main-head logit.

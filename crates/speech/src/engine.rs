@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use admission::{Admission, FrameCap, Frames, KvPool, Lanes, Limits, PromptRows, Rows, Window, WindowContract};
+use admission::{
+    Admission, FrameCap, Frames, KvPool, Lanes, Limits, PromptRows, Rows, Window, WindowContract,
+};
 use checkpoint::Checkpoint;
 use codec::{Codec, Codes, DecoderState};
 use model::{Backend, FrameOut, LaneState, LaneStep, Model, SamplingParams};
@@ -206,10 +208,13 @@ impl Engine {
             Some(d) => d.clone(),
             None => crate::builtin::ensure_builtin().map_err(err)?,
         };
-        let ck = Checkpoint::open(&dir).map_err(|e| SpeechError::Engine(format!("{}: {e}", dir.display())))?;
-        let tokenizer = Tokenizer::from_file(ck.tokenizer_path())
-            .map_err(|e| SpeechError::Tokenizer(format!("{}: {e}", ck.tokenizer_path().display())))?;
-        let codec = Codec::load(&dir, None).map_err(|e| SpeechError::Engine(format!("codec: {e}")))?;
+        let ck = Checkpoint::open(&dir)
+            .map_err(|e| SpeechError::Engine(format!("{}: {e}", dir.display())))?;
+        let tokenizer = Tokenizer::from_file(ck.tokenizer_path()).map_err(|e| {
+            SpeechError::Tokenizer(format!("{}: {e}", ck.tokenizer_path().display()))
+        })?;
+        let codec =
+            Codec::load(&dir, None).map_err(|e| SpeechError::Engine(format!("codec: {e}")))?;
         let cfg = &ck.config;
         let spec = PromptSpec {
             semantic_start: cfg.semantic_start_token_id,
@@ -226,8 +231,9 @@ impl Engine {
         }
         let max = cfg.text_config.max_position_embeddings as u64;
         let window = opts.context.unwrap_or(max);
-        let contract = WindowContract::new(Window(window), Window(max), opts.limits.default_frame_cap)
-            .map_err(|e| SpeechError::Engine(e.to_string()))?;
+        let contract =
+            WindowContract::new(Window(window), Window(max), opts.limits.default_frame_cap)
+                .map_err(|e| SpeechError::Engine(e.to_string()))?;
         let lanes = opts.parallel.max(1);
         let queue_cap = opts.queue.unwrap_or(4 * lanes);
         // The memory plan of ADMISSION.md, before anything else is allocated: weights, per-lane
@@ -255,12 +261,14 @@ impl Engine {
         req.context = Some(Window(window));
         req.lanes = Lanes(lanes as u64);
         req.cfg = opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
-        req.prompt_cache = admission::Bytes::from_gib_f64(opts.prompt_cache_gib).unwrap_or(admission::Bytes(0));
+        req.prompt_cache =
+            admission::Bytes::from_gib_f64(opts.prompt_cache_gib).unwrap_or(admission::Bytes(0));
         req.limits = opts.limits;
         // Replies are streamed to their caller chunk by chunk; the engine keeps no whole buffer.
         req.reply = admission::ReplyMode::Streamed;
         let host_flag = opts.host_gib.and_then(admission::Bytes::from_gib_f64);
-        req.host_budget = admission::MemoryBudget::choose(host_flag, admission::host_mem_available());
+        req.host_budget =
+            admission::MemoryBudget::choose(host_flag, admission::host_mem_available());
         let plan = admission::plan(&geom, &req);
         if !plan.is_admitted() {
             return Err(SpeechError::Engine(format!(
@@ -271,7 +279,10 @@ impl Engine {
         let pool = KvPool::new(Rows(pool_rows), Lanes(lanes as u64))
             .ok_or_else(|| SpeechError::Engine("cannot size the KV pool".into()))?;
         let gen = read_generation_defaults(&dir);
-        let voices_dir = opts.voices_dir.clone().unwrap_or_else(VoiceCatalog::default_dir);
+        let voices_dir = opts
+            .voices_dir
+            .clone()
+            .unwrap_or_else(VoiceCatalog::default_dir);
         let frame_seconds = codec.frame_length() as f64 / codec.sample_rate() as f64;
         let voices = VoiceCatalog::open(&voices_dir, frame_seconds)
             .map_err(|e| SpeechError::Engine(format!("voices {}: {e}", voices_dir.display())))?;
@@ -288,7 +299,9 @@ impl Engine {
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
         let ctx = WorkerCtx {
-            cache_budget: admission::Bytes::from_gib_f64(opts.prompt_cache_gib).map(|b| b.0).unwrap_or(0),
+            cache_budget: admission::Bytes::from_gib_f64(opts.prompt_cache_gib)
+                .map(|b| b.0)
+                .unwrap_or(0),
             cache_per_row: per_row,
             cache_fixed: geom
                 .gdn_recurrent_bytes()
@@ -307,7 +320,8 @@ impl Engine {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
             #[cfg(feature = "cuda")]
             BackendChoice::Cuda => {
-                let be = backend_cuda::CudaBackend::new().map_err(|e| SpeechError::Engine(format!("CUDA: {e}")))?;
+                let be = backend_cuda::CudaBackend::new()
+                    .map_err(|e| SpeechError::Engine(format!("CUDA: {e}")))?;
                 spawn_worker(&ck, be, ctx)?
             }
             #[cfg(not(feature = "cuda"))]
@@ -366,7 +380,8 @@ impl Engine {
             frame_length: self.codec.frame_length() as u32,
             codebooks: self.codec.num_codebooks() as u32,
             input_policy: serde_json::to_value(self.limits.input_policy).unwrap_or_default(),
-            reference_limits: serde_json::to_value(self.limits.reference_limits).unwrap_or_default(),
+            reference_limits: serde_json::to_value(self.limits.reference_limits)
+                .unwrap_or_default(),
             lanes: self.lanes as u32,
             backend: self.backend_name.clone(),
             expert_format: self.expert_format.clone(),
@@ -388,18 +403,36 @@ impl Engine {
     /// Encodes a WAV clip into reference codes (frame-major).
     pub fn encode_clip(&self, wav: &[u8]) -> Result<Vec<Vec<i64>>, SpeechError> {
         let pcm = crate::pcm::read_clip(wav, self.codec.sample_rate())?;
-        let codes = self.codec.encode(&pcm).map_err(|e| SpeechError::Audio(e.to_string()))?;
+        let codes = self
+            .codec
+            .encode(&pcm)
+            .map_err(|e| SpeechError::Audio(e.to_string()))?;
         Ok((0..codes.frames())
-            .map(|f| (0..codes.num_codebooks()).map(|c| i64::from(codes.get(c, f))).collect())
+            .map(|f| {
+                (0..codes.num_codebooks())
+                    .map(|c| i64::from(codes.get(c, f)))
+                    .collect()
+            })
             .collect())
     }
 
     /// Adds a voice: the clip is encoded once and stored with its transcript.
-    pub fn add_voice(&self, name: &str, wav: &[u8], transcript: &str) -> Result<crate::voices::VoiceInfo, RequestError> {
+    pub fn add_voice(
+        &self,
+        name: &str,
+        wav: &[u8],
+        transcript: &str,
+    ) -> Result<crate::voices::VoiceInfo, RequestError> {
         if transcript.trim().is_empty() {
-            return Err(RequestError::invalid("empty_transcript", Some("text"), "a voice needs the transcript of its clip"));
+            return Err(RequestError::invalid(
+                "empty_transcript",
+                Some("text"),
+                "a voice needs the transcript of its clip",
+            ));
         }
-        self.limits.check_transcript(1, transcript).map_err(|e| with_param(limit_err(e), "text"))?;
+        self.limits
+            .check_transcript(1, transcript)
+            .map_err(|e| with_param(limit_err(e), "text"))?;
         crate::prompt::validate_text(transcript, "voice transcript")
             .map_err(|e| RequestError::invalid(speech_code(&e), Some("text"), e.to_string()))?;
         let codes = self
@@ -466,13 +499,23 @@ impl Engine {
             s.queue.push_back(job);
             cv.notify_all();
         }
-        Ok(JobHandle { events: rx, seed, cancel })
+        Ok(JobHandle {
+            events: rx,
+            seed,
+            cancel,
+        })
     }
 
     fn prepare(&self, req: &SynthesisRequest) -> Result<Prepared, RequestError> {
-        self.limits.check_text(&req.text).map_err(|e| with_param(limit_err(e), "input"))?;
+        self.limits
+            .check_text(&req.text)
+            .map_err(|e| with_param(limit_err(e), "input"))?;
         if req.text.trim().is_empty() {
-            return Err(RequestError::invalid("empty_input", Some("input"), "input text is empty"));
+            return Err(RequestError::invalid(
+                "empty_input",
+                Some("input"),
+                "input text is empty",
+            ));
         }
         let params = self.sampling(req)?;
         if let Some(g) = req.cfg_gamma {
@@ -513,7 +556,10 @@ impl Engine {
                 return Err(RequestError::invalid(
                     "empty_transcript",
                     Some(&format!("{p}.text")),
-                    format!("reference {} has no transcript; every reference clip needs its text", idx + 1),
+                    format!(
+                        "reference {} has no transcript; every reference clip needs its text",
+                        idx + 1
+                    ),
                 ));
             }
             self.limits
@@ -521,12 +567,19 @@ impl Engine {
                 .map_err(|e| with_param(limit_err(e), &format!("{p}.text")))?;
             let codes = match &r.audio {
                 ReferenceAudio::Codes(c) => c.clone(),
-                ReferenceAudio::Wav(bytes) => self
-                    .encode_clip(bytes)
-                    .map_err(|e| RequestError::invalid("invalid_audio", Some(&format!("{p}.audio")), e.to_string()))?,
+                ReferenceAudio::Wav(bytes) => self.encode_clip(bytes).map_err(|e| {
+                    RequestError::invalid(
+                        "invalid_audio",
+                        Some(&format!("{p}.audio")),
+                        e.to_string(),
+                    )
+                })?,
             };
             self.limits
-                .check_reference_frames(idx as u64 + 1, admission::ReferenceFrames(codes.len() as u64))
+                .check_reference_frames(
+                    idx as u64 + 1,
+                    admission::ReferenceFrames(codes.len() as u64),
+                )
                 .map_err(|e| with_param(limit_err(e), &format!("{p}.audio")))?;
             refs.push(Reference {
                 transcript: r.transcript.clone(),
@@ -535,7 +588,9 @@ impl Engine {
         }
         let texts = match req.split {
             Split::None => vec![req.text.clone()],
-            Split::Sentence => crate::split::segments(&req.text, req.chunk_length.unwrap_or(200).max(1)),
+            Split::Sentence => {
+                crate::split::segments(&req.text, req.chunk_length.unwrap_or(200).max(1))
+            }
         };
         let builder = PromptBuilder {
             tokenizer: &self.tokenizer,
@@ -548,18 +603,31 @@ impl Engine {
         let mut segments = Vec::with_capacity(texts.len());
         let mut rows = 0u64;
         for t in &texts {
-            let p = builder
-                .build(t, &refs)
-                .map_err(|e| RequestError::invalid(speech_code(&e), Some("input"), e.to_string()))?;
+            let p = builder.build(t, &refs).map_err(|e| {
+                RequestError::invalid(speech_code(&e), Some("input"), e.to_string())
+            })?;
             let a = self
                 .contract
                 .admit(PromptRows(p.rows.len() as u64), cap)
-                .map_err(|e| with_param(limit_err(e), if req.max_frames.is_some() { "max_frames" } else { "input" }))?;
+                .map_err(|e| {
+                    with_param(
+                        limit_err(e),
+                        if req.max_frames.is_some() {
+                            "max_frames"
+                        } else {
+                            "input"
+                        },
+                    )
+                })?;
             rows = rows.max(a.rows().0);
             segments.push((p, a));
         }
         if segments.is_empty() {
-            return Err(RequestError::invalid("empty_input", Some("input"), "input text is empty"));
+            return Err(RequestError::invalid(
+                "empty_input",
+                Some("input"),
+                "input text is empty",
+            ));
         }
         // Report the loosest cap kind: shrunk if any segment's default cap shrank.
         let kinds: Vec<admission::CapKind> = segments.iter().map(|s| s.1.cap).collect();
@@ -578,9 +646,9 @@ impl Engine {
         let guidance = if !refs.is_empty() && (gamma > 0.0 || self.cfg.force_guided) {
             let mut un = Vec::with_capacity(texts.len());
             for t in &texts {
-                let p = builder
-                    .build(t, &[])
-                    .map_err(|e| RequestError::invalid(speech_code(&e), Some("input"), e.to_string()))?;
+                let p = builder.build(t, &[]).map_err(|e| {
+                    RequestError::invalid(speech_code(&e), Some("input"), e.to_string())
+                })?;
                 un.push(p);
             }
             Some((gamma, un))
@@ -589,7 +657,12 @@ impl Engine {
         };
         // The unconditional branch keeps its own backbone state: reserve its rows too.
         if let Some((_, un)) = &guidance {
-            let extra = un.iter().zip(&segments).map(|(p, s)| p.rows.len() as u64 + s.1.frames.0 + 1).max().unwrap_or(0);
+            let extra = un
+                .iter()
+                .zip(&segments)
+                .map(|(p, s)| p.rows.len() as u64 + s.1.frames.0 + 1)
+                .max()
+                .unwrap_or(0);
             rows = rows.saturating_add(extra);
         }
         if Rows(rows) > self.pool.capacity() {
@@ -775,12 +848,16 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     fn insert(&mut self, key: [u8; 32], lane: LaneState<B>, rows: usize) {
-        let size = (rows as u64).saturating_mul(self.per_row).saturating_add(self.fixed);
+        let size = (rows as u64)
+            .saturating_mul(self.per_row)
+            .saturating_add(self.fixed);
         if size > self.budget {
             return;
         }
         while self.bytes + size > self.budget {
-            let Some(oldest) = self.entries.iter().min_by_key(|e| (e.1).2).map(|e| *e.0) else { break };
+            let Some(oldest) = self.entries.iter().min_by_key(|e| (e.1).2).map(|e| *e.0) else {
+                break;
+            };
             if let Some(e) = self.entries.remove(&oldest) {
                 self.bytes -= e.1;
             }
@@ -913,13 +990,20 @@ impl<B: Backend> Worker<B> {
                 }
                 if s.shutdown {
                     for job in s.queue.drain(..) {
-                        let _ = job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                        let _ = job
+                            .events
+                            .send(JobEvent::Failed("the server is shutting down".into()));
                     }
                     for a in active.drain(..) {
-                        let _ = a.job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                        let _ = a
+                            .job
+                            .events
+                            .send(JobEvent::Failed("the server is shutting down".into()));
                     }
                     for (job, _) in fresh.drain(..) {
-                        let _ = job.events.send(JobEvent::Failed("the server is shutting down".into()));
+                        let _ = job
+                            .events
+                            .send(JobEvent::Failed("the server is shutting down".into()));
                     }
                     s.busy = 0;
                     s.stopped = true;
@@ -951,7 +1035,11 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Takes a lane and prefills the first segment; on failure the job's sender and the reason.
-    fn start(&self, job: Job, reservation: admission::Reservation) -> Result<Active<B>, (mpsc::UnboundedSender<JobEvent>, String)> {
+    fn start(
+        &self,
+        job: Job,
+        reservation: admission::Reservation,
+    ) -> Result<Active<B>, (mpsc::UnboundedSender<JobEvent>, String)> {
         let lane = match self.model.new_lane(job.rows as usize) {
             Ok(l) => l,
             Err(e) => return Err((job.events, e.to_string())),
@@ -985,7 +1073,10 @@ impl<B: Backend> Worker<B> {
 
     fn prefill_segment(&self, a: &mut Active<B>) -> Result<(), String> {
         if a.segment > 0 {
-            a.lane = self.model.new_lane(a.job.rows as usize).map_err(|e| e.to_string())?;
+            a.lane = self
+                .model
+                .new_lane(a.job.rows as usize)
+                .map_err(|e| e.to_string())?;
         }
         let seg = &a.job.segments[a.segment].0;
         let rows = to_rows(&seg.rows);
@@ -996,25 +1087,37 @@ impl<B: Backend> Worker<B> {
             let key = prefix_key(&rows[..p]);
             let mut cache = self.cache.borrow_mut();
             match cache.get(&key) {
-                Some(lane) => a.lane = lane.fork(&self.model, capacity).map_err(|e| e.to_string())?,
+                Some(lane) => {
+                    a.lane = lane
+                        .fork(&self.model, capacity)
+                        .map_err(|e| e.to_string())?
+                }
                 None => {
-                    self.model.prefill(&mut a.lane, &rows[..p]).map_err(|e| e.to_string())?;
+                    self.model
+                        .prefill(&mut a.lane, &rows[..p])
+                        .map_err(|e| e.to_string())?;
                     if let Ok(copy) = a.lane.fork(&self.model, p) {
                         cache.insert(key, copy, p);
                     }
                 }
             }
             drop(cache);
-            self.model.prefill(&mut a.lane, &rows[p..]).map_err(|e| e.to_string())?;
+            self.model
+                .prefill(&mut a.lane, &rows[p..])
+                .map_err(|e| e.to_string())?;
         } else {
-            self.model.prefill(&mut a.lane, &rows).map_err(|e| e.to_string())?;
+            self.model
+                .prefill(&mut a.lane, &rows)
+                .map_err(|e| e.to_string())?;
         }
         if let Some((_, un)) = &a.job.guidance {
             let seg = &a.job.segments[a.segment];
             let urows = to_rows(&un[a.segment].rows);
             let cap = urows.len() + seg.1.frames.0 as usize + 1;
             let mut lane = self.model.new_lane(cap).map_err(|e| e.to_string())?;
-            self.model.prefill(&mut lane, &urows).map_err(|e| e.to_string())?;
+            self.model
+                .prefill(&mut lane, &urows)
+                .map_err(|e| e.to_string())?;
             a.uncond = Some(lane);
         }
         a.seg_frames = 0;
@@ -1023,7 +1126,10 @@ impl<B: Backend> Worker<B> {
 
     /// One shared frame round; returns the final events of lanes that ended, to send once their
     /// state is released.
-    fn round(&self, active: &mut Vec<Active<B>>) -> Vec<(mpsc::UnboundedSender<JobEvent>, JobEvent)> {
+    fn round(
+        &self,
+        active: &mut Vec<Active<B>>,
+    ) -> Vec<(mpsc::UnboundedSender<JobEvent>, JobEvent)> {
         let mut ended = Vec::new();
         let steps: Vec<LaneStep> = active
             .iter()
@@ -1035,16 +1141,23 @@ impl<B: Backend> Worker<B> {
             .collect();
         let outs = {
             let guided = active.iter().any(|a| a.uncond.is_some());
-            let gammas: Vec<f32> = active.iter().map(|a| a.job.guidance.as_ref().map(|g| g.0).unwrap_or(0.0)).collect();
+            let gammas: Vec<f32> = active
+                .iter()
+                .map(|a| a.job.guidance.as_ref().map(|g| g.0).unwrap_or(0.0))
+                .collect();
             let (mut lanes, uncond): (Vec<&mut LaneState<B>>, Vec<Option<&mut LaneState<B>>>) =
-                active.iter_mut().map(|a| (&mut a.lane, a.uncond.as_mut())).unzip();
+                active
+                    .iter_mut()
+                    .map(|a| (&mut a.lane, a.uncond.as_mut()))
+                    .unzip();
             if guided {
                 let mut g = model::Guidance {
                     uncond,
                     gamma: gammas,
                     batched: self.cfg_batched,
                 };
-                self.model.step_frames_guided(&mut lanes, &steps, Some(&mut g), None, None)
+                self.model
+                    .step_frames_guided(&mut lanes, &steps, Some(&mut g), None, None)
             } else {
                 self.model.step_frames(&mut lanes, &steps, None, None)
             }
@@ -1053,7 +1166,10 @@ impl<B: Backend> Worker<B> {
             Ok(o) => o,
             Err(e) => {
                 for a in active.drain(..) {
-                    ended.push((a.job.events.clone(), JobEvent::Failed(format!("model: {e}"))));
+                    ended.push((
+                        a.job.events.clone(),
+                        JobEvent::Failed(format!("model: {e}")),
+                    ));
                 }
                 return ended;
             }
@@ -1068,8 +1184,7 @@ impl<B: Backend> Worker<B> {
                     a.seg_frames += 1;
                     self.frames_total.fetch_add(1, Ordering::Relaxed);
                     let codes: Vec<u32> = f[1..].iter().map(|&c| c.max(0) as u32).collect();
-                    let pcm = Codes::new(codes.len(), 1, codes)
-                        .and_then(|c| a.decoder.push(&c));
+                    let pcm = Codes::new(codes.len(), 1, codes).and_then(|c| a.decoder.push(&c));
                     match pcm {
                         Ok(pcm) => {
                             if a.first_audio.is_none() {
@@ -1080,7 +1195,10 @@ impl<B: Backend> Worker<B> {
                             let _ = a.job.events.send(JobEvent::Audio(pcm));
                         }
                         Err(e) => {
-                            ended.push((a.job.events.clone(), JobEvent::Failed(format!("codec: {e}"))));
+                            ended.push((
+                                a.job.events.clone(),
+                                JobEvent::Failed(format!("codec: {e}")),
+                            ));
                             finished[i] = true;
                             continue;
                         }

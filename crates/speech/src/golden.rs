@@ -26,12 +26,19 @@ impl GoldenReport {
         if !ok {
             self.failures += 1;
         }
-        self.lines.push(format!("{} {name:<28} {detail}", if ok { "PASS" } else { "FAIL" }));
+        self.lines.push(format!(
+            "{} {name:<28} {detail}",
+            if ok { "PASS" } else { "FAIL" }
+        ));
     }
 
     fn close(&mut self, name: &str, got: &[f32], want: &[f64], atol: f64, rtol: f64) {
         if got.len() != want.len() {
-            self.push(name, false, format!("length {} but golden has {}", got.len(), want.len()));
+            self.push(
+                name,
+                false,
+                format!("length {} but golden has {}", got.len(), want.len()),
+            );
             return;
         }
         let (mut max_abs, mut max_rel, mut ok) = (0f64, 0f64, true);
@@ -53,11 +60,16 @@ impl GoldenReport {
     }
 
     fn exact(&mut self, name: &str, got: &[i64], want: &[i64]) {
-        let diff = got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
+        let diff =
+            got.iter().zip(want).filter(|(a, b)| a != b).count() + got.len().abs_diff(want.len());
         self.push(
             name,
             diff == 0,
-            format!("{} of {} values differ (exact match required)", diff, want.len()),
+            format!(
+                "{} of {} values differ (exact match required)",
+                diff,
+                want.len()
+            ),
         );
     }
 }
@@ -70,7 +82,11 @@ struct Goldens {
 
 /// Opens a single safetensors file through a private folder holding a link to it.
 fn open_file(path: &Path, tag: &str) -> Result<(Store, std::path::PathBuf), String> {
-    let dir = std::env::temp_dir().join(format!("dramatis-golden-{}-{tag}-{}", std::process::id(), unique()));
+    let dir = std::env::temp_dir().join(format!(
+        "dramatis-golden-{}-{tag}-{}",
+        std::process::id(),
+        unique()
+    ));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let abs = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
     std::os::unix::fs::symlink(&abs, dir.join("model.safetensors")).map_err(|e| e.to_string())?;
@@ -104,7 +120,9 @@ impl Goldens {
 
 fn rows_of(flat: &[i64], width: usize) -> Result<Vec<Row>, String> {
     if width != ROW_WIDTH {
-        return Err(format!("rows have {width} columns, the model expects {ROW_WIDTH}"));
+        return Err(format!(
+            "rows have {width} columns, the model expects {ROW_WIDTH}"
+        ));
     }
     Ok(flat
         .chunks_exact(width)
@@ -151,7 +169,11 @@ pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, Stri
         failures: 0,
     };
     let ck = Checkpoint::open(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    r.push("manifest", ck.report.ok(), format!("{} tensors match the config", ck.report.expected));
+    r.push(
+        "manifest",
+        ck.report.ok(),
+        format!("{} tensors match the config", ck.report.expected),
+    );
     let model = Model::load(&ck, backend).map_err(|e| e.to_string())?;
     backbone_cases(&mut r, &g, &model)?;
     generation_cases(&mut r, &g, &model)?;
@@ -163,7 +185,11 @@ pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, Stri
     Ok(r)
 }
 
-fn backbone_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -> Result<(), String> {
+fn backbone_cases<B: Backend>(
+    r: &mut GoldenReport,
+    g: &Goldens,
+    m: &Model<B>,
+) -> Result<(), String> {
     let cands: Vec<i64> = m.candidates().iter().map(|&c| i64::from(c)).collect();
     if let Some(want) = g.i64("candidate_token_ids") {
         r.exact("candidate_token_ids", &cands, &want);
@@ -173,7 +199,9 @@ fn backbone_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -
         return Ok(());
     };
     let rows = rows_of(&g.i64("prompt_rows").unwrap_or_default(), shape[1])?;
-    let tr = m.backbone_teacher_forced(&rows).map_err(|e| e.to_string())?;
+    let tr = m
+        .backbone_teacher_forced(&rows)
+        .map_err(|e| e.to_string())?;
     let case = |r: &mut GoldenReport, name: &str, got: &[f32]| match g.f64(name) {
         Some(w) => r.close(name, got, &w, ATOL, RTOL),
         None => r.push(name, false, "golden tensor missing".into()),
@@ -193,7 +221,9 @@ fn backbone_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -
     let tt = m.backbone_teacher_forced(&tf).map_err(|e| e.to_string())?;
     case(r, "tf_final_hidden", &tt.final_hidden);
     case(r, "tf_semantic_logits", &tt.candidate_logits);
-    let tower = m.tower_teacher_forced(&tf, &tt.final_hidden).map_err(|e| e.to_string())?;
+    let tower = m
+        .tower_teacher_forced(&tf, &tt.final_hidden)
+        .map_err(|e| e.to_string())?;
     let shared = m.geometry.tower_shared;
     if let Some(s) = tower.layer_outputs.get(shared.saturating_sub(1)) {
         case(r, "tf_shared_out", s);
@@ -203,7 +233,11 @@ fn backbone_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -
     Ok(())
 }
 
-fn generation_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>) -> Result<(), String> {
+fn generation_cases<B: Backend>(
+    r: &mut GoldenReport,
+    g: &Goldens,
+    m: &Model<B>,
+) -> Result<(), String> {
     let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
         r.push("gen_frames", false, "golden tensor missing".into());
         return Ok(());
@@ -213,7 +247,8 @@ fn generation_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>)
     let n = fshape[0];
     let mut lane = m.new_lane(rows.len() + n + 1).map_err(|e| e.to_string())?;
     m.prefill(&mut lane, &rows).map_err(|e| e.to_string())?;
-    let (mut frames, mut hidden, mut sem, mut heads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut frames, mut hidden, mut sem, mut heads) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let params = SamplingParams::greedy();
     for step in 0..n {
         let (out, tr) = m
@@ -230,7 +265,11 @@ fn generation_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>)
         }
     }
     r.exact("gen_frames (greedy, cached)", &frames, &want);
-    for (name, got) in [("gen_hidden", &hidden), ("gen_semantic_logits", &sem), ("gen_codebook_logits", &heads)] {
+    for (name, got) in [
+        ("gen_hidden", &hidden),
+        ("gen_semantic_logits", &sem),
+        ("gen_codebook_logits", &heads),
+    ] {
         match g.f64(name) {
             Some(w) => r.close(name, got, &w, ATOL, RTOL),
             None => r.push(name, false, "golden tensor missing".into()),
@@ -241,19 +280,33 @@ fn generation_cases<B: Backend>(r: &mut GoldenReport, g: &Goldens, m: &Model<B>)
 
 /// The prompt builder against `prompt_rows`, when meta.json names the prompt (its reference audio
 /// is the fixture's encoded chirp, `codec_encode_codes`).
-fn prompt_case(r: &mut GoldenReport, g: &Goldens, dir: &Path, ck: &Checkpoint) -> Result<(), String> {
+fn prompt_case(
+    r: &mut GoldenReport,
+    g: &Goldens,
+    dir: &Path,
+    ck: &Checkpoint,
+) -> Result<(), String> {
     let Ok(meta) = std::fs::read_to_string(dir.join("golden/meta.json")) else {
         return Ok(());
     };
     let meta: serde_json::Value = serde_json::from_str(&meta).map_err(|e| e.to_string())?;
-    let (Some(text), Some(tr)) = (meta["prompt_text"].as_str(), meta["reference_transcript"].as_str()) else {
+    let (Some(text), Some(tr)) = (
+        meta["prompt_text"].as_str(),
+        meta["reference_transcript"].as_str(),
+    ) else {
         return Ok(());
     };
-    let (Some(codes), Some(cs), Some(want)) = (g.i64("codec_encode_codes"), g.shape("codec_encode_codes"), g.i64("prompt_rows")) else {
+    let (Some(codes), Some(cs), Some(want)) = (
+        g.i64("codec_encode_codes"),
+        g.shape("codec_encode_codes"),
+        g.i64("prompt_rows"),
+    ) else {
         return Ok(());
     };
     let frames = cs[1];
-    let refcodes: Vec<Vec<i64>> = (0..frames).map(|f| (0..cs[0]).map(|c| codes[c * frames + f]).collect()).collect();
+    let refcodes: Vec<Vec<i64>> = (0..frames)
+        .map(|f| (0..cs[0]).map(|c| codes[c * frames + f]).collect())
+        .collect();
     let tok = tokenizers::Tokenizer::from_file(ck.tokenizer_path()).map_err(|e| e.to_string())?;
     let codec_cfg = Codec::load(dir, None).map_err(|e| e.to_string())?;
     let b = crate::prompt::PromptBuilder {
@@ -266,7 +319,13 @@ fn prompt_case(r: &mut GoldenReport, g: &Goldens, dir: &Path, ck: &Checkpoint) -
         },
     };
     let p = b
-        .build(text, &[crate::prompt::Reference { transcript: tr.into(), codes: refcodes }])
+        .build(
+            text,
+            &[crate::prompt::Reference {
+                transcript: tr.into(),
+                codes: refcodes,
+            }],
+        )
         .map_err(|e| e.to_string())?;
     let got: Vec<i64> = p.rows.concat();
     r.exact("prompt_rows (builder)", &got, &want);
@@ -275,40 +334,72 @@ fn prompt_case(r: &mut GoldenReport, g: &Goldens, dir: &Path, ck: &Checkpoint) -
 
 fn codec_cases(r: &mut GoldenReport, g: &Goldens, dir: &Path) -> Result<(), String> {
     let codec = Codec::load(dir, None).map_err(|e| e.to_string())?;
-    let dec = |r: &mut GoldenReport, name: &str, codes_key: &str, pcm_key: &str| -> Result<(), String> {
-        let (Some(c), Some(s), Some(w)) = (g.i64(codes_key), g.shape(codes_key), g.f64(pcm_key)) else {
-            r.push(name, false, "golden tensor missing".into());
-            return Ok(());
+    let dec =
+        |r: &mut GoldenReport, name: &str, codes_key: &str, pcm_key: &str| -> Result<(), String> {
+            let (Some(c), Some(s), Some(w)) =
+                (g.i64(codes_key), g.shape(codes_key), g.f64(pcm_key))
+            else {
+                r.push(name, false, "golden tensor missing".into());
+                return Ok(());
+            };
+            let codes = codes_of(&c, &s)?;
+            let pcm = codec.decode(&codes).map_err(|e| e.to_string())?;
+            r.close(name, &pcm, &w, PCM_ATOL, 0.0);
+            // Streaming: frame-by-frame pushes equal the whole decode bit for bit.
+            let mut st = codec.decoder_state();
+            let mut streamed = Vec::with_capacity(pcm.len());
+            for f in 0..codes.frames() {
+                streamed.extend(st.push(&codes.slice(f, f + 1)).map_err(|e| e.to_string())?);
+            }
+            let same = streamed.len() == pcm.len()
+                && streamed
+                    .iter()
+                    .zip(&pcm)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            r.push(
+                &format!("{name} streamed"),
+                same,
+                "1-frame chunks vs whole decode, bit for bit".into(),
+            );
+            Ok(())
         };
-        let codes = codes_of(&c, &s)?;
-        let pcm = codec.decode(&codes).map_err(|e| e.to_string())?;
-        r.close(name, &pcm, &w, PCM_ATOL, 0.0);
-        // Streaming: frame-by-frame pushes equal the whole decode bit for bit.
-        let mut st = codec.decoder_state();
-        let mut streamed = Vec::with_capacity(pcm.len());
-        for f in 0..codes.frames() {
-            streamed.extend(st.push(&codes.slice(f, f + 1)).map_err(|e| e.to_string())?);
-        }
-        let same = streamed.len() == pcm.len() && streamed.iter().zip(&pcm).all(|(a, b)| a.to_bits() == b.to_bits());
-        r.push(&format!("{name} streamed"), same, "1-frame chunks vs whole decode, bit for bit".into());
-        Ok(())
-    };
-    dec(r, "codec_decode", "codec_decode_codes", "codec_decode_pcm_f64")?;
-    let enc = |r: &mut GoldenReport, name: &str, in_key: &str, codes_key: &str| -> Result<(), String> {
-        let (Some(x), Some(c)) = (g.f64(in_key), g.i64(codes_key)) else {
-            r.push(name, false, "golden tensor missing".into());
-            return Ok(());
+    dec(
+        r,
+        "codec_decode",
+        "codec_decode_codes",
+        "codec_decode_pcm_f64",
+    )?;
+    let enc =
+        |r: &mut GoldenReport, name: &str, in_key: &str, codes_key: &str| -> Result<(), String> {
+            let (Some(x), Some(c)) = (g.f64(in_key), g.i64(codes_key)) else {
+                r.push(name, false, "golden tensor missing".into());
+                return Ok(());
+            };
+            let pcm: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+            let codes = codec.encode(&pcm).map_err(|e| e.to_string())?;
+            let got: Vec<i64> = codes.data().iter().map(|&v| i64::from(v)).collect();
+            r.exact(name, &got, &c);
+            Ok(())
         };
-        let pcm: Vec<f32> = x.iter().map(|&v| v as f32).collect();
-        let codes = codec.encode(&pcm).map_err(|e| e.to_string())?;
-        let got: Vec<i64> = codes.data().iter().map(|&v| i64::from(v)).collect();
-        r.exact(name, &got, &c);
-        Ok(())
-    };
-    enc(r, "codec_encode", "codec_encode_input_chirp", "codec_encode_codes")?;
+    enc(
+        r,
+        "codec_encode",
+        "codec_encode_input_chirp",
+        "codec_encode_codes",
+    )?;
     if g.long.is_some() {
-        dec(r, "codec_long_decode", "codec_long_decode_codes", "codec_long_decode_pcm_f64")?;
-        enc(r, "codec_long_encode", "codec_long_encode_input", "codec_long_encode_codes")?;
+        dec(
+            r,
+            "codec_long_decode",
+            "codec_long_decode_codes",
+            "codec_long_decode_pcm_f64",
+        )?;
+        enc(
+            r,
+            "codec_long_encode",
+            "codec_long_encode_input",
+            "codec_long_encode_codes",
+        )?;
     }
     Ok(())
 }

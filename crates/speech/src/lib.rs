@@ -18,7 +18,9 @@ pub use engine::{BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, 
 pub enum SpeechError {
     #[error("input text is empty")]
     EmptyText,
-    #[error("{what} contains the structural token {token:?}, which only the prompt template may use")]
+    #[error(
+        "{what} contains the structural token {token:?}, which only the prompt template may use"
+    )]
     StructuralToken { what: String, token: String },
     #[error("{what} has speaker tag {tag:?}; speaker tags are <|speaker:0|> to <|speaker:15|>")]
     BadSpeakerTag { what: String, tag: String },

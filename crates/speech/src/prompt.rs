@@ -72,7 +72,10 @@ pub fn validate_text(text: &str, what: &str) -> Result<(), SpeechError> {
         let ok = !num.is_empty()
             && num.chars().all(|c| c.is_ascii_digit())
             && (num == "0" || !num.starts_with('0'))
-            && num.parse::<u32>().map(|n| n <= MAX_SPEAKER).unwrap_or(false);
+            && num
+                .parse::<u32>()
+                .map(|n| n <= MAX_SPEAKER)
+                .unwrap_or(false);
         if !ok {
             return Err(SpeechError::BadSpeakerTag {
                 what: what.to_string(),
@@ -166,7 +169,8 @@ impl<'a> PromptBuilder<'a> {
             if r.codes.is_empty() {
                 return Err(SpeechError::EmptyReferenceAudio { index: k + 1 });
             }
-            structural += self.push_text(&mut rows, &format!("\n\n[Reference {}]\nText: ", k + 1))?;
+            structural +=
+                self.push_text(&mut rows, &format!("\n\n[Reference {}]\nText: ", k + 1))?;
             ref_tokens += self.push_text(&mut rows, &tag_transcript(&r.transcript))?;
             structural += self.push_text(&mut rows, "\nSpeech: ")?;
             for (fi, frame) in r.codes.iter().enumerate() {

@@ -92,7 +92,12 @@ mod tests {
     fn splits_sentences() {
         assert_eq!(
             sentences("Hello world. \"Is it?\" she asked! Pi is 3.14 today... yes"),
-            vec!["Hello world.", "\"Is it?\"", "she asked!", "Pi is 3.14 today... yes"]
+            vec![
+                "Hello world.",
+                "\"Is it?\"",
+                "she asked!",
+                "Pi is 3.14 today... yes"
+            ]
         );
         assert_eq!(sentences("你好。再见！"), vec!["你好。", "再见！"]);
         assert_eq!(sentences("no end"), vec!["no end"]);
@@ -101,7 +106,14 @@ mod tests {
     #[test]
     fn groups_and_carries_speaker() {
         let g = segments("<|speaker:3|> One. Two. Three.", 10);
-        assert_eq!(g, vec!["<|speaker:3|> One.", "<|speaker:3|> Two.", "<|speaker:3|> Three."]);
+        assert_eq!(
+            g,
+            vec![
+                "<|speaker:3|> One.",
+                "<|speaker:3|> Two.",
+                "<|speaker:3|> Three."
+            ]
+        );
         let g = segments("<|speaker:1|> A. B. <|speaker:2|> C. D.", 1000);
         assert_eq!(g, vec!["<|speaker:1|> A. B.", "<|speaker:2|> C. D."]);
         let g = segments("A. B.", 1000);

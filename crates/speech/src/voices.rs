@@ -116,7 +116,9 @@ impl VoiceCatalog {
                 if p.extension().and_then(|x| x.to_str()) != Some("json") {
                     continue;
                 }
-                let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else { continue };
+                let Some(stem) = p.file_stem().and_then(|s| s.to_str()) else {
+                    continue;
+                };
                 if let Ok(v) = self.get(stem) {
                     out.push(self.info(&v));
                 }
@@ -190,7 +192,12 @@ mod tests {
         assert!(c2.remove("alice").unwrap());
         assert!(!c2.remove("alice").unwrap());
         assert_eq!(c2.get("alice").unwrap_err().code, "unknown_voice");
-        assert!(c2.put(&Voice { name: "../x".into(), ..v }).is_err());
+        assert!(c2
+            .put(&Voice {
+                name: "../x".into(),
+                ..v
+            })
+            .is_err());
         let _ = std::fs::remove_dir_all(&d);
     }
 }

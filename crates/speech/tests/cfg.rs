@@ -1,7 +1,10 @@
 //! Classifier-free guidance: qualified by equality at γ = 0, effective at γ > 0, batched ==
 //! separate, never applied without a reference, and per-request γ validated.
 
-use speech::{CfgOptions, Engine, EngineOptions, ReferenceAudio, ReferenceInput, RequestErrorKind, SynthesisRequest};
+use speech::{
+    CfgOptions, Engine, EngineOptions, ReferenceAudio, ReferenceInput, RequestErrorKind,
+    SynthesisRequest,
+};
 use std::sync::Arc;
 
 fn engine(cfg: CfgOptions) -> Arc<Engine> {
@@ -18,7 +21,9 @@ fn engine(cfg: CfgOptions) -> Arc<Engine> {
 
 fn reference() -> ReferenceInput {
     // Codes straight from a small deterministic pattern (the codec encoder is tested elsewhere).
-    let codes: Vec<Vec<i64>> = (0..6).map(|f| (0..10).map(|c| ((f * 7 + c * 3) % 16) as i64).collect()).collect();
+    let codes: Vec<Vec<i64>> = (0..6)
+        .map(|f| (0..10).map(|c| ((f * 7 + c * 3) % 16) as i64).collect())
+        .collect();
     ReferenceInput {
         audio: ReferenceAudio::Codes(codes),
         transcript: "A short reference line.".into(),
@@ -42,27 +47,65 @@ fn run(e: &Arc<Engine>, refs: bool, gamma: Option<f32>) -> (String, bool) {
 fn forced_guided_path_at_zero_equals_unguided() {
     let plain = run(&engine(CfgOptions::default()), true, None);
     assert!(!plain.1);
-    let forced = run(&engine(CfgOptions { force_guided: true, ..Default::default() }), true, None);
+    let forced = run(
+        &engine(CfgOptions {
+            force_guided: true,
+            ..Default::default()
+        }),
+        true,
+        None,
+    );
     assert!(forced.1, "the forced path must run both branches");
     assert_eq!(forced.0, plain.0);
-    let forced_b = run(&engine(CfgOptions { force_guided: true, batched: true, ..Default::default() }), true, None);
+    let forced_b = run(
+        &engine(CfgOptions {
+            force_guided: true,
+            batched: true,
+            ..Default::default()
+        }),
+        true,
+        None,
+    );
     assert_eq!(forced_b.0, plain.0);
 }
 
 #[test]
 fn guidance_changes_output_and_batched_equals_separate() {
     let plain = run(&engine(CfgOptions::default()), true, None);
-    let g = run(&engine(CfgOptions { gamma: 3.0, ..Default::default() }), true, None);
+    let g = run(
+        &engine(CfgOptions {
+            gamma: 3.0,
+            ..Default::default()
+        }),
+        true,
+        None,
+    );
     assert!(g.1);
     assert_ne!(g.0, plain.0, "γ = 3 should change the semantic draws");
-    let gb = run(&engine(CfgOptions { gamma: 3.0, batched: true, ..Default::default() }), true, None);
+    let gb = run(
+        &engine(CfgOptions {
+            gamma: 3.0,
+            batched: true,
+            ..Default::default()
+        }),
+        true,
+        None,
+    );
     assert_eq!(gb.0, g.0);
 }
 
 #[test]
 fn no_reference_is_never_guided() {
     let plain = run(&engine(CfgOptions::default()), false, None);
-    let g = run(&engine(CfgOptions { gamma: 3.0, force_guided: true, ..Default::default() }), false, None);
+    let g = run(
+        &engine(CfgOptions {
+            gamma: 3.0,
+            force_guided: true,
+            ..Default::default()
+        }),
+        false,
+        None,
+    );
     assert!(!g.1);
     assert_eq!(g.0, plain.0);
 }
@@ -79,13 +122,23 @@ fn request_gamma_is_validated() {
     };
     let err = e.submit(mk(1.0)).err().unwrap();
     assert_eq!(err.code, "cfg_gamma_not_allowed");
-    let e = engine(CfgOptions { allow_request_gamma: true, ..Default::default() });
+    let e = engine(CfgOptions {
+        allow_request_gamma: true,
+        ..Default::default()
+    });
     for bad in [f32::NAN, f32::INFINITY, -0.5, 10.5] {
         let err = e.submit(mk(bad)).err().unwrap();
         assert_eq!(err.kind, RequestErrorKind::Invalid);
         assert_eq!(err.code, "invalid_cfg_gamma");
     }
     let ok = run(&e, true, Some(3.0));
-    let server = run(&engine(CfgOptions { gamma: 3.0, ..Default::default() }), true, None);
+    let server = run(
+        &engine(CfgOptions {
+            gamma: 3.0,
+            ..Default::default()
+        }),
+        true,
+        None,
+    );
     assert_eq!(ok.0, server.0);
 }

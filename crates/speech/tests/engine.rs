@@ -27,12 +27,23 @@ fn req(text: &str, seed: u64, frames: u64) -> SynthesisRequest {
 
 #[test]
 fn concurrent_requests_equal_their_solo_runs() {
-    let texts = ["First voice speaks. And more.", "Second, a different line.", "Third one here!"];
+    let texts = [
+        "First voice speaks. And more.",
+        "Second, a different line.",
+        "Third one here!",
+    ];
     let solo = engine(1, 4);
     let want: Vec<String> = texts
         .iter()
         .enumerate()
-        .map(|(i, t)| solo.submit(req(t, 10 + i as u64, 20)).unwrap().wait().unwrap().1.pcm_sha256)
+        .map(|(i, t)| {
+            solo.submit(req(t, 10 + i as u64, 20))
+                .unwrap()
+                .wait()
+                .unwrap()
+                .1
+                .pcm_sha256
+        })
         .collect();
     drop(solo);
     let multi = engine(3, 4);
@@ -41,17 +52,37 @@ fn concurrent_requests_equal_their_solo_runs() {
         .enumerate()
         .map(|(i, t)| multi.submit(req(t, 10 + i as u64, 20)).unwrap())
         .collect();
-    let got: Vec<String> = handles.into_iter().map(|h| h.wait().unwrap().1.pcm_sha256).collect();
+    let got: Vec<String> = handles
+        .into_iter()
+        .map(|h| h.wait().unwrap().1.pcm_sha256)
+        .collect();
     assert_eq!(got, want);
     // Different seeds give different audio (the comparison above can fail).
-    assert_ne!(want[0], multi.submit(req(texts[0], 99, 20)).unwrap().wait().unwrap().1.pcm_sha256);
+    assert_ne!(
+        want[0],
+        multi
+            .submit(req(texts[0], 99, 20))
+            .unwrap()
+            .wait()
+            .unwrap()
+            .1
+            .pcm_sha256
+    );
 }
 
 #[test]
 fn cancellation_leaves_the_next_request_unchanged() {
     let e = engine(1, 4);
-    let fresh = e.submit(req("After the cancel.", 5, 16)).unwrap().wait().unwrap().1.pcm_sha256;
-    let mut h = e.submit(req("A long request that will be cancelled early.", 3, 200)).unwrap();
+    let fresh = e
+        .submit(req("After the cancel.", 5, 16))
+        .unwrap()
+        .wait()
+        .unwrap()
+        .1
+        .pcm_sha256;
+    let mut h = e
+        .submit(req("A long request that will be cancelled early.", 3, 200))
+        .unwrap();
     // Wait for the first audio, then walk away.
     loop {
         match h.events.blocking_recv() {
@@ -61,7 +92,13 @@ fn cancellation_leaves_the_next_request_unchanged() {
         }
     }
     drop(h);
-    let after = e.submit(req("After the cancel.", 5, 16)).unwrap().wait().unwrap().1.pcm_sha256;
+    let after = e
+        .submit(req("After the cancel.", 5, 16))
+        .unwrap()
+        .wait()
+        .unwrap()
+        .1
+        .pcm_sha256;
     assert_eq!(after, fresh);
     assert_eq!(e.stats().lanes_busy, 0);
 }
@@ -69,7 +106,9 @@ fn cancellation_leaves_the_next_request_unchanged() {
 #[test]
 fn overload_is_refused_and_refusals_do_not_disturb() {
     let e = engine(1, 1);
-    let h1 = e.submit(req("Keep the lane busy for a while.", 1, 300)).unwrap();
+    let h1 = e
+        .submit(req("Keep the lane busy for a while.", 1, 300))
+        .unwrap();
     let h2 = e.submit(req("Queued.", 2, 4)).unwrap();
     let r = e.submit(req("Refused.", 3, 4));
     let err = r.err().expect("third request must be refused");

@@ -16,7 +16,9 @@ fn engine(gib: f64) -> Arc<Engine> {
 }
 
 fn req(shift: i64, text: &str) -> SynthesisRequest {
-    let codes: Vec<Vec<i64>> = (0..8).map(|f| (0..10).map(|c| (f * 5 + c * 3 + shift) % 16).collect()).collect();
+    let codes: Vec<Vec<i64>> = (0..8)
+        .map(|f| (0..10).map(|c| (f * 5 + c * 3 + shift) % 16).collect())
+        .collect();
     SynthesisRequest {
         text: text.into(),
         references: vec![ReferenceInput {
