@@ -191,9 +191,9 @@ pub fn resolve_experts(
                 .map(|layer| {
                     let mut rng = stream(seed, "metadata.drama_experts", layer as u64);
                     let span = 2 * jitter as u64 + 1;
-                    let n = (base + (rng.next_u64() % span) as usize)
-                        .saturating_sub(jitter)
-                        .clamp(topk, ne);
+                    let drawn = (base + (rng.next_u64() % span) as usize).saturating_sub(jitter);
+                    // keep = 1.0 means every expert (a pruned layout with nothing pruned).
+                    let n = if *keep >= 1.0 { ne } else { drawn.clamp(topk, ne) };
                     // Partial Fisher-Yates: the first n of a seeded permutation.
                     let mut ids: Vec<u32> = (0..ne as u32).collect();
                     for i in 0..n {
@@ -994,6 +994,15 @@ mod tests {
             mean.abs() < 0.02 && (var - 1.0).abs() < 0.03,
             "{mean} {var}"
         );
+    }
+
+    #[test]
+    fn nvfp4_keep_one_keeps_every_expert() {
+        for seed in 0..5 {
+            let f = resolve_experts(Geometry::Tiny, &FixtureExperts::Nvfp4Pruned { keep: 1.0 }, seed).unwrap();
+            let ExpertFormat::Nvfp4Pruned { kept } = f else { panic!("not nvfp4") };
+            assert!(kept.iter().all(|k| k.len() == 16), "seed {seed}: {kept:?}");
+        }
     }
 
     #[test]
