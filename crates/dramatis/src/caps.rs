@@ -17,7 +17,7 @@ pub fn capabilities() -> Value {
         "checkpoint": {
             "model_type": "fish_omni",
             "prompt_template": "reference-bracket-v1",
-            "expert_formats_loaded": ["fp8-block128"],
+            "expert_formats_loaded": {"cpu": ["fp8-block128", "nvfp4-pruned"], "cuda": ["fp8-block128"]},
             "dense": ["BF16", "F32 (small tensors)"],
             "codec": "codec.pth (PyTorch zip, weight-norm parametrisations folded at load)"
         },
@@ -32,6 +32,12 @@ pub fn capabilities() -> Value {
             "admitted_by_contract": "P + F + 1 <= C <= max_position_embeddings (262144 for Drama 3)",
             "qualified": [{"backend": "cpu", "checkpoint": "drama3-tiny golden fixture", "rows": 115,
                            "evidence": "dramatis golden testdata/drama3-tiny"}]
+        },
+        "features": {
+            "classifier_free_guidance": {"backends": ["cpu"], "evidence": "crates/speech/tests/cfg.rs"},
+            "reference_prefill_cache": {"evidence": "crates/speech/tests/prompt_cache.rs"},
+            "voice_cloning": {"codec_encoder": "cpu"},
+            "deterministic_replay": "counter-based Philox4x32-10 keyed by (seed, stream, step)"
         },
         "flags": ["--cfg-gamma", "--cfg-batched", "--cfg-force-guided", "--cfg-allow-request-gamma",
                   "--context", "--parallel", "--queue", "--prompt-cache-gib", "--api-key",
