@@ -110,35 +110,7 @@ enum VoicesCmd {
 #[derive(Subcommand)]
 enum Cmd {
     /// Synthesize TEXT to a 16-bit 44.1 kHz WAV.
-    Say {
-        text: String,
-        #[command(flatten)]
-        engine: EngineArgs,
-        /// A catalog voice.
-        #[arg(long)]
-        voice: Option<String>,
-        /// Reference clip (WAV, any rate); repeat for several, each with its --ref-text.
-        #[arg(long = "ref")]
-        refs: Vec<PathBuf>,
-        /// Transcript of the matching --ref clip.
-        #[arg(long = "ref-text")]
-        ref_texts: Vec<String>,
-        #[arg(long, short, default_value = "out.wav")]
-        out: PathBuf,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Frame cap (honoured exactly or refused); default 1024.
-        #[arg(long)]
-        frames: Option<u64>,
-        #[arg(long)]
-        temperature: Option<f32>,
-        #[arg(long)]
-        top_p: Option<f32>,
-        #[arg(long)]
-        top_k: Option<u32>,
-        #[arg(long, value_enum, default_value = "sentence")]
-        split: SplitArg,
-    },
+    Say(SayArgs),
     /// The HTTP server (OpenAI- and Fish-compatible).
     Serve {
         #[command(flatten)]
@@ -167,35 +139,7 @@ enum Cmd {
         json: bool,
     },
     /// The admission and memory plan, without weights or GPU.
-    Plan {
-        #[arg(long, conflicts_with = "geometry")]
-        model: Option<PathBuf>,
-        #[arg(long, value_enum)]
-        geometry: Option<GeometryArg>,
-        #[arg(long, value_enum, default_value = "cpu")]
-        backend: BackendArg,
-        #[arg(long)]
-        context: Option<u64>,
-        #[arg(long, default_value_t = 1)]
-        parallel: u64,
-        #[arg(long)]
-        prompt_rows: Option<u64>,
-        #[arg(long)]
-        frames: Option<u64>,
-        #[arg(long)]
-        cfg: bool,
-        #[arg(long)]
-        device_gib: Option<f64>,
-        #[arg(long)]
-        host_gib: Option<f64>,
-        #[arg(long, default_value_t = 1.0)]
-        prompt_cache_gib: f64,
-        /// Plan for streamed replies (no whole-reply PCM buffer).
-        #[arg(long)]
-        streamed: bool,
-        #[arg(long)]
-        json: bool,
-    },
+    Plan(PlanArgs),
     /// The voice catalog.
     Voices {
         #[command(subcommand)]
@@ -304,33 +248,7 @@ fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
-        Cmd::Say {
-            text,
-            engine,
-            voice,
-            refs,
-            ref_texts,
-            out,
-            seed,
-            frames,
-            temperature,
-            top_p,
-            top_k,
-            split,
-        } => say(SayArgs {
-            text,
-            engine,
-            voice,
-            refs,
-            ref_texts,
-            out,
-            seed,
-            frames,
-            temperature,
-            top_p,
-            top_k,
-            split,
-        }),
+        Cmd::Say(a) => say(a),
         Cmd::Serve {
             engine,
             host,
@@ -371,35 +289,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
-        Cmd::Plan {
-            model,
-            geometry,
-            backend,
-            context,
-            parallel,
-            prompt_rows,
-            frames,
-            cfg,
-            device_gib,
-            host_gib,
-            prompt_cache_gib,
-            streamed,
-            json,
-        } => plan(PlanArgs {
-            model,
-            geometry,
-            backend,
-            context,
-            parallel,
-            prompt_rows,
-            frames,
-            cfg,
-            device_gib,
-            host_gib,
-            prompt_cache_gib,
-            streamed,
-            json,
-        }),
+        Cmd::Plan(a) => plan(a),
         Cmd::Voices { cmd } => voices(cmd),
         Cmd::Fixture {
             geometry,
@@ -477,18 +367,34 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
+#[derive(Args)]
 struct SayArgs {
     text: String,
+    #[command(flatten)]
     engine: EngineArgs,
+    /// A catalog voice.
+    #[arg(long)]
     voice: Option<String>,
+    /// Reference clip (WAV, any rate); repeat for several, each with its --ref-text.
+    #[arg(long = "ref")]
     refs: Vec<PathBuf>,
+    /// Transcript of the matching --ref clip.
+    #[arg(long = "ref-text")]
     ref_texts: Vec<String>,
+    #[arg(long, short, default_value = "out.wav")]
     out: PathBuf,
+    #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Frame cap (honoured exactly or refused); default 1024.
+    #[arg(long)]
     frames: Option<u64>,
+    #[arg(long)]
     temperature: Option<f32>,
+    #[arg(long)]
     top_p: Option<f32>,
+    #[arg(long)]
     top_k: Option<u32>,
+    #[arg(long, value_enum, default_value = "sentence")]
     split: SplitArg,
 }
 
@@ -589,19 +495,34 @@ fn say(a: SayArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+#[derive(Args)]
 struct PlanArgs {
+    #[arg(long, conflicts_with = "geometry")]
     model: Option<PathBuf>,
+    #[arg(long, value_enum)]
     geometry: Option<GeometryArg>,
+    #[arg(long, value_enum, default_value = "cpu")]
     backend: BackendArg,
+    #[arg(long)]
     context: Option<u64>,
+    #[arg(long, default_value_t = 1)]
     parallel: u64,
+    #[arg(long)]
     prompt_rows: Option<u64>,
+    #[arg(long)]
     frames: Option<u64>,
+    #[arg(long)]
     cfg: bool,
+    #[arg(long)]
     device_gib: Option<f64>,
+    #[arg(long)]
     host_gib: Option<f64>,
+    #[arg(long, default_value_t = 1.0)]
     prompt_cache_gib: f64,
+    /// Plan for streamed replies (no whole-reply PCM buffer).
+    #[arg(long)]
     streamed: bool,
+    #[arg(long)]
     json: bool,
 }
 
