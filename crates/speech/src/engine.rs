@@ -506,6 +506,15 @@ impl Engine {
         })
     }
 
+    /// The assembled prompt rows P of each segment of `req`, exactly as admission counts them.
+    pub fn prompt_rows(&self, req: &SynthesisRequest) -> Result<Vec<u64>, RequestError> {
+        let mut probe = req.clone();
+        // Any admissible cap: only P is wanted here.
+        probe.max_frames = None;
+        let p = self.prepare(&probe)?;
+        Ok(p.segments.iter().map(|s| s.0.rows.len() as u64).collect())
+    }
+
     fn prepare(&self, req: &SynthesisRequest) -> Result<Prepared, RequestError> {
         self.limits
             .check_text(&req.text)

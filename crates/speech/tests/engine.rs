@@ -132,3 +132,46 @@ fn streamed_chunks_hash_to_the_summary() {
     assert_eq!(pcm.len() as u64, s.frames * 2048);
     assert_eq!(s.samples, pcm.len() as u64);
 }
+
+#[test]
+fn window_boundary_is_exact_with_and_without_references() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let c = 300u64;
+    let e = Engine::load(EngineOptions {
+        context: Some(c),
+        voices_dir: Some(cache.join("voices-window")),
+        ..Default::default()
+    })
+    .unwrap();
+    let reference = speech::ReferenceInput {
+        audio: speech::ReferenceAudio::Codes((0..40).map(|f| (0..10).map(|k| (f + k) % 16).collect()).collect()),
+        transcript: "Forty frames of reference.".into(),
+    };
+    for refs in [vec![], vec![reference]] {
+        let mut r = req("One prompt, counted exactly.", 1, 1);
+        r.references = refs.clone();
+        let p = e.prompt_rows(&r).unwrap()[0];
+        assert!(p > 2);
+        // P + F + 1 = C: admitted with exactly that cap.
+        r.max_frames = Some(c - p - 1);
+        let h = e.submit(r.clone()).unwrap();
+        let (_, s) = h.wait().unwrap();
+        assert_eq!(s.frame_cap, c - p - 1);
+        assert!(s.frames <= c - p - 1);
+        // One more frame: refused, naming the largest F that fits.
+        r.max_frames = Some(c - p);
+        let err = e.submit(r.clone()).err().unwrap();
+        assert_eq!(err.code, "frames_exceeded");
+        assert!(err.message.contains(&format!("{}", c - p - 1)), "{}", err.message);
+        // Without a cap the default (1024) shrinks to C - P - 1 and says so.
+        r.max_frames = None;
+        let (_, s) = e.submit(r.clone()).unwrap().wait().unwrap();
+        assert_eq!(s.frame_cap, c - p - 1);
+        assert_eq!(s.cap, speech::CapApplied::DefaultShrunk);
+    }
+    // One more prompt row than fits: a text longer than the window is refused before any work.
+    let long = "word ".repeat(400);
+    let err = e.submit(req(&long, 1, 1)).err().unwrap();
+    assert_eq!(err.code, "window_exceeded");
+}
