@@ -197,6 +197,23 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Fill a window of C rows (P = C - 2 prompt rows, one frame) and check the last position;
+    /// writes a receipt. With --compare-cpu, the same run on the CPU is the reference.
+    QualifyWindow {
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, value_enum, default_value = "cpu")]
+        backend: BackendArg,
+        #[arg(long)]
+        context: usize,
+        /// Prefill piece size in rows.
+        #[arg(long, default_value_t = 4096)]
+        chunk: usize,
+        #[arg(long)]
+        compare_cpu: bool,
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Static facts about this build. Needs no GPU and no model.
     Capabilities {
         #[arg(long)]
@@ -355,6 +372,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             })?;
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::QualifyWindow {
+            model,
+            backend,
+            context,
+            chunk,
+            compare_cpu,
+            out,
+        } => crate::gpu::qualify_window(model, backend == BackendArg::Cuda, context, chunk, compare_cpu, out),
         Cmd::Capabilities { json } => {
             let c = crate::caps::capabilities();
             if json {

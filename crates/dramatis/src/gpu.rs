@@ -33,3 +33,65 @@ pub fn golden_cuda(_dir: &std::path::Path) -> Result<speech::golden::GoldenRepor
             .into(),
     )
 }
+
+/// `dramatis qualify-window`: see `speech::qualify`.
+pub fn qualify_window(
+    model: Option<std::path::PathBuf>,
+    cuda: bool,
+    context: usize,
+    chunk: usize,
+    compare_cpu: bool,
+    out: Option<std::path::PathBuf>,
+) -> Result<ExitCode> {
+    let dir = match model {
+        Some(d) => d,
+        None => speech::builtin::ensure_builtin().map_err(|e| anyhow::anyhow!(e))?,
+    };
+    let ck = checkpoint::Checkpoint::open(&dir)?;
+    let max = ck.config.text_config.max_position_embeddings;
+    if context > max {
+        anyhow::bail!("a window of {context} rows exceeds max_position_embeddings of {max} rows");
+    }
+    let run = if cuda { run_cuda(&ck, context, chunk)? } else { speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk).map_err(|e| anyhow::anyhow!(e))? };
+    let mut receipt = serde_json::json!({
+        "kind": "dramatis-window-qualification",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": env!("DRAMATIS_GIT"),
+        "model": dir.display().to_string(),
+        "run": {
+            "backend": run.backend, "window_rows": run.window_rows, "prompt_rows": run.prompt_rows,
+            "frames": run.frames, "rows_used": run.rows_used, "prefill_seconds": run.prefill_seconds,
+            "frame_seconds": run.frame_seconds, "last_logits_finite": run.last_logits_finite, "frame": run.frame,
+        },
+    });
+    let mut ok = run.last_logits_finite && run.rows_used + 1 == context;
+    if compare_cpu && cuda {
+        let cpu = speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk).map_err(|e| anyhow::anyhow!(e))?;
+        let diff = run.last_logits.iter().zip(&cpu.last_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let scale = cpu.last_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        receipt["cpu_reference"] = serde_json::json!({
+            "prefill_seconds": cpu.prefill_seconds, "frame": cpu.frame,
+            "max_abs_logit_diff": diff, "max_abs_logit": scale,
+            "same_frame": cpu.frame == run.frame,
+        });
+        ok &= cpu.last_logits_finite;
+    }
+    receipt["verdict"] = serde_json::json!(if ok { "filled" } else { "failed" });
+    let text = serde_json::to_string_pretty(&receipt)?;
+    if let Some(p) = out {
+        std::fs::write(&p, &text)?;
+    }
+    println!("{text}");
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(ck: &checkpoint::Checkpoint, context: usize, chunk: usize) -> Result<speech::qualify::WindowRun> {
+    let be = backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
+    speech::qualify::fill_window(ck, be, context, chunk).map_err(|e| anyhow::anyhow!(e))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_ck: &checkpoint::Checkpoint, _context: usize, _chunk: usize) -> Result<speech::qualify::WindowRun> {
+    anyhow::bail!("this build has no CUDA backend: rebuild with `cargo build --release --features cuda`")
+}

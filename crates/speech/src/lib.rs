@@ -8,6 +8,7 @@ pub mod engine;
 pub mod golden;
 pub mod pcm;
 pub mod prompt;
+pub mod qualify;
 pub mod split;
 pub mod voices;
 
