@@ -38,7 +38,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let gpu = match Gpu::new(0) {
-        Ok(g) => g,
+        Ok(g) => std::sync::Arc::new(g),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::FAILURE;

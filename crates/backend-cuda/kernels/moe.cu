@@ -13,15 +13,19 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { retur
 
 // ---- router: one block per row, logits [rows, E] f32 -> ids [rows, k] u32, weights [rows, k].
 // PLANT 1: ties go to the higher index. LOWP: probabilities rounded to bf16.
+// keep (optional, one byte per expert): experts with keep[e] == 0 get probability 0 before the
+// normalisation and are never chosen.
 extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned int* __restrict__ ids,
-                                      float* __restrict__ weights, int E, int k) {
+                                      float* __restrict__ weights, int E, int k,
+                                      const unsigned char* __restrict__ keep) {
     extern __shared__ float p[];  // E floats
     __shared__ float scratch[32];
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* l = logits + (size_t)blockIdx.x * E;
     float m = -INFINITY;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        if (!keep || keep[e]) m = fmaxf(m, l[e]);
     // block max through the sum scratch pattern
     {
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -33,7 +37,7 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
     }
     float s = 0.0f;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = expf(l[e] - m);
+        float v = (!keep || keep[e]) ? expf(l[e] - m) : 0.0f;
         p[e] = v;
         s += v;
     }
@@ -43,7 +47,7 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
 #ifdef LOWP
         v = round_bf16(v);
 #endif
-        p[e] = v;
+        p[e] = (!keep || keep[e]) ? v : -3.0f;  // dropped experts are never chosen
     }
     __syncthreads();
     float tot = 0.0f;
@@ -158,4 +162,81 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_fp8(
         acc = fmaf(wts[j], dj, acc);
     }
     if (lane == 0) y[n] = acc;
+}
+
+// ---- multi-row experts over a pointer table: tab[6 e + {0..5}] = gate, up, down (fp8) and their
+// block scales (f32) of expert e, each expert stored on its own. Row = blockIdx.y; every row runs
+// the single-row arithmetic, so a row's result does not depend on the rows beside it.
+// gate/up: h[row, j, i] = silu(gate_e . x[row]) * (up_e . x[row]), e = ids[row, j].
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k) {
+    int lane = threadIdx.x & 31;
+    long long row = blockIdx.y;
+    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (warp >= (long long)k * I) return;
+    int j = (int)(warp / I), i = (int)(warp % I);
+    long long e = ids[row * k + j];
+    const fp8_t* gate = (const fp8_t*)tab[6 * e + 0];
+    const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
+    const float* gate_s = (const float*)tab[6 * e + 3];
+    const float* up_s = (const float*)tab[6 * e + 4];
+    int sb_cols = (H + 127) >> 7;
+    long long row_off = (long long)i * H;
+    long long s_off = (long long)(i >> 7) * sb_cols;
+    const float* xr = x + row * H;
+    float g = fp8_row_dot(gate + row_off, xr, gate_s + s_off, H, lane);
+    float u = fp8_row_dot(up + row_off, xr, up_s + s_off, H, lane);
+    g = warp_sum(g);
+    u = warp_sum(u);
+    if (lane == 0) {
+        float v = silu(g) * u;
+#ifdef LOWP
+        v = round_bf16(v);
+#endif
+        h[(row * k + j) * I + i] = v;
+    }
+}
+
+// down: y[row, n] = sum_j w[row, j] * (down_e . h[row, j]), experts summed in rank order.
+extern "C" __global__ void __launch_bounds__(256) moe_down_tab(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k) {
+    int lane = threadIdx.x & 31;
+    long long row = blockIdx.y;
+    long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= H) return;
+    int sb_cols = (I + 127) >> 7;
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        long long e = ids[row * k + j];
+        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        const float* down_s = (const float*)tab[6 * e + 5];
+        float d = fp8_row_dot(down + n * I, h + (row * k + j) * I, down_s + (n >> 7) * sb_cols, I, lane);
+        float dj = warp_sum(d);
+#ifdef LOWP
+        dj = round_bf16(dj);
+#endif
+        acc = fmaf(wts[row * k + j], dj, acc);
+    }
+    if (lane == 0) y[row * H + n] = acc;
+}
+
+// A plain linear with an FP8 block-scaled weight W [n_out, K]: y[r, n] = W[n] . x[r].
+// One warp per output, rows looped (batch-invariant).
+extern "C" __global__ void __launch_bounds__(256) gemv_fp8(
+    const fp8_t* __restrict__ W, const float* __restrict__ S, const float* __restrict__ x,
+    float* __restrict__ y, int n_out, int K, int rows) {
+    int lane = threadIdx.x & 31;
+    long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= n_out) return;
+    int sb_cols = (K + 127) >> 7;
+    for (int r = 0; r < rows; ++r) {
+        float d = fp8_row_dot(W + n * K, x + (long long)r * K, S + (n >> 7) * sb_cols, K, lane);
+        d = warp_sum(d);
+#ifdef LOWP
+        d = round_bf16(d);
+#endif
+        if (lane == 0) y[(long long)r * n_out + n] = d;
+    }
 }

@@ -4,6 +4,8 @@
 //! caught), launch-limit records at the largest admitted shapes, and, for attention, planted
 //! long-range cases at 262144 keys.
 
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
 use crate::error::Result;
@@ -11,6 +13,9 @@ use crate::kernels::{self as k, AttnGeom, AttnWorkspace, DeltaBuffers, ExpertWei
 use crate::reference::{self as r, rel_l2};
 use crate::rng::Rng;
 use crate::runtime::{DeviceInfo, Gpu, Variant};
+
+#[path = "contract_ops.rs"]
+mod ops;
 
 /// What a printed line counts towards.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,15 +125,16 @@ pub fn tol_bf16_store() -> f64 {
     2f64.powi(-8)
 }
 
-struct Ctx<'a> {
-    gpu: &'a Gpu,
-    rng: Rng,
+pub(crate) struct Ctx<'a> {
+    pub(crate) gpu: &'a Gpu,
+    pub(crate) shared: &'a Arc<Gpu>,
+    pub(crate) rng: Rng,
     lines: Vec<Line>,
     kernel: &'static str,
 }
 
 impl Ctx<'_> {
-    fn push(&mut self, case: impl Into<String>, kind: Kind, ok: bool, detail: String) {
+    pub(crate) fn push(&mut self, case: impl Into<String>, kind: Kind, ok: bool, detail: String) {
         let l = Line {
             kernel: self.kernel,
             case: case.into(),
@@ -139,7 +145,7 @@ impl Ctx<'_> {
         println!("{}", l.render());
         self.lines.push(l);
     }
-    fn check(&mut self, case: &str, err: f64, tol: f64) {
+    pub(crate) fn check(&mut self, case: &str, err: f64, tol: f64) {
         self.push(
             case,
             Kind::Check,
@@ -147,7 +153,7 @@ impl Ctx<'_> {
             format!("rel_l2 {err:.3e} <= tol {tol:.3e}"),
         );
     }
-    fn discriminate(&mut self, case: &str, err: f64, tol: f64) {
+    pub(crate) fn discriminate(&mut self, case: &str, err: f64, tol: f64) {
         self.push(
             format!("{case} [low precision must fail]"),
             Kind::Discriminate,
@@ -155,7 +161,7 @@ impl Ctx<'_> {
             format!("rel_l2 {err:.3e} > tol {tol:.3e}"),
         );
     }
-    fn control(&mut self, case: &str, err: f64, tol: f64) {
+    pub(crate) fn control(&mut self, case: &str, err: f64, tol: f64) {
         self.push(
             format!("{case} [planted]"),
             Kind::Control,
@@ -164,7 +170,7 @@ impl Ctx<'_> {
         );
     }
     /// Exact must pass, low precision must fail, planted must be caught, all on these inputs.
-    fn triple(
+    pub(crate) fn triple(
         &mut self,
         case: &str,
         tol: f64,
@@ -179,7 +185,7 @@ impl Ctx<'_> {
         self.control(case, p, tol);
         Ok(())
     }
-    fn limit(&mut self, case: &str, plan: Result<LaunchPlan>) {
+    pub(crate) fn limit(&mut self, case: &str, plan: Result<LaunchPlan>) {
         match plan {
             Ok(p) => {
                 let probs = p.problems(&self.gpu.info);
@@ -222,7 +228,7 @@ fn poisoned(gpu: &Gpu, n: usize) -> Result<CudaSlice<f32>> {
     up(gpu, &vec![f32::NAN; n])
 }
 
-type KernelFn = fn(&mut Ctx) -> Result<()>;
+pub(crate) type KernelFn = fn(&mut Ctx) -> Result<()>;
 
 /// Every registered kernel, in order.
 const REGISTRY: &[(&str, KernelFn)] = &[
@@ -240,16 +246,29 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("attn_prep_rope_append", attn_prep),
     ("attn_decode_split", attn_decode),
     ("attn_prefill_causal", attn_prefill),
+    ("buffer_moves", ops::buffer_moves),
+    ("gather_sum", ops::gather_sum),
+    ("rmsnorm_groups_f32w", ops::rmsnorm_groups),
+    ("elementwise", ops::elementwise),
+    ("rope_neox_interleaved", ops::rope),
+    ("kv_append_bf16_f32", ops::kv_append),
+    ("attn_generic_bf16_f32", ops::attn_generic),
+    ("gdn_conv_rows", ops::conv_rows),
+    ("gdn_delta_rule_rows", ops::delta_rule),
+    ("moe_router_keep", ops::router_keep),
+    ("moe_experts_rows_fp8", ops::experts_rows),
+    ("gemv_fp8", ops::gemv_fp8),
 ];
 
 /// Runs the contract on device 0 for kernels whose name contains `filter`.
 pub fn run(filter: Option<&str>) -> Result<ContractSummary> {
-    let gpu = Gpu::new(0)?;
+    let gpu = Arc::new(Gpu::new(0)?);
     run_on(&gpu, filter, Rng::fresh_seed())
 }
 
 /// Runs the contract on `gpu` with inputs drawn from `seed`.
-pub fn run_on(gpu: &Gpu, filter: Option<&str>, seed: u64) -> Result<ContractSummary> {
+pub fn run_on(shared: &Arc<Gpu>, filter: Option<&str>, seed: u64) -> Result<ContractSummary> {
+    let gpu: &Gpu = shared;
     println!(
         "contract on {} (cc {}.{}, {} SMs, arch {}), seed {seed:#x}",
         gpu.info.name,
@@ -265,6 +284,7 @@ pub fn run_on(gpu: &Gpu, filter: Option<&str>, seed: u64) -> Result<ContractSumm
         }
         let mut ctx = Ctx {
             gpu,
+            shared,
             rng: Rng::new(seed.wrapping_add(i as u64 * 0x1000_0001)),
             lines: Vec::new(),
             kernel: name,

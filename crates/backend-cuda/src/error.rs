@@ -34,6 +34,8 @@ pub enum CudaError {
         value: u64,
         limit: u64,
     },
+    #[error(transparent)]
+    Backend(#[from] model::BackendError),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -249,7 +249,19 @@ pub fn router(
     len_at_least(kn, "weights", wts, mul("router weights", &[rows, k])?)?;
     let p = plan_router(rows, e)?;
     let (e32, k32) = (i32_of("e", e)?, i32_of("k", k)?);
-    launch!(gpu, &p, Source::Moe, v, logits, ids, wts, &e32, &k32);
+    let no_keep = 0u64;
+    launch!(
+        gpu,
+        &p,
+        Source::Moe,
+        v,
+        logits,
+        ids,
+        wts,
+        &e32,
+        &k32,
+        &no_keep
+    );
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //! crate implements. Every CUDA library is opened at run time (cudarc dynamic loading), so the
 //! crate builds and its CPU-side tests run on machines without CUDA.
 
+pub mod backend;
 pub mod bench;
 pub mod contract;
 pub mod error;
@@ -14,5 +15,8 @@ pub mod reference;
 pub mod rng;
 pub mod runtime;
 
+pub use backend::{
+    CudaBackend, CudaBuf, CudaGdn, CudaKv, CudaOptions, CudaRoute, CudaVector, CudaWeight,
+};
 pub use error::{CudaError, Result};
 pub use runtime::{driver_present, nvrtc_present, DeviceInfo, Gpu, Source, Variant};

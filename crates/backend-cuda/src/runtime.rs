@@ -19,15 +19,17 @@ pub enum Source {
     Moe,
     Gdn,
     Attention,
+    Ops,
 }
 
 impl Source {
-    pub const ALL: [Source; 5] = [
+    pub const ALL: [Source; 6] = [
         Source::Norm,
         Source::Gemv,
         Source::Moe,
         Source::Gdn,
         Source::Attention,
+        Source::Ops,
     ];
 
     pub fn name(self) -> &'static str {
@@ -37,6 +39,7 @@ impl Source {
             Source::Moe => "moe.cu",
             Source::Gdn => "gdn.cu",
             Source::Attention => "attention.cu",
+            Source::Ops => "ops.cu",
         }
     }
 
@@ -47,6 +50,7 @@ impl Source {
             Source::Moe => include_str!("../kernels/moe.cu"),
             Source::Gdn => include_str!("../kernels/gdn.cu"),
             Source::Attention => include_str!("../kernels/attention.cu"),
+            Source::Ops => include_str!("../kernels/ops.cu"),
         }
     }
 

@@ -6,15 +6,15 @@
 //! stream keyed by (seed, tensor name, piece), so neither write order nor thread count matters.
 //! Shards are streamed: headers come from shapes alone, data is generated in bounded batches.
 
+use crate::rng::{normal, stream, uniform};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use rand::{RngCore, SeedableRng};
+use rand::RngCore;
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use sha2::{Digest, Sha256};
 
 use crate::dtype::{f32_to_bf16, f8_table, DType};
 use crate::geometry::{drama3_config_json, Geometry, TINY_CONFIG_JSON};
@@ -193,7 +193,11 @@ pub fn resolve_experts(
                     let span = 2 * jitter as u64 + 1;
                     let drawn = (base + (rng.next_u64() % span) as usize).saturating_sub(jitter);
                     // keep = 1.0 means every expert (a pruned layout with nothing pruned).
-                    let n = if *keep >= 1.0 { ne } else { drawn.clamp(topk, ne) };
+                    let n = if *keep >= 1.0 {
+                        ne
+                    } else {
+                        drawn.clamp(topk, ne)
+                    };
                     // Partial Fisher-Yates: the first n of a seeded permutation.
                     let mut ids: Vec<u32> = (0..ne as u32).collect();
                     for i in 0..n {
@@ -312,32 +316,6 @@ fn nbytes(x: &Expected) -> Result<u64, CheckpointError> {
         })?;
     }
     Ok(n)
-}
-
-/// A ChaCha stream for (seed, key, piece): independent of order and threads.
-fn stream(seed: u64, key: &str, piece: u64) -> ChaCha8Rng {
-    let mut h = Sha256::new();
-    h.update(b"dramatis-fixture-v1\0");
-    h.update(seed.to_le_bytes());
-    h.update(key.as_bytes());
-    let mut rng = ChaCha8Rng::from_seed(h.finalize().into());
-    rng.set_stream(piece);
-    rng
-}
-
-/// Approximately N(0, 1): Irwin-Hall sum of four 16-bit uniforms, rescaled (tails at ±3.46).
-#[inline]
-fn normal(rng: &mut ChaCha8Rng) -> f32 {
-    let x = rng.next_u64();
-    let s: u32 = (0..4).map(|i| ((x >> (16 * i)) & 0xffff) as u32).sum();
-    // Sum of four U(0,1) has mean 2 and variance 1/3.
-    ((s as f32 + 2.0) / 65536.0 - 2.0) * 3f32.sqrt()
-}
-
-/// U(0, 1) with 24 random bits.
-#[inline]
-fn uniform(rng: &mut ChaCha8Rng) -> f32 {
-    (rng.next_u64() >> 40) as f32 / (1u32 << 24) as f32
 }
 
 /// How the values of a plain tensor are drawn (chosen so activations stay O(1)).
@@ -999,8 +977,15 @@ mod tests {
     #[test]
     fn nvfp4_keep_one_keeps_every_expert() {
         for seed in 0..5 {
-            let f = resolve_experts(Geometry::Tiny, &FixtureExperts::Nvfp4Pruned { keep: 1.0 }, seed).unwrap();
-            let ExpertFormat::Nvfp4Pruned { kept } = f else { panic!("not nvfp4") };
+            let f = resolve_experts(
+                Geometry::Tiny,
+                &FixtureExperts::Nvfp4Pruned { keep: 1.0 },
+                seed,
+            )
+            .unwrap();
+            let ExpertFormat::Nvfp4Pruned { kept } = f else {
+                panic!("not nvfp4")
+            };
             assert!(kept.iter().all(|k| k.len() == 16), "seed {seed}: {kept:?}");
         }
     }

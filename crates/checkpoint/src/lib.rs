@@ -10,6 +10,7 @@ pub mod inspect;
 pub mod manifest;
 pub mod pth;
 pub mod pth_write;
+pub mod rng;
 pub mod store;
 
 use std::path::{Path, PathBuf};

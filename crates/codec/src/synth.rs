@@ -11,8 +11,7 @@
 //! by (seed, name, piece), so the output is a pure function of (config, seed), whatever the
 //! thread count. Pieces are generated in parallel with rayon.
 
-use rand_chacha::rand_core::{RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use checkpoint::rng::{normal, stream, uniform};
 use rayon::prelude::*;
 
 use crate::CodecConfig;
@@ -297,52 +296,12 @@ impl Plan {
     }
 }
 
-/// splitmix64 step.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The ChaCha stream of (seed, tensor name, piece).
-fn stream(seed: u64, name: &str, piece: usize) -> ChaCha8Rng {
-    // FNV-1a over the name, then splitmix64 to spread (seed, name) over 256 bits.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in b"dramatis-codec-synth-v1\0".iter().chain(name.as_bytes()) {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    let mut s = mix(seed) ^ h;
-    let mut key = [0u8; 32];
-    for chunk in key.chunks_exact_mut(8) {
-        s = mix(s);
-        chunk.copy_from_slice(&s.to_le_bytes());
-    }
-    let mut rng = ChaCha8Rng::from_seed(key);
-    rng.set_stream(piece as u64);
-    rng
-}
-
-/// Approximately N(0, 1): Irwin-Hall sum of four 16-bit uniforms, rescaled (tails at ±3.46).
-#[inline]
-fn normal(rng: &mut ChaCha8Rng) -> f32 {
-    let x = rng.next_u64();
-    let s: u32 = (0..4).map(|i| ((x >> (16 * i)) & 0xffff) as u32).sum();
-    ((s as f32 + 2.0) / 65536.0 - 2.0) * 3f32.sqrt()
-}
-
-/// U(0, 1) with 24 random bits.
-#[inline]
-fn uniform(rng: &mut ChaCha8Rng) -> f32 {
-    (rng.next_u64() >> 40) as f32 / (1u32 << 24) as f32
-}
-
 fn draw(seed: u64, name: &str, numel: usize, init: Init) -> Vec<f32> {
     let mut out = vec![0f32; numel];
     out.par_chunks_mut(PIECE)
         .enumerate()
         .for_each(|(piece, chunk)| {
-            let mut rng = stream(seed, name, piece);
+            let mut rng = stream(seed, name, piece as u64);
             match init {
                 Init::Normal { mean, std } => {
                     chunk
@@ -433,10 +392,10 @@ mod tests {
     /// Deterministic pseudo-random codes within each codebook's range.
     fn random_codes(cfg: &CodecConfig, frames: usize) -> Codes {
         let n = cfg.num_codebooks();
-        let mut s = 12345u64;
+        let mut rng = checkpoint::rng::stream(12345, "codes", 0);
         let data = (0..n * frames)
             .map(|i| {
-                s = mix(s);
+                let s = rand_chacha::rand_core::RngCore::next_u64(&mut rng);
                 let size = if i / frames == 0 {
                     cfg.semantic_codebook_size
                 } else {

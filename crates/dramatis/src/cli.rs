@@ -379,7 +379,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             chunk,
             compare_cpu,
             out,
-        } => crate::gpu::qualify_window(model, backend == BackendArg::Cuda, context, chunk, compare_cpu, out),
+        } => crate::gpu::qualify_window(
+            model,
+            backend == BackendArg::Cuda,
+            context,
+            chunk,
+            compare_cpu,
+            out,
+        ),
         Cmd::Capabilities { json } => {
             let c = crate::caps::capabilities();
             if json {

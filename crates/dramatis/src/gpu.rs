@@ -52,7 +52,12 @@ pub fn qualify_window(
     if context > max {
         anyhow::bail!("a window of {context} rows exceeds max_position_embeddings of {max} rows");
     }
-    let run = if cuda { run_cuda(&ck, context, chunk)? } else { speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk).map_err(|e| anyhow::anyhow!(e))? };
+    let run = if cuda {
+        run_cuda(&ck, context, chunk)?
+    } else {
+        speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk)
+            .map_err(|e| anyhow::anyhow!(e))?
+    };
     let mut receipt = serde_json::json!({
         "kind": "dramatis-window-qualification",
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -66,8 +71,14 @@ pub fn qualify_window(
     });
     let mut ok = run.last_logits_finite && run.rows_used + 1 == context;
     if compare_cpu && cuda {
-        let cpu = speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk).map_err(|e| anyhow::anyhow!(e))?;
-        let diff = run.last_logits.iter().zip(&cpu.last_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        let cpu = speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let diff = run
+            .last_logits
+            .iter()
+            .zip(&cpu.last_logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
         let scale = cpu.last_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
         receipt["cpu_reference"] = serde_json::json!({
             "prefill_seconds": cpu.prefill_seconds, "frame": cpu.frame,
@@ -82,16 +93,30 @@ pub fn qualify_window(
         std::fs::write(&p, &text)?;
     }
     println!("{text}");
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(ck: &checkpoint::Checkpoint, context: usize, chunk: usize) -> Result<speech::qualify::WindowRun> {
+fn run_cuda(
+    ck: &checkpoint::Checkpoint,
+    context: usize,
+    chunk: usize,
+) -> Result<speech::qualify::WindowRun> {
     let be = backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
     speech::qualify::fill_window(ck, be, context, chunk).map_err(|e| anyhow::anyhow!(e))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_ck: &checkpoint::Checkpoint, _context: usize, _chunk: usize) -> Result<speech::qualify::WindowRun> {
-    anyhow::bail!("this build has no CUDA backend: rebuild with `cargo build --release --features cuda`")
+fn run_cuda(
+    _ck: &checkpoint::Checkpoint,
+    _context: usize,
+    _chunk: usize,
+) -> Result<speech::qualify::WindowRun> {
+    anyhow::bail!(
+        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
+    )
 }

@@ -243,9 +243,10 @@ impl Engine {
         geom.codec.frame_length = codec.frame_length() as u64;
         geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
         geom.codec.workspace_bytes_per_lane = codec.decoder_workspace_bytes(1) as u64;
-        let kv_bytes = match opts.backend {
-            BackendChoice::Cpu => 4,
-            BackendChoice::Cuda => 2,
+        // Both backends keep K/V in f32 (CUDA BF16 K/V is opt-in: DRAMATIS_CUDA_KV=bf16).
+        let kv_bytes = match (opts.backend, std::env::var("DRAMATIS_CUDA_KV").as_deref()) {
+            (BackendChoice::Cuda, Ok("bf16")) => 2,
+            _ => 4,
         };
         let per_row = geom
             .backbone_kv_bytes_per_row(kv_bytes)

@@ -25,7 +25,11 @@ pub struct WindowRun {
 
 /// Prompt rows of `n` ordinary text tokens (ids below the first special id), deterministic.
 pub fn filler_rows(ck: &Checkpoint, n: usize) -> Vec<Row> {
-    let first_special = ck.config.eos_token_id.min(ck.config.semantic_start_token_id).max(2) as i64;
+    let first_special = ck
+        .config
+        .eos_token_id
+        .min(ck.config.semantic_start_token_id)
+        .max(2) as i64;
     let ordinary = (first_special - 1).max(1);
     (0..n)
         .map(|i| {
@@ -38,9 +42,16 @@ pub fn filler_rows(ck: &Checkpoint, n: usize) -> Vec<Row> {
 }
 
 /// Fills a window of `window` rows on `backend`, prefilling in `chunk`-row pieces.
-pub fn fill_window<B: Backend>(ck: &Checkpoint, backend: B, window: usize, chunk: usize) -> Result<WindowRun, String> {
+pub fn fill_window<B: Backend>(
+    ck: &Checkpoint,
+    backend: B,
+    window: usize,
+    chunk: usize,
+) -> Result<WindowRun, String> {
     if window < 4 {
-        return Err(format!("a window of {window} rows is below the minimum of 4 rows"));
+        return Err(format!(
+            "a window of {window} rows is below the minimum of 4 rows"
+        ));
     }
     let name = backend.name().to_string();
     let m = Model::load(ck, backend).map_err(|e| e.to_string())?;
@@ -52,7 +63,10 @@ pub fn fill_window<B: Backend>(ck: &Checkpoint, backend: B, window: usize, chunk
         m.prefill(&mut lane, piece).map_err(|e| e.to_string())?;
     }
     let prefill_seconds = t.elapsed().as_secs_f64();
-    let last_logits = m.main_logits(&[&mut lane]).map_err(|e| e.to_string())?.remove(0);
+    let last_logits = m
+        .main_logits(&[&mut lane])
+        .map_err(|e| e.to_string())?
+        .remove(0);
     let t = Instant::now();
     let out = m
         .step_frame(&mut lane, &SamplingParams::greedy(), 0, 0)

@@ -145,7 +145,11 @@ fn window_boundary_is_exact_with_and_without_references() {
     })
     .unwrap();
     let reference = speech::ReferenceInput {
-        audio: speech::ReferenceAudio::Codes((0..40).map(|f| (0..10).map(|k| (f + k) % 16).collect()).collect()),
+        audio: speech::ReferenceAudio::Codes(
+            (0..40)
+                .map(|f| (0..10).map(|k| (f + k) % 16).collect())
+                .collect(),
+        ),
         transcript: "Forty frames of reference.".into(),
     };
     for refs in [vec![], vec![reference]] {
@@ -163,7 +167,11 @@ fn window_boundary_is_exact_with_and_without_references() {
         r.max_frames = Some(c - p);
         let err = e.submit(r.clone()).err().unwrap();
         assert_eq!(err.code, "frames_exceeded");
-        assert!(err.message.contains(&format!("{}", c - p - 1)), "{}", err.message);
+        assert!(
+            err.message.contains(&format!("{}", c - p - 1)),
+            "{}",
+            err.message
+        );
         // Without a cap the default (1024) shrinks to C - P - 1 and says so.
         r.max_frames = None;
         let (_, s) = e.submit(r.clone()).unwrap().wait().unwrap();

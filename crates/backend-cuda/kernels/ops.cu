@@ -1,0 +1,474 @@
+// The op-level kernels of the `Backend` implementation (any geometry): buffer moves, embedding
+// gather, RMSNorm with f32 weights, elementwise ops, rotary embedding (both layouts), the KV-cache
+// append, a generic causal attention, and the Gated DeltaNet conv and recurrence over many rows
+// and lanes. Activations are f32; per-lane state arrives as pointer tables passed by value.
+// PLANT builds are deliberately wrong; LOWP builds round a stage to bf16 (or truncate), so the
+// kernel contract can check that its cases tell precision apart.
+
+#define MAX_LANES 32
+struct PtrTab {
+    unsigned long long p[MAX_LANES];
+};
+struct KvTab {
+    unsigned long long k[MAX_LANES];
+    unsigned long long v[MAX_LANES];
+    long long len[MAX_LANES];  // rows in the cache before this call
+};
+struct Tables {
+    unsigned long long p[8];
+};
+
+__device__ __forceinline__ float lowp(float v) {
+#ifdef LOWP
+    return round_bf16(v);
+#else
+    return v;
+#endif
+}
+
+// ---------------------------------------------------------------- buffer moves
+
+// dst [rows, groups*len]: dst[r, g*len + c] = src[r, g*group + offset + c].
+// PLANT 1: one column to the right (wrapping inside the group).
+extern "C" __global__ void gather_cols(const float* __restrict__ src, float* __restrict__ dst, long long rows,
+                                       int src_cols, int group, int offset, int len, int groups) {
+    long long w = (long long)groups * len;
+    long long total = rows * w;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / w;
+        int j = (int)(i % w);
+        int g = j / len, c = j % len;
+#if PLANT == 1
+        int col = g * group + (offset + c + 1) % group;
+#else
+        int col = g * group + offset + c;
+#endif
+        dst[i] = lowp(src[r * src_cols + col]);
+    }
+}
+
+// dst[r, dst_off + c] = src[r, c] for c < src_cols. PLANT 1: reads column c+1 (wrapping).
+extern "C" __global__ void place_cols(const float* __restrict__ src, float* __restrict__ dst, long long rows,
+                                      int src_cols, int dst_cols, int dst_off) {
+    long long total = rows * src_cols;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long r = i / src_cols;
+        int c = (int)(i % src_cols);
+#if PLANT == 1
+        int sc = (c + 1) % src_cols;
+#else
+        int sc = c;
+#endif
+        dst[r * dst_cols + dst_off + c] = lowp(src[r * src_cols + sc]);
+    }
+}
+
+// ---------------------------------------------------------------- embedding gather
+
+// out[r, c] = scale[r] * sum over picks p in [start[r], start[r+1]) of table[pt[p]][prow[p], c],
+// tables bf16 [*, cols], summed in pick order from 0. One block per row.
+// PLANT 1: the last pick of each row is skipped. LOWP: the sum is rounded to bf16 per pick.
+extern "C" __global__ void gather_sum(Tables tabs, const int* __restrict__ start, const int* __restrict__ pt,
+                                      const unsigned int* __restrict__ prow, const float* __restrict__ scale,
+                                      float* __restrict__ out, int cols) {
+    long long r = blockIdx.x;
+    int p0 = start[r], p1 = start[r + 1];
+#if PLANT == 1
+    if (p1 > p0) p1 -= 1;
+#endif
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int p = p0; p < p1; ++p) {
+            const bf16_t* t = (const bf16_t*)tabs.p[pt[p]];
+            acc = lowp(acc + bf16_to_f32(t[(long long)prow[p] * cols + c]));
+        }
+        out[r * cols + c] = acc * scale[r];
+    }
+}
+
+// ---------------------------------------------------------------- RMSNorm, f32 weights
+
+// Over each consecutive group of `group` values: x / sqrt(mean(x^2) + eps) * (plus_one ? 1 + w : w).
+// One block per group. PLANT 1: ignores plus_one. LOWP: output rounded to bf16.
+extern "C" __global__ void rmsnorm_groups(const float* __restrict__ x, const float* __restrict__ w,
+                                          float* __restrict__ out, int group, float eps, int plus_one) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long long)blockIdx.x * group;
+    float* orow = out + (long long)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#if PLANT == 1
+    plus_one = 0;
+#endif
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        orow[i] = lowp(xr[i] * inv * wv);
+    }
+}
+
+// ---------------------------------------------------------------- elementwise
+
+// op 0: a + b; op 1: silu(a) * b; op 2: a * sigmoid(b), b [rows, bcols] with bcols == cols or 1.
+// PLANT 1: add subtracts, silu_mul takes silu of b, sigmoid_mul uses sigmoid(-b).
+extern "C" __global__ void elementwise(const float* __restrict__ a, const float* __restrict__ b,
+                                       float* __restrict__ out, long long n, int cols, int bcols, int op) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float av = a[i];
+        float bv = bcols == cols ? b[i] : b[(i / cols) * bcols];
+        float o;
+#if PLANT == 1
+        if (op == 0) o = av - bv;
+        else if (op == 1) o = av * silu(bv);
+        else o = av * sigmoidf(-bv);
+#else
+        if (op == 0) o = av + bv;
+        else if (op == 1) o = silu(av) * bv;
+        else o = av * sigmoidf(bv);
+#endif
+        out[i] = lowp(o);
+    }
+}
+
+// ---------------------------------------------------------------- rotary embedding
+
+// Rotary embedding of the first `rot` dims of each `hd` head of row r at position pos[r];
+// angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved pairs (2i, 2i+1).
+// Products are rounded separately (no fused multiply-add) as the CPU reference does.
+// One block per row. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
+extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
+                                const long long* __restrict__ pos, int cols, int hd, int rot, double theta,
+                                int interleaved) {
+    long long r = blockIdx.x;
+    const float* xr = x + r * cols;
+    float* orow = out + r * cols;
+    long long p = pos[r];
+#if PLANT == 1
+    interleaved = !interleaved;
+#endif
+    int half = rot / 2;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        int base = (c / hd) * hd, d = c % hd;
+        if (d >= rot) {
+            orow[c] = xr[c];
+            continue;
+        }
+        int i, a, b;
+        bool first;
+        if (interleaved) {
+            i = d / 2;
+            a = 2 * i;
+            b = a + 1;
+            first = (d & 1) == 0;
+        } else {
+            i = d < half ? d : d - half;
+            a = i;
+            b = i + half;
+            first = d < half;
+        }
+#ifdef LOWP
+        float ang = (float)p * powf((float)theta, -2.0f * (float)i / (float)rot);
+        float cs = cosf(ang), sn = sinf(ang);
+#else
+        double ang = (double)p * pow(theta, -(double)(2 * i) / (double)rot);
+        float cs = (float)cos(ang), sn = (float)sin(ang);
+#endif
+        float x0 = xr[base + a], x1 = xr[base + b];
+        orow[c] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
+                        : __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
+    }
+}
+
+// ---------------------------------------------------------------- KV cache
+
+// Appends t rows per lane: cache[kvh, len + r, d] = k/v[(lane * t + r), kvh * hd + d].
+// Cache [nkv, cap, hd] in bf16 (round to nearest even) or f32. Grid (t * nkv, lanes).
+// PLANT 1: v rows go to the K cache too. LOWP (bf16): truncates instead of rounding;
+// (f32): rounds to bf16.
+extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
+                                          int t, int nkv, int hd, long long cap) {
+    int lane = blockIdx.y;
+    int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
+    long long row = (long long)lane * t + r;
+    bf16_t* kc = (bf16_t*)tab.k[lane];
+    bf16_t* vc = (bf16_t*)tab.v[lane];
+    long long dst = ((long long)kvh * cap + tab.len[lane] + r) * hd;
+    const float* ks = k + row * nkv * hd + (long long)kvh * hd;
+    const float* vs = v + row * nkv * hd + (long long)kvh * hd;
+#if PLANT == 1
+    ks = vs;
+#endif
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+#ifdef LOWP
+        kc[dst + d] = (bf16_t)(__float_as_uint(ks[d]) >> 16);
+        vc[dst + d] = (bf16_t)(__float_as_uint(vs[d]) >> 16);
+#else
+        kc[dst + d] = f32_to_bf16(ks[d]);
+        vc[dst + d] = f32_to_bf16(vs[d]);
+#endif
+    }
+}
+
+extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
+                                         int t, int nkv, int hd, long long cap) {
+    int lane = blockIdx.y;
+    int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
+    long long row = (long long)lane * t + r;
+    float* kc = (float*)tab.k[lane];
+    float* vc = (float*)tab.v[lane];
+    long long dst = ((long long)kvh * cap + tab.len[lane] + r) * hd;
+    const float* ks = k + row * nkv * hd + (long long)kvh * hd;
+    const float* vs = v + row * nkv * hd + (long long)kvh * hd;
+#if PLANT == 1
+    ks = vs;
+#endif
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        kc[dst + d] = lowp(ks[d]);
+        vc[dst + d] = lowp(vs[d]);
+    }
+}
+
+// ---------------------------------------------------------------- generic causal attention
+
+__device__ __forceinline__ float kv_load(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ float kv_load(const float* p, long long i) { return p[i]; }
+
+// Query row r of lane L (q [lanes * t, nh * hd]) sees cache rows [0, len_L + r + 1), len_L from
+// the table (rows before this call's append). Head h uses kv head h / (nh / nkv); scale
+// 1/sqrt(hd); online softmax in f32 over tiles of 128 keys (4 warps score 32 keys each, one warp
+// per key, lanes over dims), then each thread accumulates its output dims. Grid (t * nh, lanes),
+// block 128, dynamic shared memory hd floats. PLANT 1: sees one key past the causal limit.
+// LOWP: q rounded to bf16.
+template <typename T>
+__device__ void attn_generic_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
+                                  int t, int nh, int nkv, int hd, long long cap, float scale) {
+    extern __shared__ float qs[];  // hd
+    __shared__ float sc[128];
+    __shared__ float red[32];
+    int lane_id = blockIdx.y;
+    int r = blockIdx.x / nh, h = blockIdx.x % nh;
+    int kvh = h / (nh / nkv);
+    long long row = (long long)lane_id * t + r;
+    long long limit = tab.len[lane_id] + r + 1;
+#if PLANT == 1
+    limit += 1;
+#endif
+    if (limit > cap) limit = cap;
+    const float* qr = q + (row * nh + h) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) qs[d] = lowp(qr[d]);
+    __syncthreads();
+    const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
+    const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float m = -INFINITY, l = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // dims threadIdx.x + 128 * i, hd <= 512
+    for (long long k0 = 0; k0 < limit; k0 += 128) {
+        for (int i = 0; i < 32; ++i) {
+            long long key = k0 + warp * 32 + i;
+            float s = -INFINITY;
+            if (key < limit) {
+                float part = 0.0f;
+                for (int d = lane; d < hd; d += 32) part = fmaf(qs[d], kv_load(kb, key * hd + d), part);
+                s = warp_sum(part) * scale;
+            }
+            if (lane == 0) sc[warp * 32 + i] = s;
+        }
+        __syncthreads();
+        float tmax = -INFINITY;
+        for (int j = threadIdx.x; j < 128; j += blockDim.x) tmax = fmaxf(tmax, sc[j]);
+        tmax = warp_max(tmax);
+        if (lane == 0) red[warp] = tmax;
+        __syncthreads();
+        tmax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+        float mn = fmaxf(m, tmax);
+        float corr = m == -INFINITY ? 0.0f : expf(m - mn);
+        int nk = (int)(limit - k0 < 128 ? limit - k0 : 128);
+        for (int j = threadIdx.x; j < 128; j += blockDim.x) sc[j] = j < nk ? expf(sc[j] - mn) : 0.0f;
+        __syncthreads();
+        float psum = 0.0f;
+        for (int j = 0; j < nk; ++j) psum += sc[j];
+        l = l * corr + psum;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int d = threadIdx.x + 128 * i;
+            if (d < hd) {
+                float a = acc[i] * corr;
+                for (int j = 0; j < nk; ++j) a = fmaf(sc[j], kv_load(vb, (k0 + j) * hd + d), a);
+                acc[i] = a;
+            }
+        }
+        m = mn;
+        __syncthreads();
+    }
+    float inv = 1.0f / l;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int d = threadIdx.x + 128 * i;
+        if (d < hd) out[(row * nh + h) * hd + d] = acc[i] * inv;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_generic_bf16(KvTab tab, const float* __restrict__ q,
+                                                                     float* __restrict__ out, int t, int nh,
+                                                                     int nkv, int hd, long long cap,
+                                                                     float scale) {
+    attn_generic_body<bf16_t>(tab, q, out, t, nh, nkv, hd, cap, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_generic_f32(KvTab tab, const float* __restrict__ q,
+                                                                    float* __restrict__ out, int t, int nh,
+                                                                    int nkv, int hd, long long cap,
+                                                                    float scale) {
+    attn_generic_body<float>(tab, q, out, t, nh, nkv, hd, cap, scale);
+}
+
+// ---------------------------------------------------------------- Gated DeltaNet
+
+// Causal depthwise conv + SiLU over t rows per lane (x [lanes * t, C]); the lane's history
+// [(K-1), C] (oldest first) precedes its rows. w [C, K], tap K-1 on the current row.
+// Grid (t * cblocks, lanes), block 128. PLANT 1: taps reversed. LOWP: output rounded to bf16.
+extern "C" __global__ void gdn_conv_rows(PtrTab st, const float* __restrict__ x, const float* __restrict__ w,
+                                         float* __restrict__ u, int t, int C, int K) {
+    int cblocks = (C + blockDim.x - 1) / blockDim.x;
+    int r = blockIdx.x / cblocks;
+    int c = (blockIdx.x % cblocks) * blockDim.x + threadIdx.x;
+    int lane = blockIdx.y;
+    if (c >= C) return;
+    const float* hist = (const float*)st.p[lane];
+    long long base = (long long)lane * t;
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) {
+        int idx = r + j - (K - 1);
+        float val = idx < 0 ? hist[(long long)(K - 1 + idx) * C + c] : x[(base + idx) * C + c];
+#if PLANT == 1
+        float wj = w[(long long)c * K + (K - 1 - j)];
+#else
+        float wj = w[(long long)c * K + j];
+#endif
+        acc = fmaf(wj, val, acc);
+    }
+    u[(base + r) * C + c] = lowp(silu(acc));
+}
+
+// History after the t rows: the last K-1 rows of [history; x]. Grid (cblocks, lanes).
+// PLANT 1: keeps the history one row short of the newest.
+extern "C" __global__ void gdn_conv_shift(PtrTab st, const float* __restrict__ x, int t, int C, int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int lane = blockIdx.y;
+    if (c >= C) return;
+    float* hist = (float*)st.p[lane];
+    long long base = (long long)lane * t;
+    int shift = t;
+#if PLANT == 1
+    shift = t - 1;
+#endif
+    for (int i = 0; i < K - 1; ++i) {
+        int src = shift + i;
+        float val = src < K - 1 ? hist[(long long)src * C + c] : x[(base + src - (K - 1)) * C + c];
+        hist[(long long)i * C + c] = val;
+    }
+}
+
+// Per row R of u [R, C] (conv output, q | k | v): l2-normalised q (times q_scale) and k per key
+// head, their dot kq, and per value head beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt).
+// One block (128 threads) per row, one warp per key head. PLANT 1: q_scale ignored.
+// LOWP: q and k rounded to bf16.
+extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __restrict__ b,
+                                    const float* __restrict__ a, const float* __restrict__ a_log,
+                                    const float* __restrict__ dt_bias, float* __restrict__ qn,
+                                    float* __restrict__ kn, float* __restrict__ kq, float* __restrict__ beta,
+                                    float* __restrict__ gate, int C, int nk, int dk, int nv, float q_scale) {
+    long long R = blockIdx.x;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* ur = u + R * C;
+#if PLANT == 1
+    q_scale = 1.0f;
+#endif
+    for (int kh = warp; kh < nk; kh += nw) {
+        const float* qs = ur + (long long)kh * dk;
+        const float* ks = ur + (long long)(nk + kh) * dk;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = lane; i < dk; i += 32) {
+            sq = fmaf(qs[i], qs[i], sq);
+            sk = fmaf(ks[i], ks[i], sk);
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+        float dot = 0.0f;
+        for (int i = lane; i < dk; i += 32) {
+            float qv = lowp(qs[i] * iq * q_scale), kv = lowp(ks[i] * ik);
+            qn[(R * nk + kh) * dk + i] = qv;
+            kn[(R * nk + kh) * dk + i] = kv;
+            dot = fmaf(qv, kv, dot);
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) kq[R * nk + kh] = dot;
+    }
+    for (int h = threadIdx.x; h < nv; h += blockDim.x) {
+        beta[R * nv + h] = sigmoidf(b[R * nv + h]);
+        float xa = a[R * nv + h] + dt_bias[h];
+        float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+        gate[R * nv + h] = -expf(a_log[h]) * sp;
+    }
+}
+
+// The delta rule over t rows per lane, value head h (key head h / (nv / nk)): per row
+// S <- alpha S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q, computed as
+// delta = beta (v - alpha S_old^T k), o = alpha S_old^T q + delta (k . q), S = alpha S_old + k delta^T.
+// State [nv, dk, dv] f32 per lane (table); thread j owns column j. Grid (nv, lanes), block >= dv
+// (multiple of 32), dynamic shared memory 2 * dk floats. o [lanes * t, nv * dv].
+// PLANT 1: decay applied after the update. LOWP: state stored rounded to bf16.
+extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, const float* __restrict__ kn,
+                                     const float* __restrict__ kq, const float* __restrict__ u,
+                                     const float* __restrict__ beta, const float* __restrict__ gate,
+                                     float* __restrict__ o, int t, int C, int nk, int dk, int nv, int dv) {
+    extern __shared__ float sm[];
+    float* sk = sm;
+    float* sq = sm + dk;
+    int h = blockIdx.x, lane = blockIdx.y;
+    int kh = h / (nv / nk);
+    int j = threadIdx.x;
+    float* S = (float*)st.p[lane] + (long long)h * dk * dv;
+    for (int r = 0; r < t; ++r) {
+        long long R = (long long)lane * t + r;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            sk[i] = kn[(R * nk + kh) * dk + i];
+            sq[i] = qn[(R * nk + kh) * dk + i];
+        }
+        __syncthreads();
+        if (j < dv) {
+            float alpha = expf(gate[R * nv + h]);
+            float bt = beta[R * nv + h];
+            float Sk = 0.0f, Sq = 0.0f;
+            for (int i = 0; i < dk; ++i) {
+                float s = S[(long long)i * dv + j];
+                Sk = fmaf(s, sk[i], Sk);
+                Sq = fmaf(s, sq[i], Sq);
+            }
+            float vj = u[R * C + 2LL * nk * dk + (long long)h * dv + j];
+#if PLANT == 1
+            float delta = bt * (vj - Sk);
+            float oj = alpha * fmaf(delta, kq[R * nk + kh], Sq);
+#else
+            float delta = bt * (vj - alpha * Sk);
+            float oj = fmaf(delta, kq[R * nk + kh], alpha * Sq);
+#endif
+            for (int i = 0; i < dk; ++i) {
+                float s = S[(long long)i * dv + j];
+#if PLANT == 1
+                float ns = alpha * fmaf(sk[i], delta, s);
+#else
+                float ns = fmaf(alpha, s, sk[i] * delta);
+#endif
+                S[(long long)i * dv + j] = lowp(ns);
+            }
+            o[R * nv * dv + (long long)h * dv + j] = oj;
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,820 @@
+//! Contract cases of the `Backend` op kernels (kernels/ops.cu and the multi-row MoE kernels),
+//! run through [`CudaBackend`] built with each kernel variant, against FP64 references written
+//! here from the equations (plain loops, no code shared with the kernels or the CPU backend).
+
+use model::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
+
+use super::{tol_f32, Ctx, Kind};
+use crate::backend::{CudaBackend, CudaOptions};
+use crate::error::Result;
+use crate::reference::{bf16, fp8_e4m3, rel_l2, sigmoid, silu};
+use crate::runtime::Variant;
+
+fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
+    CudaBackend::with_gpu(
+        c.shared.clone(),
+        v,
+        CudaOptions {
+            kv_f32,
+            split_min_keys: usize::MAX,
+        },
+    )
+}
+
+fn f64s(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| f64::from(v)).collect()
+}
+
+fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Exact data movement: the tolerance is zero.
+pub(super) fn buffer_moves(c: &mut Ctx) -> Result<()> {
+    let (rows, cols) = (5, 48);
+    let x = c.rng.normals_f32(rows * cols, 1.0);
+    let y = c.rng.normals_f32(rows * 7, 1.0);
+    // cols_grouped(group 12, offset 3, len 6) then [that | y]
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        for g in 0..4 {
+            reference.extend(f64s(&x[r * cols + g * 12 + 3..r * cols + g * 12 + 9]));
+        }
+        reference.extend(f64s(&y[r * 7..(r + 1) * 7]));
+    }
+    triple3(
+        c,
+        "cols_grouped + concat_cols, 5 x 48",
+        0.0,
+        &reference,
+        |be| {
+            let xd = be.upload(&x, rows, cols)?;
+            let yd = be.upload(&y, rows, 7)?;
+            let g = be.cols_grouped(&xd, 12, 3, 6)?;
+            Ok(be.download(&be.concat_cols(&g, &yd)?)?)
+        },
+        false,
+    )?;
+    let be = backend(c, Variant::Exact, false);
+    let xd = be.upload(&x, rows, cols)?;
+    let parts = [be.rows(&xd, 3, 2)?, be.rows(&xd, 0, 3)?];
+    let got = be.download(&be.concat_rows(&[&parts[0], &parts[1]])?)?;
+    let mut want = x[3 * cols..].to_vec();
+    want.extend_from_slice(&x[..3 * cols]);
+    let ok = bits_equal(&got, &want);
+    c.push(
+        "rows + concat_rows (device copies)",
+        Kind::Check,
+        ok,
+        format!("rows {}", if ok { "equal" } else { "DIFFER" }),
+    );
+    Ok(())
+}
+
+pub(super) fn gather_sum(c: &mut Ctx) -> Result<()> {
+    let cols = 64;
+    let t0 = c.rng.normals_bf16(40 * cols, 1.0);
+    let t1 = c.rng.normals_bf16(30 * cols, 1.0);
+    let mut rows = Vec::new();
+    for i in 0..7 {
+        let mut picks = Vec::new();
+        for j in 0..(i % 5) {
+            let t = (i + j) % 2;
+            picks.push((t, c.rng.below(if t == 0 { 40 } else { 30 }) as u32));
+        }
+        rows.push(GatherRow {
+            picks,
+            scale: c.rng.range(0.3, 1.5) as f32,
+        });
+    }
+    let mut reference = Vec::new();
+    for r in &rows {
+        for col in 0..cols {
+            let s: f64 = r
+                .picks
+                .iter()
+                .map(|&(t, row)| {
+                    let tab = if t == 0 { &t0 } else { &t1 };
+                    bf16(tab[row as usize * cols + col])
+                })
+                .sum();
+            reference.push(s * f64::from(r.scale));
+        }
+    }
+    triple3(
+        c,
+        "7 rows of 0..4 picks from 2 bf16 tables",
+        tol_f32(4),
+        &reference,
+        |be| {
+            let a = be.weight_bf16(40, cols, &t0)?;
+            let b = be.weight_bf16(30, cols, &t1)?;
+            Ok(be.download(&be.gather_sum(&[&a, &b], &rows)?)?)
+        },
+        false,
+    )?;
+    Ok(())
+}
+
+/// Runs `run` for the three variants and records check / discrimination / control.
+fn triple3(
+    c: &mut Ctx,
+    case: &str,
+    tol: f64,
+    reference: &[f64],
+    run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
+    kv_f32: bool,
+) -> Result<()> {
+    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+        .iter()
+        .map(|&v| run(&backend(c, v, kv_f32)))
+        .collect::<Result<_>>()?;
+    c.check(case, rel_l2(&got[0], reference), tol);
+    c.discriminate(case, rel_l2(&got[1], reference), tol);
+    c.control(case, rel_l2(&got[2], reference), tol);
+    Ok(())
+}
+
+pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
+    for (case, rows, cols, group, plus_one, wscale) in [
+        ("1+w, 3 x 256 in groups of 64", 3, 256, 64, true, 0.1),
+        ("plain w, 4 x 2048", 4, 2048, 2048, false, 1.0),
+    ] {
+        let x = c.rng.normals_f32(rows * cols, 3.0);
+        let w = c.rng.normals_f32(group, wscale);
+        let mut reference = Vec::new();
+        for g in x.chunks(group) {
+            let ms = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / group as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for (v, wv) in g.iter().zip(&w) {
+                let wp = f64::from(*wv) + if plus_one { 1.0 } else { 0.0 };
+                reference.push(f64::from(*v) * inv * wp);
+            }
+        }
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let xd = be.upload(&x, rows, cols)?;
+            let wd = be.vector_f32(&w)?;
+            Ok(be.download(&be.rms_norm(&xd, &wd, group, 1e-6, plus_one)?)?)
+        };
+        if plus_one {
+            triple3(c, case, tol_f32(group), &reference, run, false)?;
+        } else {
+            let e = rel_l2(&run(&backend(c, Variant::Exact, false))?, &reference);
+            c.check(case, e, tol_f32(group));
+        }
+    }
+    Ok(())
+}
+
+pub(super) fn elementwise(c: &mut Ctx) -> Result<()> {
+    let (rows, cols) = (6, 300);
+    let a = c.rng.normals_f32(rows * cols, 2.0);
+    let b = c.rng.normals_f32(rows * cols, 2.0);
+    let g1 = c.rng.normals_f32(rows, 2.0);
+    let add: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(&x, &y)| f64::from(x) + f64::from(y))
+        .collect();
+    let sm: Vec<f64> = a
+        .iter()
+        .zip(&b)
+        .map(|(&x, &y)| silu(f64::from(x)) * f64::from(y))
+        .collect();
+    let sg: Vec<f64> = a
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| f64::from(x) * sigmoid(f64::from(g1[i / cols])))
+        .collect();
+    let tol = tol_f32(4);
+    triple3(
+        c,
+        "add 6 x 300",
+        tol,
+        &add,
+        |be| {
+            let (x, y) = (be.upload(&a, rows, cols)?, be.upload(&b, rows, cols)?);
+            Ok(be.download(&be.add(&x, &y)?)?)
+        },
+        false,
+    )?;
+    triple3(
+        c,
+        "silu_mul 6 x 300",
+        tol,
+        &sm,
+        |be| {
+            let (x, y) = (be.upload(&a, rows, cols)?, be.upload(&b, rows, cols)?);
+            Ok(be.download(&be.silu_mul(&x, &y)?)?)
+        },
+        false,
+    )?;
+    triple3(
+        c,
+        "sigmoid_mul, gate broadcast [6, 1]",
+        tol,
+        &sg,
+        |be| {
+            let (x, y) = (be.upload(&a, rows, cols)?, be.upload(&g1, rows, 1)?);
+            Ok(be.download(&be.sigmoid_mul(&x, &y)?)?)
+        },
+        false,
+    )?;
+    Ok(())
+}
+
+fn rope_ref(
+    x: &[f32],
+    cols: usize,
+    hd: usize,
+    rot: usize,
+    theta: f64,
+    inter: bool,
+    pos: &[usize],
+) -> Vec<f64> {
+    let mut out = f64s(x);
+    let half = rot / 2;
+    for (r, &p) in pos.iter().enumerate() {
+        for h in 0..cols / hd {
+            let base = r * cols + h * hd;
+            for i in 0..half {
+                let ang = p as f64 * theta.powf(-((2 * i) as f64) / rot as f64);
+                let (cs, sn) = (ang.cos(), ang.sin());
+                let (a, b) = if inter {
+                    (2 * i, 2 * i + 1)
+                } else {
+                    (i, i + half)
+                };
+                let (x0, x1) = (f64::from(x[base + a]), f64::from(x[base + b]));
+                out[base + a] = x0 * cs - x1 * sn;
+                out[base + b] = x1 * cs + x0 * sn;
+            }
+        }
+    }
+    out
+}
+
+pub(super) fn rope(c: &mut Ctx) -> Result<()> {
+    let (hd, rot, heads) = (32, 16, 4);
+    let cols = hd * heads;
+    let pos = [0usize, 7, 200_000];
+    let x = c.rng.normals_f32(pos.len() * cols, 1.0);
+    for (case, style) in [
+        ("NeoX, hd 32, rot 16, positions up to 200000", Rope::Neox),
+        (
+            "interleaved, hd 32, rot 16, positions up to 200000",
+            Rope::Interleaved,
+        ),
+    ] {
+        let reference = rope_ref(&x, cols, hd, rot, 1e7, style == Rope::Interleaved, &pos);
+        triple3(
+            c,
+            case,
+            tol_f32(2),
+            &reference,
+            |be| {
+                let xd = be.upload(&x, pos.len(), cols)?;
+                Ok(be.download(&be.rope(&xd, hd, rot, 1e7, style, &pos)?)?)
+            },
+            false,
+        )?;
+    }
+    Ok(())
+}
+
+fn dims(nh: usize, nkv: usize, hd: usize) -> AttnDims {
+    AttnDims {
+        q_heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+        rot_dims: hd / 4,
+        theta: 1e7,
+        rope: Rope::Neox,
+    }
+}
+
+fn round_bf16(v: f32) -> f32 {
+    half::bf16::from_f32(v).to_f32()
+}
+
+pub(super) fn kv_append(c: &mut Ctx) -> Result<()> {
+    let (nh, nkv, hd, t) = (4, 2, 32, 5);
+    let d = dims(nh, nkv, hd);
+    let q = c.rng.normals_f32(t * nh * hd, 1.0);
+    let k = c.rng.normals_f32(t * nkv * hd, 1.0);
+    let v = c.rng.normals_f32(t * nkv * hd, 1.0);
+    for f32kv in [false, true] {
+        // cache layout [nkv, len, hd], K then V
+        let mut reference = Vec::new();
+        for src in [&k, &v] {
+            for h in 0..nkv {
+                for r in 0..t {
+                    for dd in 0..hd {
+                        let x = src[r * nkv * hd + h * hd + dd];
+                        reference.push(f64::from(if f32kv { x } else { round_bf16(x) }));
+                    }
+                }
+            }
+        }
+        let case = if f32kv {
+            "f32 cache, 5 rows, 2 kv heads x 32"
+        } else {
+            "bf16 cache (round to nearest even), 5 rows"
+        };
+        triple3(
+            c,
+            case,
+            0.0,
+            &reference,
+            |be| {
+                let mut kv = be.kv_new(8, nkv, hd)?;
+                let (qd, kd, vd) = (
+                    be.upload(&q, t, nh * hd)?,
+                    be.upload(&k, t, nkv * hd)?,
+                    be.upload(&v, t, nkv * hd)?,
+                );
+                be.attn_prefill(&qd, &kd, &vd, &d, &mut kv)?;
+                let (kk, vv) = be.kv_download(&kv)?;
+                Ok([kk, vv].concat())
+            },
+            f32kv,
+        )?;
+    }
+    Ok(())
+}
+
+/// f64 causal attention: row r of the `t` new rows sees keys [0, past + r + 1).
+#[allow(clippy::too_many_arguments)]
+fn attn_ref(
+    q: &[f32],
+    ks: &[f32],
+    vs: &[f32],
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    past: usize,
+    t: usize,
+) -> Vec<f64> {
+    let g = nh / nkv;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut out = vec![0.0; t * nh * hd];
+    for r in 0..t {
+        for h in 0..nh {
+            let kvh = h / g;
+            let qv = &q[(r * nh + h) * hd..(r * nh + h + 1) * hd];
+            let n = past + r + 1;
+            let s: Vec<f64> = (0..n)
+                .map(|j| {
+                    let kr = &ks[j * nkv * hd + kvh * hd..j * nkv * hd + (kvh + 1) * hd];
+                    scale
+                        * kr.iter()
+                            .zip(qv)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            let o = &mut out[(r * nh + h) * hd..(r * nh + h + 1) * hd];
+            for (j, sj) in s.iter().enumerate() {
+                let p = (sj - m).exp() / l;
+                let vr = &vs[j * nkv * hd + kvh * hd..j * nkv * hd + (kvh + 1) * hd];
+                for (od, &vv) in o.iter_mut().zip(vr) {
+                    *od += p * f64::from(vv);
+                }
+            }
+        }
+    }
+    out
+}
+
+pub(super) fn attn_generic(c: &mut Ctx) -> Result<()> {
+    for (nh, nkv, hd, past, t, f32kv) in [
+        (4, 2, 32, 150, 6, false),
+        (16, 2, 256, 300, 4, false),
+        (4, 2, 32, 150, 6, true),
+    ] {
+        let d = dims(nh, nkv, hd);
+        let n = past + t;
+        let q0 = c.rng.normals_f32(past * nh * hd, 1.0);
+        let q = c.rng.normals_f32(t * nh * hd, 1.0);
+        let k = c.rng.normals_f32(n * nkv * hd, 1.0);
+        let v = c.rng.normals_f32(n * nkv * hd, 1.0);
+        let store = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&y| if f32kv { y } else { round_bf16(y) })
+                .collect()
+        };
+        let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, past, t);
+        let case = format!(
+            "{} cache, {nh}/{nkv} heads x {hd}, {t} rows after {past}",
+            if f32kv { "f32" } else { "bf16" }
+        );
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let mut kv = be.kv_new(n + 2, nkv, hd)?;
+            let w = nkv * hd;
+            let (q0d, k0d, v0d) = (
+                be.upload(&q0, past, nh * hd)?,
+                be.upload(&k[..past * w], past, w)?,
+                be.upload(&v[..past * w], past, w)?,
+            );
+            be.attn_prefill(&q0d, &k0d, &v0d, &d, &mut kv)?;
+            let (qd, kd, vd) = (
+                be.upload(&q, t, nh * hd)?,
+                be.upload(&k[past * w..], t, w)?,
+                be.upload(&v[past * w..], t, w)?,
+            );
+            Ok(be.download(&be.attn_prefill(&qd, &kd, &vd, &d, &mut kv)?)?)
+        };
+        triple3(c, &case, tol_f32(hd + n), &reference, run, f32kv)?;
+    }
+    // batched decode: 3 lanes of different lengths, each row bitwise equal to its solo step
+    let (nh, nkv, hd) = (16, 2, 256);
+    let d = dims(nh, nkv, hd);
+    let be = backend(c, Variant::Exact, false);
+    let lens = [3usize, 40, 129];
+    let w = nkv * hd;
+    let hist: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .map(|&l| {
+            (
+                c.rng.normals_f32(l * nh * hd, 1.0),
+                c.rng.normals_f32(l * w, 1.0),
+                c.rng.normals_f32(l * w, 1.0),
+            )
+        })
+        .collect();
+    let q = c.rng.normals_f32(3 * nh * hd, 1.0);
+    let k = c.rng.normals_f32(3 * w, 1.0);
+    let v = c.rng.normals_f32(3 * w, 1.0);
+    let fresh = |i: usize| -> Result<crate::backend::CudaKv> {
+        let mut kv = be.kv_new(200, nkv, hd)?;
+        let (hq, hk, hv) = &hist[i];
+        let l = lens[i];
+        be.attn_prefill(
+            &be.upload(hq, l, nh * hd)?,
+            &be.upload(hk, l, w)?,
+            &be.upload(hv, l, w)?,
+            &d,
+            &mut kv,
+        )?;
+        Ok(kv)
+    };
+    let mut kvs = [fresh(0)?, fresh(1)?, fresh(2)?];
+    let mut refs: Vec<&mut crate::backend::CudaKv> = kvs.iter_mut().collect();
+    let batch = be.download(&be.attn_step(
+        &be.upload(&q, 3, nh * hd)?,
+        &be.upload(&k, 3, w)?,
+        &be.upload(&v, 3, w)?,
+        &d,
+        &mut refs,
+    )?)?;
+    let mut same = true;
+    for i in 0..3 {
+        let mut kv = fresh(i)?;
+        let solo = be.download(&be.attn_step(
+            &be.upload(&q[i * nh * hd..(i + 1) * nh * hd], 1, nh * hd)?,
+            &be.upload(&k[i * w..(i + 1) * w], 1, w)?,
+            &be.upload(&v[i * w..(i + 1) * w], 1, w)?,
+            &d,
+            &mut [&mut kv],
+        )?)?;
+        same &= bits_equal(&solo, &batch[i * nh * hd..(i + 1) * nh * hd]);
+    }
+    c.push(
+        "3-lane decode step: each lane bitwise = its solo step",
+        Kind::Check,
+        same,
+        format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
+    );
+    Ok(())
+}
+
+fn gdn_dims(nk: usize, nv: usize, d: usize) -> GdnDims {
+    GdnDims {
+        k_heads: nk,
+        v_heads: nv,
+        k_dim: d,
+        v_dim: d,
+        conv_kernel: 4,
+    }
+}
+
+pub(super) fn conv_rows(c: &mut Ctx) -> Result<()> {
+    let gd = gdn_dims(2, 4, 16);
+    let (ch, k) = (gd.channels(), gd.conv_kernel);
+    let w = c.rng.normals_f32(ch * k, 0.5);
+    let x = c.rng.normals_f32(8 * ch, 1.0);
+    // two calls, 5 rows then 3, continuing the history; then the final history
+    let mut reference = Vec::new();
+    for r in 0..8 {
+        for cc in 0..ch {
+            let mut acc = 0.0;
+            for j in 0..k {
+                let idx = r as isize + j as isize - (k as isize - 1);
+                let xv = if idx < 0 {
+                    0.0
+                } else {
+                    f64::from(x[idx as usize * ch + cc])
+                };
+                acc += f64::from(w[cc * k + j]) * xv;
+            }
+            reference.push(silu(acc));
+        }
+    }
+    reference.extend(f64s(&x[5 * ch..8 * ch]));
+    triple3(
+        c,
+        "C 128, 4 taps, 5 rows then 3 (history carried)",
+        tol_f32(4),
+        &reference,
+        |be| {
+            let wd = be.vector_f32(&w)?;
+            let mut st = be.gdn_new(&gd)?;
+            let a = be.gdn_conv(&be.upload(&x[..5 * ch], 5, ch)?, &wd, &gd, &mut st)?;
+            let b = be.gdn_conv(&be.upload(&x[5 * ch..], 3, ch)?, &wd, &gd, &mut st)?;
+            let mut out = be.download(&a)?;
+            out.extend(be.download(&b)?);
+            out.extend(be.gdn_download(&st)?.0);
+            Ok(out)
+        },
+        false,
+    )?;
+    Ok(())
+}
+
+struct GdnIn {
+    u: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+    a_log: Vec<f32>,
+    dt: Vec<f32>,
+}
+
+/// f64 delta rule over `t` rows (DRAMA3.md §4.3 order): returns o rows then the final state.
+fn delta_ref(g: &GdnDims, x: &GdnIn, t: usize) -> Vec<f64> {
+    let (nk, nv, dk, dv, ch) = (g.k_heads, g.v_heads, g.k_dim, g.v_dim, g.channels());
+    let mut s = vec![0.0f64; nv * dk * dv];
+    let mut out = vec![0.0; t * nv * dv];
+    let l2 = |v: &[f32]| -> Vec<f64> {
+        let n = (v.iter().map(|&y| f64::from(y).powi(2)).sum::<f64>() + 1e-6).sqrt();
+        v.iter().map(|&y| f64::from(y) / n).collect()
+    };
+    for r in 0..t {
+        let row = &x.u[r * ch..(r + 1) * ch];
+        for h in 0..nv {
+            let kh = h / (nv / nk);
+            let q: Vec<f64> = l2(&row[kh * dk..(kh + 1) * dk])
+                .into_iter()
+                .map(|y| y / (dk as f64).sqrt())
+                .collect();
+            let k = l2(&row[(nk + kh) * dk..(nk + kh + 1) * dk]);
+            let v = &row[2 * nk * dk + h * dv..2 * nk * dk + (h + 1) * dv];
+            let beta = sigmoid(f64::from(x.b[r * nv + h]));
+            let xa = f64::from(x.a[r * nv + h]) + f64::from(x.dt[h]);
+            let sp = if xa > 20.0 { xa } else { xa.exp().ln_1p() };
+            let alpha = (-f64::from(x.a_log[h]).exp() * sp).exp();
+            let sh = &mut s[h * dk * dv..(h + 1) * dk * dv];
+            sh.iter_mut().for_each(|y| *y *= alpha);
+            for j in 0..dv {
+                let kv: f64 = (0..dk).map(|i| sh[i * dv + j] * k[i]).sum();
+                let delta = beta * (f64::from(v[j]) - kv);
+                for i in 0..dk {
+                    sh[i * dv + j] += k[i] * delta;
+                }
+                out[r * nv * dv + h * dv + j] = (0..dk).map(|i| sh[i * dv + j] * q[i]).sum();
+            }
+        }
+    }
+    out.extend(s);
+    out
+}
+
+pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
+    for (nk, nv, d, t) in [(2, 4, 16, 7), (4, 8, 128, 6)] {
+        let gd = gdn_dims(nk, nv, d);
+        let ch = gd.channels();
+        let x = GdnIn {
+            u: c.rng.normals_f32(t * ch, 1.0),
+            b: c.rng.normals_f32(t * nv, 1.0),
+            a: c.rng.normals_f32(t * nv, 1.0),
+            a_log: c.rng.normals_f32(nv, 0.5),
+            dt: c.rng.normals_f32(nv, 0.5),
+        };
+        let reference = delta_ref(&gd, &x, t);
+        let case = format!("{nk}/{nv} heads x {d}, {t} rows: prefill 4 then single steps (o, S)");
+        triple3(
+            c,
+            &case,
+            tol_f32(d * t),
+            &reference,
+            |be| {
+                let mut st = be.gdn_new(&gd)?;
+                let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
+                let p = 4;
+                let o = be.gdn_prefill(
+                    &be.upload(&x.u[..p * ch], p, ch)?,
+                    &be.upload(&x.b[..p * nv], p, nv)?,
+                    &be.upload(&x.a[..p * nv], p, nv)?,
+                    &al,
+                    &dt,
+                    &gd,
+                    &mut st,
+                    true,
+                )?;
+                let mut out = be.download(&o)?;
+                for r in p..t {
+                    let o = be.gdn_step(
+                        &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
+                        &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
+                        &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
+                        &al,
+                        &dt,
+                        &gd,
+                        &mut [&mut st],
+                    )?;
+                    out.extend(be.download(&o)?);
+                }
+                out.extend(be.gdn_download(&st)?.1);
+                Ok(out)
+            },
+            false,
+        )?;
+    }
+    Ok(())
+}
+
+pub(super) fn router_keep(c: &mut Ctx) -> Result<()> {
+    let (rows, e, k) = (5, 64, 8);
+    let mut logits: Vec<f32> = (0..rows * e)
+        .map(|_| (c.rng.below(33) as f32 - 16.0) * 0.25)
+        .collect();
+    let mut keep = vec![true; e];
+    for (i, kp) in keep.iter_mut().enumerate() {
+        *kp = i % 5 != 2;
+    }
+    for r in 0..rows {
+        logits[r * e + 7] = 9.0; // the strongest expert is dropped
+        logits[r * e + 4] = 5.0; // a tie between 4 and 40 at the top of the kept ones
+        logits[r * e + 40] = 5.0;
+    }
+    keep[7] = false;
+    let (mut rid, mut rw) = (Vec::new(), Vec::new());
+    for row in logits.chunks(e) {
+        let m = row
+            .iter()
+            .zip(&keep)
+            .filter(|(_, &kp)| kp)
+            .map(|(&v, _)| f64::from(v))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = row
+            .iter()
+            .zip(&keep)
+            .map(|(&v, &kp)| if kp { (f64::from(v) - m).exp() } else { 0.0 })
+            .collect();
+        let mut order: Vec<usize> = (0..e).filter(|&i| keep[i]).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        order.truncate(k);
+        let tot: f64 = order.iter().map(|&i| p[i]).sum();
+        rid.extend(order.iter().map(|&i| i as u32));
+        rw.extend(order.iter().map(|&i| p[i] / tot));
+    }
+    triple3(
+        c,
+        "5 rows, E 64, top-8, keep mask, tie at the top",
+        tol_f32(e),
+        &rw,
+        |be| {
+            let r = be.route(&be.upload(&logits, rows, e)?, k, Some(&keep))?;
+            let h = be.route_host(&r)?;
+            let ids: Vec<u32> = h.experts.concat();
+            let mut w: Vec<f32> = h.weights.concat();
+            if ids != rid {
+                w.iter_mut().for_each(|x| *x = f32::NAN);
+            }
+            Ok(w)
+        },
+        false,
+    )?;
+    Ok(())
+}
+
+/// Host FP8 matrix: bytes, scales, and its f64 dequantised form.
+struct Fp8Mat {
+    q: Vec<u8>,
+    s: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl Fp8Mat {
+    fn new(c: &mut Ctx, rows: usize, cols: usize) -> Self {
+        let q = c.rng.fp8_bytes(rows * cols);
+        let s = (0..rows.div_ceil(128) * cols.div_ceil(128))
+            .map(|_| (c.rng.range(0.5, 2.0) * 1e-2) as f32)
+            .collect();
+        Fp8Mat { q, s, rows, cols }
+    }
+    fn at(&self, r: usize, col: usize) -> f64 {
+        fp8_e4m3(self.q[r * self.cols + col])
+            * f64::from(self.s[(r / 128) * self.cols.div_ceil(128) + col / 128])
+    }
+    fn apply(&self, x: &[f64]) -> Vec<f64> {
+        (0..self.rows)
+            .map(|r| (0..self.cols).map(|col| self.at(r, col) * x[col]).sum())
+            .collect()
+    }
+    fn upload(&self, be: &CudaBackend) -> Result<crate::backend::CudaWeight> {
+        Ok(be.weight_fp8(self.rows, self.cols, &self.q, &self.s)?)
+    }
+}
+
+pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
+    let (e, i, h, rows, k) = (12, 256, 512, 5, 4);
+    let mats: Vec<[Fp8Mat; 3]> = (0..e)
+        .map(|_| {
+            [
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, h, i),
+            ]
+        })
+        .collect();
+    let x = c.rng.normals_f32(rows * h, 1.0);
+    let logits = c.rng.normals_f32(rows * e, 1.0);
+    // the routing comes from the device router (checked on its own); the reference uses it
+    let be0 = backend(c, Variant::Exact, false);
+    let route = be0.route_host(&be0.route(&be0.upload(&logits, rows, e)?, k, None)?)?;
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        let xr = f64s(&x[r * h..(r + 1) * h]);
+        let mut y = vec![0.0; h];
+        for (&id, &wt) in route.experts[r].iter().zip(&route.weights[r]) {
+            let m = &mats[id as usize];
+            let g = m[0].apply(&xr);
+            let u = m[1].apply(&xr);
+            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
+            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
+                *yy += f64::from(wt) * d;
+            }
+        }
+        reference.extend(y);
+    }
+    let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
+        let experts = mats
+            .iter()
+            .map(|m| {
+                Ok(Some(Expert {
+                    gate: m[0].upload(be)?,
+                    up: m[1].upload(be)?,
+                    down: m[2].upload(be)?,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rt = be.route(&be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?, k, None)?;
+        let xd = be.upload(&x[r0 * h..(r0 + n) * h], n, h)?;
+        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
+    };
+    triple3(
+        c,
+        "5 rows, top-4 of 12 experts, I 256, H 512",
+        tol_f32(h * k),
+        &reference,
+        |be| run_rows(be, 0, rows),
+        false,
+    )?;
+    let batch = run_rows(&be0, 0, rows)?;
+    let mut same = true;
+    for r in 0..rows {
+        same &= bits_equal(&run_rows(&be0, r, 1)?, &batch[r * h..(r + 1) * h]);
+    }
+    c.push(
+        "5 rows: each row bitwise = its 1-row launch",
+        Kind::Check,
+        same,
+        format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
+    );
+    Ok(())
+}
+
+pub(super) fn gemv_fp8(c: &mut Ctx) -> Result<()> {
+    let (n, kk, rows) = (300, 512, 3);
+    let m = Fp8Mat::new(c, n, kk);
+    let x = c.rng.normals_f32(rows * kk, 1.0);
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        reference.extend(m.apply(&f64s(&x[r * kk..(r + 1) * kk])));
+    }
+    triple3(
+        c,
+        "3 rows, W 300 x 512 fp8, block scales",
+        tol_f32(kk),
+        &reference,
+        |be| {
+            let w = m.upload(be)?;
+            Ok(be.download(&be.linear(&be.upload(&x, rows, kk)?, &w, Rows::Exact)?)?)
+        },
+        false,
+    )?;
+    Ok(())
+}
