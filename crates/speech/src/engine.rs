@@ -888,6 +888,109 @@ fn to_rows(rows: &[crate::prompt::Row]) -> Vec<model::Row> {
         .collect()
 }
 
+/// Work for the codec thread, per job key, in frame order.
+enum CodecMsg {
+    Start {
+        key: u64,
+        events: mpsc::UnboundedSender<JobEvent>,
+        submitted: Instant,
+    },
+    Frame {
+        key: u64,
+        codes: Vec<u32>,
+    },
+    /// Model work is done and its lane released: complete the summary and send it.
+    Finish {
+        key: u64,
+        summary: JobSummary,
+    },
+    Fail {
+        key: u64,
+        message: String,
+    },
+    /// Cancelled: drop the state, send nothing.
+    Drop {
+        key: u64,
+    },
+}
+
+struct CodecJob {
+    events: mpsc::UnboundedSender<JobEvent>,
+    submitted: Instant,
+    decoder: DecoderState,
+    hasher: PcmHasher,
+    samples: u64,
+    first_audio: Option<f64>,
+    failed: bool,
+}
+
+/// Streams every job's frames through its own decoder state (so streamed PCM equals a whole
+/// decode), hashes the s16 samples and sends audio and final events in order.
+fn codec_loop(codec: Codec, rx: std::sync::mpsc::Receiver<CodecMsg>) {
+    let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
+    let rate = f64::from(codec.sample_rate());
+    while let Ok(msg) = rx.recv() {
+        match msg {
+            CodecMsg::Start { key, events, submitted } => {
+                jobs.insert(
+                    key,
+                    CodecJob {
+                        events,
+                        submitted,
+                        decoder: codec.decoder_state(),
+                        hasher: PcmHasher::new(),
+                        samples: 0,
+                        first_audio: None,
+                        failed: false,
+                    },
+                );
+            }
+            CodecMsg::Frame { key, codes } => {
+                let Some(j) = jobs.get_mut(&key) else { continue };
+                if j.failed {
+                    continue;
+                }
+                match Codes::new(codes.len(), 1, codes).and_then(|c| j.decoder.push(&c)) {
+                    Ok(pcm) => {
+                        if j.first_audio.is_none() {
+                            j.first_audio = Some(j.submitted.elapsed().as_secs_f64());
+                        }
+                        j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
+                        j.samples += pcm.len() as u64;
+                        let _ = j.events.send(JobEvent::Audio(pcm));
+                    }
+                    Err(e) => {
+                        j.failed = true;
+                        let _ = j.events.send(JobEvent::Failed(format!("codec: {e}")));
+                    }
+                }
+            }
+            CodecMsg::Finish { key, mut summary } => {
+                let Some(j) = jobs.remove(&key) else { continue };
+                if j.failed {
+                    continue;
+                }
+                summary.samples = j.samples;
+                summary.audio_seconds = j.samples as f64 / rate;
+                summary.pcm_sha256 = j.hasher.finish();
+                summary.first_audio_seconds = j.first_audio;
+                summary.elapsed_seconds = j.submitted.elapsed().as_secs_f64();
+                let _ = j.events.send(JobEvent::Done(summary));
+            }
+            CodecMsg::Fail { key, message } => {
+                if let Some(j) = jobs.remove(&key) {
+                    if !j.failed {
+                        let _ = j.events.send(JobEvent::Failed(message));
+                    }
+                }
+            }
+            CodecMsg::Drop { key } => {
+                jobs.remove(&key);
+            }
+        }
+    }
+}
+
 /// One job occupying a lane.
 struct Active<B: Backend> {
     job: Job,
@@ -900,10 +1003,8 @@ struct Active<B: Backend> {
     frames: u64,
     step: u64,
     capped: u32,
-    decoder: DecoderState,
-    hasher: PcmHasher,
-    samples: u64,
-    first_audio: Option<f64>,
+    /// This job's key on the codec thread.
+    key: u64,
 }
 
 /// Everything the worker needs besides the model.
@@ -929,7 +1030,15 @@ fn spawn_worker<B: Backend + 'static>(
 ) -> Result<(std::thread::JoinHandle<()>, String), SpeechError> {
     let name = backend.name().to_string();
     let model = Model::load(ck, backend).map_err(err)?;
+    let (codec_tx, codec_rx) = std::sync::mpsc::channel();
+    let codec = ctx.codec.clone();
+    let codec_thread = std::thread::Builder::new()
+        .name("dramatis-codec".into())
+        .spawn(move || codec_loop(codec, codec_rx))
+        .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
+        codec_tx,
+        next_key: std::cell::Cell::new(0),
         cache: std::cell::RefCell::new(PrefixCache {
             entries: Default::default(),
             bytes: 0,
@@ -942,7 +1051,6 @@ fn spawn_worker<B: Backend + 'static>(
         }),
         model,
         cfg_batched: ctx.cfg_batched,
-        codec: ctx.codec,
         pool: ctx.pool,
         lanes: ctx.lanes,
         shared: ctx.shared,
@@ -950,16 +1058,21 @@ fn spawn_worker<B: Backend + 'static>(
     };
     let h = std::thread::Builder::new()
         .name("dramatis-frames".into())
-        .spawn(move || worker.run())
+        .spawn(move || {
+            worker.run();
+            // The worker held the only sender: the codec thread drains and ends.
+            let _ = codec_thread.join();
+        })
         .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
     Ok((h, name))
 }
 
 struct Worker<B: Backend> {
+    codec_tx: std::sync::mpsc::Sender<CodecMsg>,
+    next_key: std::cell::Cell<u64>,
     cache: std::cell::RefCell<PrefixCache<B>>,
     model: Model<B>,
     cfg_batched: bool,
-    codec: Codec,
     pool: KvPool,
     lanes: usize,
     shared: Arc<(Mutex<Shared>, Condvar)>,
@@ -1030,7 +1143,13 @@ impl<B: Backend> Worker<B> {
                 }
             }
             // Cancelled jobs leave before the round; their state is dropped here, settled.
-            active.retain(|a| !a.job.cancel.load(Ordering::SeqCst));
+            active.retain(|a| {
+                let cancelled = a.job.cancel.load(Ordering::SeqCst);
+                if cancelled {
+                    let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
+                }
+                !cancelled
+            });
             if active.is_empty() {
                 continue;
             }
@@ -1038,8 +1157,8 @@ impl<B: Backend> Worker<B> {
             // Finished lanes (and their KV rows) are free before a caller sees their last event.
             let (m, _) = &*self.shared;
             m.lock().unwrap_or_else(|e| e.into_inner()).busy = active.len();
-            for (tx, ev) in ended {
-                let _ = tx.send(ev);
+            for msg in ended {
+                let _ = self.codec_tx.send(msg);
             }
         }
     }
@@ -1063,12 +1182,15 @@ impl<B: Backend> Worker<B> {
             frames: 0,
             step: 0,
             capped: 0,
-            decoder: self.codec.decoder_state(),
-            hasher: PcmHasher::new(),
-            samples: 0,
-            first_audio: None,
+            key: self.next_key.get(),
             job,
         };
+        self.next_key.set(a.key + 1);
+        let _ = self.codec_tx.send(CodecMsg::Start {
+            key: a.key,
+            events: a.job.events.clone(),
+            submitted: a.job.submitted,
+        });
         let _ = a.job.events.send(JobEvent::Started {
             seed: a.job.seed,
             frame_cap: a.job.frame_cap,
@@ -1076,6 +1198,7 @@ impl<B: Backend> Worker<B> {
             prompt_rows: a.job.segments[0].0.rows.len() as u64,
         });
         if let Err(e) = self.prefill_segment(&mut a) {
+            let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
             return Err((a.job.events, e));
         }
         Ok(a)
@@ -1134,12 +1257,9 @@ impl<B: Backend> Worker<B> {
         Ok(())
     }
 
-    /// One shared frame round; returns the final events of lanes that ended, to send once their
-    /// state is released.
-    fn round(
-        &self,
-        active: &mut Vec<Active<B>>,
-    ) -> Vec<(mpsc::UnboundedSender<JobEvent>, JobEvent)> {
+    /// One shared frame round; returns the final messages of lanes that ended, for the codec
+    /// thread once their model state is released.
+    fn round(&self, active: &mut Vec<Active<B>>) -> Vec<CodecMsg> {
         let mut ended = Vec::new();
         let steps: Vec<LaneStep> = active
             .iter()
@@ -1176,10 +1296,10 @@ impl<B: Backend> Worker<B> {
             Ok(o) => o,
             Err(e) => {
                 for a in active.drain(..) {
-                    ended.push((
-                        a.job.events.clone(),
-                        JobEvent::Failed(format!("model: {e}")),
-                    ));
+                    ended.push(CodecMsg::Fail {
+                        key: a.key,
+                        message: format!("model: {e}"),
+                    });
                 }
                 return ended;
             }
@@ -1194,25 +1314,8 @@ impl<B: Backend> Worker<B> {
                     a.seg_frames += 1;
                     self.frames_total.fetch_add(1, Ordering::Relaxed);
                     let codes: Vec<u32> = f[1..].iter().map(|&c| c.max(0) as u32).collect();
-                    let pcm = Codes::new(codes.len(), 1, codes).and_then(|c| a.decoder.push(&c));
-                    match pcm {
-                        Ok(pcm) => {
-                            if a.first_audio.is_none() {
-                                a.first_audio = Some(a.job.submitted.elapsed().as_secs_f64());
-                            }
-                            a.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
-                            a.samples += pcm.len() as u64;
-                            let _ = a.job.events.send(JobEvent::Audio(pcm));
-                        }
-                        Err(e) => {
-                            ended.push((
-                                a.job.events.clone(),
-                                JobEvent::Failed(format!("codec: {e}")),
-                            ));
-                            finished[i] = true;
-                            continue;
-                        }
-                    }
+                    // Decoded on the codec thread, overlapped with the next frame round.
+                    let _ = self.codec_tx.send(CodecMsg::Frame { key: a.key, codes });
                     let cap = a.job.segments[a.segment].1.frames.0;
                     if a.seg_frames >= cap {
                         a.capped += 1;
@@ -1226,25 +1329,26 @@ impl<B: Backend> Worker<B> {
                 a.segment += 1;
                 if a.segment < a.job.segments.len() {
                     if let Err(e) = self.prefill_segment(a) {
-                        ended.push((a.job.events.clone(), JobEvent::Failed(e)));
+                        ended.push(CodecMsg::Fail { key: a.key, message: e });
                         finished[i] = true;
                     }
                 } else {
+                    // The codec thread completes the audio figures and the hash.
                     let summary = JobSummary {
                         seed: a.job.seed,
                         frames: a.frames,
-                        samples: a.samples,
-                        audio_seconds: a.samples as f64 / self.codec.sample_rate() as f64,
-                        pcm_sha256: std::mem::take(&mut a.hasher).finish(),
+                        samples: 0,
+                        audio_seconds: 0.0,
+                        pcm_sha256: String::new(),
                         capped_segments: a.capped,
                         segments: a.job.segments.len() as u32,
-                        elapsed_seconds: a.job.submitted.elapsed().as_secs_f64(),
-                        first_audio_seconds: a.first_audio,
+                        elapsed_seconds: 0.0,
+                        first_audio_seconds: None,
                         cap: a.job.cap,
                         frame_cap: a.job.frame_cap,
                         guided: a.uncond.is_some(),
                     };
-                    ended.push((a.job.events.clone(), JobEvent::Done(summary)));
+                    ended.push(CodecMsg::Finish { key: a.key, summary });
                     finished[i] = true;
                 }
             }
