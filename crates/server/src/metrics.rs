@@ -24,6 +24,8 @@ pub struct Metrics {
     lanes_busy: IntGauge,
     lanes: IntGauge,
     queued: IntGauge,
+    cache_hits: IntGauge,
+    cache_misses: IntGauge,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
@@ -118,6 +120,16 @@ impl Metrics {
                 "dramatis_queue_depth",
                 "Jobs admitted and waiting for a lane",
             ),
+            cache_hits: gauge(
+                &registry,
+                "dramatis_prompt_cache_hits",
+                "Reference prefixes restored from the prefill cache",
+            ),
+            cache_misses: gauge(
+                &registry,
+                "dramatis_prompt_cache_misses",
+                "Reference prefixes prefilled (not in the cache)",
+            ),
             registry,
             requests,
             refusals,
@@ -138,6 +150,10 @@ impl Metrics {
             .set(i64::try_from(stats.lanes).unwrap_or(i64::MAX));
         self.queued
             .set(i64::try_from(stats.queued).unwrap_or(i64::MAX));
+        self.cache_hits
+            .set(i64::try_from(stats.prompt_cache_hits).unwrap_or(i64::MAX));
+        self.cache_misses
+            .set(i64::try_from(stats.prompt_cache_misses).unwrap_or(i64::MAX));
         // The engine counts frames; the counter follows it (monotonic, so only ever forward).
         let seen = self.frames.get();
         if stats.frames_total > seen {

@@ -618,7 +618,14 @@ async fn voices_add_list_use_remove() {
     assert_ne!(with_voice, builtin, "the voice conditions the take");
     let mut fish = json!({"text": "Hello there. How are you?", "seed": 4, "max_new_tokens": 12, "reference_id": "ann"});
     let r = srv.post_json("/v1/tts", &fish).await;
+    // The second take of the voice restores its reference prefill from the cache: a hit equals
+    // the first take's miss.
     assert_eq!(r.header("x-dramatis-pcm-sha256"), Some(with_voice.as_str()));
+    let metrics = srv.get("/metrics").await.text();
+    assert!(
+        metrics.contains("dramatis_prompt_cache_hits 1"),
+        "{metrics}"
+    );
 
     let r = srv
         .post_json(
