@@ -7,16 +7,50 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use speech::{Engine, EngineOptions, JobEvent, SynthesisRequest};
+use speech::{Engine, EngineOptions, JobEvent, ReferenceAudio, ReferenceInput, SynthesisRequest};
 
+#[derive(clap::Args)]
 pub struct BenchArgs {
+    #[arg(long)]
     pub model: Option<PathBuf>,
-    pub backend: speech::BackendChoice,
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub backend: crate::cli::BackendArg,
+    #[arg(long, default_value_t = 5)]
     pub runs: usize,
+    /// Frame cap per request.
+    #[arg(long, default_value_t = 64)]
     pub frames: u64,
+    /// Lane counts to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub lanes: Vec<usize>,
+    #[arg(long, default_value = "A quick benchmark sentence for the engine, read once.")]
     pub text: String,
+    /// Attach a synthetic reference of this many frames to every request (0 = none): with the
+    /// prefill cache on, every run after the warm-up restores it.
+    #[arg(long, default_value_t = 0)]
+    pub reference_frames: usize,
+    /// Reference prefill cache budget (0 measures without the cache).
+    #[arg(long, default_value_t = 1.0)]
+    pub prompt_cache_gib: f64,
+    /// Guidance strength (only requests with a reference are guided).
+    #[arg(long, default_value_t = 0.0)]
+    pub cfg_gamma: f32,
+    #[arg(long)]
+    pub cfg_batched: bool,
+    /// Also measure prefill rows/s at these prompt lengths (comma separated).
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_rows: Vec<usize>,
+    /// Receipt path (JSON); without it the receipt goes to stdout.
+    #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+/// Deterministic reference codes in every codebook's range (the codec clamps nothing here).
+fn synthetic_reference(frames: usize) -> ReferenceInput {
+    ReferenceInput {
+        audio: ReferenceAudio::Codes((0..frames).map(|f| (0..10).map(|c| ((f * 7 + c * 3) % 16) as i64).collect()).collect()),
+        transcript: "A synthetic reference passage for the benchmark.".into(),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -39,13 +73,8 @@ struct RunResult {
     audio_seconds: f64,
 }
 
-fn one_run(
-    eng: &Arc<Engine>,
-    lanes: usize,
-    frames: u64,
-    text: &str,
-    run: usize,
-) -> Result<RunResult> {
+fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result<RunResult> {
+    let (frames, text) = (a.frames, a.text.as_str());
     let t0 = Instant::now();
     let handles = (0..lanes)
         .map(|i| {
@@ -54,6 +83,7 @@ fn one_run(
                 seed: Some((run * 1000 + i) as u64),
                 max_frames: Some(frames),
                 split: speech::Split::None,
+                references: if a.reference_frames > 0 { vec![synthetic_reference(a.reference_frames)] } else { vec![] },
                 ..Default::default()
             })
             .map_err(|e| anyhow!("refused: {}", e.message))
@@ -91,7 +121,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let max_lanes = a.lanes.iter().copied().max().unwrap_or(1).max(1);
     let opts = EngineOptions {
         model_dir: a.model.clone(),
-        backend: a.backend,
+        backend: match a.backend {
+            crate::cli::BackendArg::Cpu => speech::BackendChoice::Cpu,
+            crate::cli::BackendArg::Cuda => speech::BackendChoice::Cuda,
+        },
+        prompt_cache_gib: a.prompt_cache_gib,
+        cfg: speech::CfgOptions {
+            gamma: a.cfg_gamma,
+            batched: a.cfg_batched,
+            ..Default::default()
+        },
         parallel: max_lanes,
         queue: Some(max_lanes),
         context: Some(4096),
@@ -103,13 +142,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut results = Vec::new();
     for &lanes in &a.lanes {
         // One warm-up run, then the measured ones.
-        one_run(&eng, lanes, a.frames, &a.text, 999)?;
+        one_run(&eng, lanes, &a, 999)?;
         let mut fps = Vec::new();
         let mut ttfa = Vec::new();
         let mut rtf = Vec::new();
         let mut frames = Vec::new();
         for r in 0..a.runs {
-            let res = one_run(&eng, lanes, a.frames, &a.text, r)?;
+            let res = one_run(&eng, lanes, &a, r)?;
             fps.push(res.frames as f64 / res.wall);
             ttfa.push(median(res.first_audio.clone()));
             rtf.push(res.wall / (res.audio_seconds / lanes as f64).max(1e-9));
@@ -130,6 +169,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
             results.last().map(|v| v.to_string()).unwrap_or_default()
         );
     }
+    // Prefill throughput: one lane, a prompt of n rows (then one frame), in 4096-row pieces.
+    let mut prefill = Vec::new();
+    if !a.prefill_rows.is_empty() {
+        let dir = match &a.model {
+            Some(d) => d.clone(),
+            None => speech::builtin::ensure_builtin().map_err(|e| anyhow!(e))?,
+        };
+        let ck = checkpoint::Checkpoint::open(&dir)?;
+        let cuda = matches!(a.backend, crate::cli::BackendArg::Cuda);
+        for &n in &a.prefill_rows {
+            let mut secs = Vec::new();
+            for _ in 0..a.runs.min(3) {
+                let r = crate::gpu::fill_window_on(&ck, cuda, n + 2, 4096)?;
+                secs.push(r.prefill_seconds);
+            }
+            let m = median(secs);
+            prefill.push(json!({"prompt_rows": n, "prefill_seconds_median": m, "rows_per_s": n as f64 / m}));
+            eprintln!("prefill {n} rows: {m:.3} s");
+        }
+    }
     let facts = eng.facts();
     let receipt = json!({
         "kind": "dramatis-bench",
@@ -143,8 +202,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "expert_format": facts.expert_format,
         "load_seconds": load_s,
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
+                      "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
+                      "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
         "results": results,
+        "prefill": prefill,
     });
     let text = serde_json::to_string_pretty(&receipt)?;
     match &a.out {

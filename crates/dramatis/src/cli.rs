@@ -24,7 +24,7 @@ struct Cli {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
-enum BackendArg {
+pub enum BackendArg {
     Cpu,
     Cuda,
 }
@@ -175,28 +175,7 @@ enum Cmd {
         only: Option<String>,
     },
     /// Throughput and latency receipts (JSON, median of several runs).
-    Bench {
-        #[arg(long)]
-        model: Option<PathBuf>,
-        #[arg(long, value_enum, default_value = "cpu")]
-        backend: BackendArg,
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Frame cap per request.
-        #[arg(long, default_value_t = 64)]
-        frames: u64,
-        /// Lane counts to measure, comma separated.
-        #[arg(long, value_delimiter = ',', default_value = "1,4")]
-        lanes: Vec<usize>,
-        #[arg(
-            long,
-            default_value = "A quick benchmark sentence for the engine, read once."
-        )]
-        text: String,
-        /// Receipt path (JSON); without it the receipt goes to stdout.
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
+    Bench(crate::bench::BenchArgs),
     /// Fill a window of C rows (P = C - 2 prompt rows, one frame) and check the last position;
     /// writes a receipt. With --compare-cpu, the same run on the CPU is the reference.
     QualifyWindow {
@@ -352,24 +331,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
-        Cmd::Bench {
-            model,
-            backend,
-            runs,
-            frames,
-            lanes,
-            text,
-            out,
-        } => {
-            crate::bench::run(crate::bench::BenchArgs {
-                model,
-                backend: choice(backend),
-                runs: runs.max(1),
-                frames,
-                lanes,
-                text,
-                out,
-            })?;
+        Cmd::Bench(mut a) => {
+            a.runs = a.runs.max(1);
+            crate::bench::run(a)?;
             Ok(ExitCode::SUCCESS)
         }
         Cmd::QualifyWindow {

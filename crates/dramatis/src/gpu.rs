@@ -100,6 +100,20 @@ pub fn qualify_window(
     })
 }
 
+/// One window fill on the chosen backend.
+pub fn fill_window_on(
+    ck: &checkpoint::Checkpoint,
+    cuda: bool,
+    window: usize,
+    chunk: usize,
+) -> Result<speech::qualify::WindowRun> {
+    if cuda {
+        run_cuda(ck, window, chunk)
+    } else {
+        speech::qualify::fill_window(ck, backend_cpu::CpuBackend::new(), window, chunk).map_err(|e| anyhow::anyhow!(e))
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn run_cuda(
     ck: &checkpoint::Checkpoint,
