@@ -1,32 +1,54 @@
-// MoE: router (softmax over E, top-k with ties to the lower index, renormalise) and FP8 E4M3
-// routed experts with 128x128 F32 block scales, w = fp8 * scale_inv[r/128, c/128], read only
-// for the selected experts. Weights of one layer are stacked per expert:
+// MoE: router (softmax over E, top-k by logit with ties to the lower index, renormalise) and
+// routed experts, read only for the selected experts: FP8 E4M3 with 128x128 F32 block scales,
+// w = fp8 * scale_inv[r/128, c/128], and NVFP4 (at the end of this file). Weights of one layer are stacked per expert:
 // gate, up [E, I, H]; down [E, H, I]; scales [E, ceil(rows/128), ceil(cols/128)].
 
+// Ranking order of the router: a higher key first, equal keys to the lower index (PLANT 1: to
+// the higher index). NaN marks an expert that cannot be chosen (pruned, or taken already); a NaN
+// best-so-far loses to any candidate.
 #if PLANT == 1
 #define TIE_INIT (-1)
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i > bi); }
+__device__ __forceinline__ bool tie_first(int i, int bi) { return i > bi; }
 #else
 #define TIE_INIT 0x7fffffff
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+__device__ __forceinline__ bool tie_first(int i, int bi) { return i < bi; }
 #endif
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    if (v != v) return false;
+    if (bv != bv) return true;
+    return v > bv || (v == bv && tie_first(i, bi));
+}
 
 // ---- router: one block per row, logits [rows, E] f32 -> ids [rows, k] u32, weights [rows, k].
+// The policy of model::Backend::route (the CPU's route_row is the reference):
+//  - keep (optional, one byte per expert): experts with keep[e] == 0 get probability 0 before
+//    the normalisation and are never chosen;
+//  - NaN counts as -inf; the top k kept experts by logit, ties to the lower index (a -inf expert
+//    ranks after every finite one and has weight 0);
+//  - softmax over the kept experts; when some are +inf they share the mass equally;
+//  - the chosen weights renormalised over the k;
+//  - a row whose kept logits are all NaN/-inf gets ids 0xffffffff and NaN weights, and sets bit 0
+//    of *err (when err is not null); the host reports it as NonFinite at its next download.
 // PLANT 1: ties go to the higher index. LOWP: probabilities rounded to bf16.
-// keep (optional, one byte per expert): experts with keep[e] == 0 get probability 0 before the
-// normalisation and are never chosen.
 extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned int* __restrict__ ids,
                                       float* __restrict__ weights, int E, int k,
-                                      const unsigned char* __restrict__ keep) {
-    extern __shared__ float p[];  // E floats
+                                      const unsigned char* __restrict__ keep, int* __restrict__ err) {
+    extern __shared__ float sm[];  // key[E] then p[E]
+    float* key = sm;
+    float* p = sm + E;
     __shared__ float scratch[32];
     __shared__ float best_v[32];
     __shared__ int best_i[32];
     const float* l = logits + (size_t)blockIdx.x * E;
+    const float qnan = __int_as_float(0x7fc00000);
     float m = -INFINITY;
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-        if (!keep || keep[e]) m = fmaxf(m, l[e]);
-    // block max through the sum scratch pattern
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = l[e];
+        if (v != v) v = -INFINITY;
+        bool kept = !keep || keep[e];
+        key[e] = kept ? v : qnan;
+        if (kept) m = fmaxf(m, v);
+    }
     {
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
         m = warp_max(m);
@@ -35,11 +57,21 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
         __syncthreads();
         m = warp_max(lane < nw ? scratch[lane] : -INFINITY);
     }
+    if (m == -INFINITY) {  // block-uniform: every kept logit is NaN or -inf
+        if (threadIdx.x == 0 && err) atomicOr(err, 1);
+        for (int j = threadIdx.x; j < k; j += blockDim.x) {
+            ids[(size_t)blockIdx.x * k + j] = 0xffffffffu;
+            weights[(size_t)blockIdx.x * k + j] = qnan;
+        }
+        return;
+    }
+    const bool inf_top = m == INFINITY;
     float s = 0.0f;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = (!keep || keep[e]) ? expf(l[e] - m) : 0.0f;
-        p[e] = v;
-        s += v;
+        float v = key[e];
+        float pv = (v != v) ? 0.0f : inf_top ? (v == INFINITY ? 1.0f : 0.0f) : expf(v - m);
+        p[e] = pv;
+        s += pv;
     }
     s = block_sum(s, scratch);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -47,15 +79,15 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
 #ifdef LOWP
         v = round_bf16(v);
 #endif
-        p[e] = (!keep || keep[e]) ? v : -3.0f;  // dropped experts are never chosen
+        p[e] = v;
     }
     __syncthreads();
     float tot = 0.0f;
     for (int j = 0; j < k; ++j) {
-        float bv = -1.0f;
+        float bv = qnan;
         int bi = TIE_INIT;
         for (int e = threadIdx.x; e < E; e += blockDim.x)
-            if (better(p[e], e, bv, bi)) { bv = p[e]; bi = e; }
+            if (better(key[e], e, bv, bi)) { bv = key[e]; bi = e; }
         int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
@@ -70,10 +102,12 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
             int i0 = best_i[0];
             for (int w = 1; w < nw; ++w)
                 if (better(best_v[w], best_i[w], v0, i0)) { v0 = best_v[w]; i0 = best_i[w]; }
+            // the host checked k <= kept experts, so i0 is a kept expert
+            float pw = p[i0];
             ids[(size_t)blockIdx.x * k + j] = (unsigned int)i0;
-            weights[(size_t)blockIdx.x * k + j] = v0;
-            tot += v0;
-            p[i0] = -2.0f;  // taken
+            weights[(size_t)blockIdx.x * k + j] = pw;
+            tot += pw;
+            key[i0] = qnan;  // taken
         }
         __syncthreads();
     }
@@ -164,19 +198,33 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_fp8(
     if (lane == 0) y[n] = acc;
 }
 
+// Whether routed expert e of a table with `per` entries per expert has weights: the id is in
+// range and its first pointer is set (a pruned expert has null pointers). If not, bit 1 of *err
+// is set and the caller writes NaN: a routing that names a pruned expert never reads memory.
+__device__ __forceinline__ bool expert_ok(const unsigned long long* __restrict__ tab, int per, long long e,
+                                          int E, int* __restrict__ err, int lane) {
+    if (e >= 0 && e < E && tab[per * e] != 0ull) return true;
+    if (lane == 0 && err) atomicOr(err, 2);
+    return false;
+}
+
 // ---- multi-row experts over a pointer table: tab[6 e + {0..5}] = gate, up, down (fp8) and their
 // block scales (f32) of expert e, each expert stored on its own. Row = blockIdx.y; every row runs
 // the single-row arithmetic, so a row's result does not depend on the rows beside it.
 // gate/up: h[row, j, i] = silu(gate_e . x[row]) * (up_e . x[row]), e = ids[row, j].
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
-    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k) {
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
     int lane = threadIdx.x & 31;
     long long row = blockIdx.y;
     long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (warp >= (long long)k * I) return;
     int j = (int)(warp / I), i = (int)(warp % I);
     long long e = ids[row * k + j];
+    if (!expert_ok(tab, 6, e, E, err, lane)) {
+        if (lane == 0) h[(row * k + j) * I + i] = __int_as_float(0x7fc00000);
+        return;
+    }
     const fp8_t* gate = (const fp8_t*)tab[6 * e + 0];
     const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
     const float* gate_s = (const float*)tab[6 * e + 3];
@@ -201,7 +249,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
 // down: y[row, n] = sum_j w[row, j] * (down_e . h[row, j]), experts summed in rank order.
 extern "C" __global__ void __launch_bounds__(256) moe_down_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
-    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k) {
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
     int lane = threadIdx.x & 31;
     long long row = blockIdx.y;
     long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -210,6 +259,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tab(
     float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
         long long e = ids[row * k + j];
+        if (!expert_ok(tab, 6, e, E, err, lane)) { acc = __int_as_float(0x7fc00000); break; }
         const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
         const float* down_s = (const float*)tab[6 * e + 5];
         float d = fp8_row_dot(down + n * I, h + (row * k + j) * I, down_s + (n >> 7) * sb_cols, I, lane);
@@ -233,6 +283,160 @@ extern "C" __global__ void __launch_bounds__(256) gemv_fp8(
     int sb_cols = (K + 127) >> 7;
     for (int r = 0; r < rows; ++r) {
         float d = fp8_row_dot(W + n * K, x + (long long)r * K, S + (n >> 7) * sb_cols, K, lane);
+        d = warp_sum(d);
+#ifdef LOWP
+        d = round_bf16(d);
+#endif
+        if (lane == 0) y[(long long)r * n_out + n] = d;
+    }
+}
+
+// ---------------------------------------------------------------- NVFP4
+// ModelOpt NVFP4, kept packed: codes [rows, cols/2] (two E2M1 per byte, low nibble = even
+// column), E4M3 scales [rows, cols/16] (one per 16 consecutive columns of a row), one f32 global.
+// Each weight is dequantised in registers as (e2m1 * e4m3) * global, in that order: the first
+// product is exact in f32 (2 x 4 significant bits), the second rounds once, as on the CPU. The dot
+// is an f32 fma chain per lane, then a warp tree.
+
+// E2M1 code (bit 3 sign, 2 exponent bits, 1 mantissa bit) to f32: the code's bits placed at the
+// top of an f32 give the value times 2^-126 (subnormal for codes 1 and 9), rescaled exactly.
+__device__ __forceinline__ float e2m1_to_f32(unsigned int q) {
+    return __fmul_rn(__uint_as_float(((q & 8u) << 28) | ((q & 7u) << 22)), 0x1p126f);
+}
+
+__device__ __forceinline__ uint2 ld_stream2(const void* p) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+// One scale group: 16 columns in two words (8 codes each, low nibble first), scale s, global g.
+// PLANT 1: the two nibbles of every byte are swapped.
+__device__ __forceinline__ float nvfp4_group(unsigned int w0, unsigned int w1, float s, float g,
+                                             const float* __restrict__ x, float acc) {
+    unsigned int words[2] = {w0, w1};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float4 xa = __ldg((const float4*)(x + 8 * h));
+        float4 xb = __ldg((const float4*)(x + 8 * h) + 1);
+        float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        unsigned int w = words[h];
+#if PLANT == 1
+        w = ((w & 0x0f0f0f0fu) << 4) | ((w >> 4) & 0x0f0f0f0fu);
+#endif
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            float v = __fmul_rn(__fmul_rn(e2m1_to_f32((w >> (4 * t)) & 15u), s), g);
+            acc = fmaf(v, xv[t], acc);
+        }
+    }
+    return acc;
+}
+
+// Lane's part of the dot of one NVFP4 row (n columns, a multiple of 16) with x. Rows of a
+// multiple of 32 columns read 16 code bytes (two groups) per lane and step; others 8 (one group).
+__device__ __forceinline__ float nvfp4_row_dot(const unsigned char* __restrict__ row,
+                                               const unsigned char* __restrict__ srow, float g,
+                                               const float* __restrict__ x, int n, int lane) {
+    float acc = 0.0f;
+    if ((n & 31) == 0) {
+        const uint4* rp = (const uint4*)row;
+        int nvec = n >> 5;
+#pragma unroll 2
+        for (int v = lane; v < nvec; v += 32) {
+            uint4 q = ld_stream(rp + v);
+            float2 sc = fp8x2_to_f32(__ldg((const unsigned short*)srow + v));
+            acc = nvfp4_group(q.x, q.y, sc.x, g, x + 32 * v, acc);
+            acc = nvfp4_group(q.z, q.w, sc.y, g, x + 32 * v + 16, acc);
+        }
+    } else {
+        const uint2* rp = (const uint2*)row;
+        int ng = n >> 4;
+        for (int v = lane; v < ng; v += 32) {
+            uint2 q = ld_stream2(rp + v);
+            float sc = fp8x2_to_f32((unsigned short)__ldg(srow + v)).x;
+            acc = nvfp4_group(q.x, q.y, sc, g, x + 16 * v, acc);
+        }
+    }
+    return acc;
+}
+
+// tab[9 e + {0..8}] = gate, up, down codes; their E4M3 scales; pointers to their f32 globals.
+// gate/up + SiLU-mul: h[row, j, i] = silu(gate_e . x[row]) * (up_e . x[row]), e = ids[row, j];
+// one warp per (j, i), row = blockIdx.y (each row the single-row arithmetic: batch invariant).
+// LOWP: h rounded to bf16. PLANT 1: swapped nibbles.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_nvfp4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    int lane = threadIdx.x & 31;
+    long long row = blockIdx.y;
+    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (warp >= (long long)k * I) return;
+    int j = (int)(warp / I), i = (int)(warp % I);
+    long long e = ids[row * k + j];
+    if (!expert_ok(tab, 9, e, E, err, lane)) {
+        if (lane == 0) h[(row * k + j) * I + i] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const unsigned long long* t = tab + 9 * e;
+    const unsigned char* gate = (const unsigned char*)t[0] + (long long)i * (H >> 1);
+    const unsigned char* up = (const unsigned char*)t[1] + (long long)i * (H >> 1);
+    const unsigned char* gate_s = (const unsigned char*)t[3] + (long long)i * (H >> 4);
+    const unsigned char* up_s = (const unsigned char*)t[4] + (long long)i * (H >> 4);
+    float gg = __ldg((const float*)t[6]), ug = __ldg((const float*)t[7]);
+    const float* xr = x + row * H;
+    float gv = nvfp4_row_dot(gate, gate_s, gg, xr, H, lane);
+    float uv = nvfp4_row_dot(up, up_s, ug, xr, H, lane);
+    gv = warp_sum(gv);
+    uv = warp_sum(uv);
+    if (lane == 0) {
+        float v = silu(gv) * uv;
+#ifdef LOWP
+        v = round_bf16(v);
+#endif
+        h[(row * k + j) * I + i] = v;
+    }
+}
+
+// down: y[row, n] = sum_j w[row, j] * (down_e . h[row, j]), experts summed in rank order.
+// LOWP: each expert's output rounded to bf16. PLANT 1: swapped nibbles.
+extern "C" __global__ void __launch_bounds__(256) moe_down_nvfp4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    int lane = threadIdx.x & 31;
+    long long row = blockIdx.y;
+    long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= H) return;
+    float acc = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        long long e = ids[row * k + j];
+        if (!expert_ok(tab, 9, e, E, err, lane)) { acc = __int_as_float(0x7fc00000); break; }
+        const unsigned long long* t = tab + 9 * e;
+        const unsigned char* down = (const unsigned char*)t[2] + n * (I >> 1);
+        const unsigned char* down_s = (const unsigned char*)t[5] + n * (I >> 4);
+        float dg = __ldg((const float*)t[8]);
+        float d = nvfp4_row_dot(down, down_s, dg, h + (row * k + j) * I, I, lane);
+        float dj = warp_sum(d);
+#ifdef LOWP
+        dj = round_bf16(dj);
+#endif
+        acc = fmaf(wts[row * k + j], dj, acc);
+    }
+    if (lane == 0) y[row * H + n] = acc;
+}
+
+// A plain linear with an NVFP4 weight [n_out, K]: y[r, n] = W[n] . x[r]; one warp per output,
+// rows looped (batch-invariant). G points to the f32 global. LOWP: outputs rounded to bf16.
+extern "C" __global__ void __launch_bounds__(256) gemv_nvfp4(
+    const unsigned char* __restrict__ W, const unsigned char* __restrict__ S, const float* __restrict__ G,
+    const float* __restrict__ x, float* __restrict__ y, int n_out, int K, int rows) {
+    int lane = threadIdx.x & 31;
+    long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (n >= n_out) return;
+    float g = __ldg(G);
+    for (int r = 0; r < rows; ++r) {
+        float d = nvfp4_row_dot(W + n * (K >> 1), S + n * (K >> 4), g, x + (long long)r * K, K, lane);
         d = warp_sum(d);
 #ifdef LOWP
         d = round_bf16(d);

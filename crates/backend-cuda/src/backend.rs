@@ -1,7 +1,8 @@
 //! [`model::Backend`] on one NVIDIA GPU.
 //!
 //! Weights are uploaded once in stored precision (BF16 as is; FP8 E4M3 with its F32 128x128
-//! block scales as is); small vectors (norm weights, conv taps, `A_log`) as f32; activations are
+//! block scales as is; NVFP4 packed as stored: the U8 E2M1 codes, the E4M3 `weight_scale` bytes
+//! and the F32 `weight_scale_2`, dequantised in registers by the kernels); small vectors (norm weights, conv taps, `A_log`) as f32; activations are
 //! f32 device buffers; the KV cache is f32 as on the CPU reference (`DRAMATIS_CUDA_KV=bf16`
 //! halves it, at a precision cost measured in NOTES.md). Every op is one or a few kernel launches on the backend's one stream with no
 //! host synchronisation except `download` and `route_host`. Device memory comes from the
@@ -29,6 +30,14 @@ pub const MAX_LANES: usize = 32;
 /// Largest head dim of the generic attention kernel (4 output dims per thread of 128).
 const GENERIC_MAX_HD: usize = 512;
 const FP8_BLOCK: usize = 128;
+/// NVFP4 scale group: one E4M3 scale per 16 consecutive columns of a row.
+const NVFP4_GROUP: usize = 16;
+/// Where the E4M3 scale bytes start in an NVFP4 weight's scale allocation: the f32 global
+/// comes first, padded so that the scales stay 16-byte aligned.
+const NVFP4_SCALE_AT: usize = 16;
+/// Pointer-table entries per expert: FP8 (gate, up, down, 3 scales), NVFP4 (+ 3 globals).
+const TAB_FP8: usize = 6;
+const TAB_NVFP4: usize = 9;
 /// Most rows of one grid.y.
 const MAX_GRID_Y: usize = 65_535;
 
@@ -149,23 +158,48 @@ pub enum CudaWeight {
         rows: usize,
         cols: usize,
     },
+    /// NVFP4 as stored: `mem` holds the `[rows, cols/2]` E2M1 code bytes (low nibble = even
+    /// column); `scale` holds the f32 global (`weight_scale_2`) at byte 0 and the `[rows,
+    /// cols/16]` E4M3 `weight_scale` bytes from byte [`NVFP4_SCALE_AT`]. `cols` is logical.
+    Nvfp4 {
+        mem: Mem,
+        scale: Mem,
+        global: f32,
+        rows: usize,
+        cols: usize,
+    },
 }
 
 impl CudaWeight {
     pub fn rows(&self) -> usize {
         match self {
-            CudaWeight::Bf16 { rows, .. } | CudaWeight::Fp8 { rows, .. } => *rows,
+            CudaWeight::Bf16 { rows, .. }
+            | CudaWeight::Fp8 { rows, .. }
+            | CudaWeight::Nvfp4 { rows, .. } => *rows,
         }
     }
     pub fn cols(&self) -> usize {
         match self {
-            CudaWeight::Bf16 { cols, .. } | CudaWeight::Fp8 { cols, .. } => *cols,
+            CudaWeight::Bf16 { cols, .. }
+            | CudaWeight::Fp8 { cols, .. }
+            | CudaWeight::Nvfp4 { cols, .. } => *cols,
         }
     }
     pub fn device_bytes(&self) -> usize {
         match self {
             CudaWeight::Bf16 { mem, .. } => mem.bytes,
-            CudaWeight::Fp8 { mem, scale, .. } => mem.bytes + scale.bytes,
+            CudaWeight::Fp8 { mem, scale, .. } | CudaWeight::Nvfp4 { mem, scale, .. } => {
+                mem.bytes + scale.bytes
+            }
+        }
+    }
+
+    /// The stored format, for messages.
+    pub fn format_name(&self) -> &'static str {
+        match self {
+            CudaWeight::Bf16 { .. } => "BF16",
+            CudaWeight::Fp8 { .. } => "FP8",
+            CudaWeight::Nvfp4 { .. } => "NVFP4",
         }
     }
 }
@@ -202,10 +236,20 @@ pub struct CudaRoute {
     k: usize,
 }
 
-/// The device pointer table of one layer's experts (6 per expert: gate, up, down, and scales).
+/// The device pointer table of one layer's experts: per expert gate, up, down, their scales
+/// and, for NVFP4, the addresses of their f32 globals (null entries for a pruned expert).
 struct ExpertTable {
+    nvfp4: bool,
     host: Vec<u64>,
     dev: Mem,
+}
+
+/// A layer's expert table on the device: its address, I, H, and whether the experts are NVFP4.
+struct TableRef {
+    ptr: u64,
+    i: usize,
+    h: usize,
+    nvfp4: bool,
 }
 
 /// Run-time choices of the backend.
@@ -245,6 +289,10 @@ pub struct CudaBackend {
     /// KV precision of caches made from now on (starts at `opts.kv_f32`).
     kv_f32: std::sync::atomic::AtomicBool,
     expert_tables: Mutex<Vec<ExpertTable>>,
+    /// One i32 of sticky error bits the kernels set (bit 0: a router row with every kept logit
+    /// NaN or -inf; bit 1: a routing that names a pruned or out-of-range expert). Read, reported
+    /// and cleared at each download, with the download's own synchronisation.
+    err: Option<Mem>,
 }
 
 macro_rules! go {
@@ -277,13 +325,24 @@ impl CudaBackend {
     /// low-precision and planted builds).
     pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, opts: CudaOptions) -> Self {
         keep_pool_memory(&gpu);
-        CudaBackend {
+        let mut be = CudaBackend {
             gpu,
             variant,
             kv_f32: std::sync::atomic::AtomicBool::new(opts.kv_f32),
             opts,
             expert_tables: Mutex::new(Vec::new()),
-        }
+            err: None,
+        };
+        // without it `route` refuses to run (it could not report a non-finite row)
+        be.err = be.zeroed(4).ok();
+        be
+    }
+
+    fn err_ptr(&self) -> BResult<u64> {
+        self.err
+            .as_ref()
+            .map(|m| m.ptr)
+            .ok_or_else(|| dev("the device error flag could not be allocated"))
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -347,13 +406,34 @@ impl CudaBackend {
 
     fn dtoh<T: Copy + Default>(&self, ptr: u64, n: usize) -> BResult<Vec<T>> {
         let mut out = vec![T::default(); n];
+        let mut flag = [0i32; 1];
         self.gpu.ctx.bind_to_thread().map_err(dev)?;
         if n > 0 {
             // SAFETY: the caller passes a device range of n elements of T; the copy completes
             // before `out` is read, by the synchronisation below.
             unsafe { cu::memcpy_dtoh_async(&mut out, ptr, self.cu_stream()) }.map_err(dev)?;
         }
+        if let Some(e) = &self.err {
+            // SAFETY: the flag allocation holds one i32; the copy completes at the sync below.
+            unsafe { cu::memcpy_dtoh_async(&mut flag, e.ptr, self.cu_stream()) }.map_err(dev)?;
+        }
         self.synchronize()?;
+        if flag[0] != 0 {
+            if let Some(e) = &self.err {
+                // SAFETY: the flag allocation holds 4 bytes.
+                unsafe { cu::memset_d8_async(e.ptr, 0, 4, self.cu_stream()) }.map_err(dev)?;
+            }
+            return Err(BackendError::NonFinite {
+                op: "route",
+                why: if flag[0] & 1 != 0 {
+                    "a router row had every kept logit NaN or -inf; the hidden state feeding \
+                     the router is not finite"
+                        .into()
+                } else {
+                    "a routing named a pruned or out-of-range expert".into()
+                },
+            });
+        }
         Ok(out)
     }
 
@@ -416,6 +496,42 @@ impl CudaBackend {
         })
     }
 
+    /// An NVFP4 matrix `[rows, cols]` from its stored parts (contract and tests): `codes`
+    /// `[rows, cols/2]`, E4M3 `scales` `[rows, cols/16]`, the f32 `global`.
+    pub fn weight_nvfp4(
+        &self,
+        rows: usize,
+        cols: usize,
+        codes: &[u8],
+        scales: &[u8],
+        global: f32,
+    ) -> BResult<CudaWeight> {
+        if !cols.is_multiple_of(NVFP4_GROUP)
+            || cmul("weight", &[rows, cols / 2])? != codes.len()
+            || cmul("scales", &[rows, cols / NVFP4_GROUP])? != scales.len()
+        {
+            return Err(shape_err(
+                "weight_nvfp4",
+                format!(
+                    "{} code bytes and {} scales for [{rows}, {cols}] (cols a multiple of {NVFP4_GROUP})",
+                    codes.len(),
+                    scales.len()
+                ),
+            ));
+        }
+        let mut s = Vec::with_capacity(NVFP4_SCALE_AT + scales.len());
+        s.extend_from_slice(&global.to_le_bytes());
+        s.resize(NVFP4_SCALE_AT, 0);
+        s.extend_from_slice(scales);
+        Ok(CudaWeight::Nvfp4 {
+            mem: self.htod(codes)?,
+            scale: self.htod(&s)?,
+            global,
+            rows,
+            cols,
+        })
+    }
+
     /// A small f32 vector from the host (contract and tests).
     pub fn vector_f32(&self, v: &[f32]) -> BResult<CudaVector> {
         Ok(CudaVector {
@@ -470,63 +586,105 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The device table of one layer's experts, uploaded on first use and reused after.
-    fn expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<(u64, usize, usize)> {
-        let mut host = Vec::with_capacity(experts.len() * 6);
+    /// The device table of one layer's experts, uploaded on first use and reused after. Every
+    /// kept expert must have the same format (FP8 or NVFP4) and shapes.
+    fn expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<TableRef> {
+        let op = "moe_experts";
+        let nvfp4 = match experts.iter().flatten().next() {
+            Some(ex) => matches!(ex.gate, CudaWeight::Nvfp4 { .. }),
+            None => return Err(shape_err(op, "every expert is pruned".into())),
+        };
+        let per = if nvfp4 { TAB_NVFP4 } else { TAB_FP8 };
+        let mut host = Vec::with_capacity(experts.len() * per);
         let mut dims: Option<(usize, usize)> = None;
         for (e, ex) in experts.iter().enumerate() {
             let Some(ex) = ex else {
-                host.extend([0u64; 6]);
+                host.resize(host.len() + per, 0u64);
                 continue;
             };
-            let fp8 = |w: &CudaWeight| {
-                match w {
-                CudaWeight::Fp8 {
-                    mem,
-                    scale,
-                    rows,
-                    cols,
-                } => Ok((mem.ptr, scale.ptr, *rows, *cols)),
-                CudaWeight::Bf16 { .. } => Err(shape_err(
-                    "moe_experts",
-                    format!("expert {e} is BF16; the CUDA experts kernels read FP8 block-scaled weights"),
+            // (codes, scales, global address or 0, rows, cols)
+            let parts = |w: &CudaWeight| match (w, nvfp4) {
+                (
+                    CudaWeight::Fp8 {
+                        mem,
+                        scale,
+                        rows,
+                        cols,
+                    },
+                    false,
+                ) => Ok((mem.ptr, scale.ptr, 0, *rows, *cols)),
+                (
+                    CudaWeight::Nvfp4 {
+                        mem,
+                        scale,
+                        rows,
+                        cols,
+                        ..
+                    },
+                    true,
+                ) => Ok((mem.ptr, scale.at(NVFP4_SCALE_AT)?, scale.ptr, *rows, *cols)),
+                (w, _) => Err(shape_err(
+                    op,
+                    format!(
+                        "expert {e} is {}; the CUDA experts kernels read FP8 block-scaled or NVFP4 \
+                         weights, one format per layer ({} here)",
+                        w.format_name(),
+                        if nvfp4 { "NVFP4" } else { "FP8" }
+                    ),
                 )),
-            }
             };
-            let (g, gs, i, h) = fp8(&ex.gate)?;
-            let (u, us, ui, uh) = fp8(&ex.up)?;
-            let (d, ds, dh, di) = fp8(&ex.down)?;
+            let (g, gs, gg, i, h) = parts(&ex.gate)?;
+            let (u, us, ug, ui, uh) = parts(&ex.up)?;
+            let (d, ds, dg, dh, di) = parts(&ex.down)?;
             if (ui, uh) != (i, h) || (dh, di) != (h, i) {
                 return Err(shape_err(
-                    "moe_experts",
+                    op,
                     format!("expert {e}: gate [{i}, {h}], up [{ui}, {uh}], down [{dh}, {di}]"),
+                ));
+            }
+            let align = if nvfp4 { NVFP4_GROUP } else { 16 };
+            if !i.is_multiple_of(align) || !h.is_multiple_of(align) {
+                return Err(shape_err(
+                    op,
+                    format!("expert {e}: I {i} and H {h} must be multiples of {align}"),
                 ));
             }
             match dims {
                 None => dims = Some((i, h)),
                 Some(d0) if d0 != (i, h) => {
                     return Err(shape_err(
-                        "moe_experts",
-                        format!("expert {e} is [{i}, {h}], expert 0 is {d0:?}"),
+                        op,
+                        format!("expert {e} is [{i}, {h}], the first kept expert is {d0:?}"),
                     ))
                 }
                 _ => {}
             }
             host.extend([g, u, d, gs, us, ds]);
+            if nvfp4 {
+                host.extend([gg, ug, dg]);
+            }
         }
-        let (i, h) =
-            dims.ok_or_else(|| shape_err("moe_experts", "every expert is pruned".into()))?;
+        let (i, h) = dims.ok_or_else(|| shape_err(op, "every expert is pruned".into()))?;
         let mut tabs = self.expert_tables.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = tabs.iter().find(|t| t.host == host) {
-            return Ok((t.dev.ptr, i, h));
+        if let Some(t) = tabs.iter().find(|t| t.nvfp4 == nvfp4 && t.host == host) {
+            return Ok(TableRef {
+                ptr: t.dev.ptr,
+                i,
+                h,
+                nvfp4,
+            });
         }
         let dev_tab = self.htod(&host)?;
         let ptr = dev_tab.ptr;
         if tabs.len() >= 512 {
             tabs.remove(0);
         }
-        tabs.push(ExpertTable { host, dev: dev_tab });
-        Ok((ptr, i, h))
+        tabs.push(ExpertTable {
+            nvfp4,
+            host,
+            dev: dev_tab,
+        });
+        Ok(TableRef { ptr, i, h, nvfp4 })
     }
 
     /// Appends `t` rows per lane (`k`, `v` `[lanes·t, kv_heads·hd]`, starting at row `row0`) to
@@ -751,6 +909,84 @@ impl CudaBackend {
         go!(self, Source::Ops, "gdn_recur", (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1), block, smem;
             &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
         Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// `name` = `<stem>.weight` stored as U8 `[rows, cols_bytes]`: the NVFP4 codes, beside
+    /// `<stem>.weight_scale` (F8_E4M3 `[rows, 2 cols_bytes / 16]`) and `<stem>.weight_scale_2`
+    /// (one F32). Uploaded as stored; the checks are the CPU backend's.
+    fn nvfp4_weight(
+        &self,
+        ck: &Checkpoint,
+        name: &str,
+        rows: usize,
+        col_bytes: usize,
+    ) -> BResult<CudaWeight> {
+        let bad = |n: &str, why: String| BackendError::Weight {
+            name: n.into(),
+            why,
+        };
+        let stem = name.strip_suffix(".weight").ok_or_else(|| {
+            bad(
+                name,
+                "a U8 (NVFP4) matrix must be named <stem>.weight, beside <stem>.weight_scale and \
+                 <stem>.weight_scale_2"
+                    .into(),
+            )
+        })?;
+        let cols = col_bytes
+            .checked_mul(2)
+            .ok_or_else(|| bad(name, format!("{col_bytes} code bytes per row overflow")))?;
+        if !cols.is_multiple_of(NVFP4_GROUP) {
+            return Err(bad(
+                name,
+                format!("NVFP4 needs a multiple of {NVFP4_GROUP} columns, found {cols}"),
+            ));
+        }
+        let sname = format!("{stem}.weight_scale");
+        let s = ck.tensor(&sname)?;
+        let want = [rows, cols / NVFP4_GROUP];
+        if s.dtype() != DType::F8E4M3 || s.shape() != want {
+            return Err(bad(
+                &sname,
+                format!(
+                    "expected F8_E4M3 {want:?}, found {} {:?}",
+                    s.dtype(),
+                    s.shape()
+                ),
+            ));
+        }
+        if let Some(i) = s.bytes.iter().position(|&b| b & 0x7f == 0x7f || b > 0x80) {
+            return Err(bad(
+                &sname,
+                format!(
+                    "scale code {:#04x} at element {i} is NaN or negative",
+                    s.bytes[i]
+                ),
+            ));
+        }
+        let gname = format!("{stem}.weight_scale_2");
+        let gv = ck.tensor(&gname)?;
+        let g = gv.to_f32();
+        if gv.dtype() != DType::F32 || g.len() != 1 {
+            return Err(bad(
+                &gname,
+                format!(
+                    "expected one F32 value, found {} {:?}",
+                    gv.dtype(),
+                    gv.shape()
+                ),
+            ));
+        }
+        if !(g[0].is_finite() && g[0] >= 0.0) {
+            return Err(bad(
+                &gname,
+                format!("global scale {} is not finite and non-negative", g[0]),
+            ));
+        }
+        let v = ck.tensor(name)?;
+        self.weight_nvfp4(rows, cols, v.bytes, s.bytes, g[0])
     }
 }
 
@@ -1035,10 +1271,12 @@ impl Backend for CudaBackend {
                     cols,
                 })
             }
+            DType::U8 => self.nvfp4_weight(ck, name, rows, cols),
             d => Err(BackendError::Weight {
                 name: name.into(),
                 why: format!(
-                    "dtype {d} is not a weight format of the CUDA backend (BF16, F8_E4M3)"
+                    "dtype {d} is not a weight format of the CUDA backend (BF16, F8_E4M3, \
+                     NVFP4 as U8 codes)"
                 ),
             }),
         }
@@ -1261,6 +1499,13 @@ impl Backend for CudaBackend {
                 go!(self, Source::Moe, "gemv_fp8", grid, 256, 0;
                     &mem.ptr, &scale.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
             }
+            CudaWeight::Nvfp4 { mem, scale, .. } => {
+                // weight_nvfp4 / nvfp4_weight checked: k a multiple of 16, codes [n_out, k/2],
+                // scales [n_out, k/16] after the global
+                let sp = scale.at(NVFP4_SCALE_AT)?;
+                go!(self, Source::Moe, "gemv_nvfp4", grid, 256, 0;
+                    &mem.ptr, &sp, &scale.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
+            }
         }
         Ok(out)
     }
@@ -1472,10 +1717,13 @@ impl Backend for CudaBackend {
                 None => None,
             };
             let mp = mask.as_ref().map_or(0, |m| m.ptr);
+            let ep = self.err_ptr()?;
             let p = kernels::plan_router(n, e).map_err(dev)?;
             let (e32, k32) = (i32v("route", e)?, i32v("route", k)?);
+            // a row whose kept logits are all NaN/-inf sets the error flag: the next download
+            // reports it as NonFinite (no synchronisation here)
             go!(self, Source::Moe, "moe_router", (u32v("route", n)?, 1, 1), 256, p.dyn_smem as u32;
-                &logits.ptr(), &ids.ptr, &wts.ptr, &e32, &k32, &mp);
+                &logits.ptr(), &ids.ptr, &wts.ptr, &e32, &k32, &mp, &ep);
         }
         Ok(CudaRoute {
             ids,
@@ -1504,7 +1752,12 @@ impl Backend for CudaBackend {
         _rows: Rows,
     ) -> BResult<CudaBuf> {
         let op = "moe_experts";
-        let (tab, i, h) = self.expert_table(experts)?;
+        let TableRef {
+            ptr: tab,
+            i,
+            h,
+            nvfp4,
+        } = self.expert_table(experts)?;
         if x.cols != h || route.rows != x.rows {
             return Err(shape_err(
                 op,
@@ -1514,21 +1767,15 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        if experts.iter().any(Option::is_none) {
-            // a pruned expert has no pointers: refuse a routing that names one
-            let host = self.route_host(route)?;
-            for ids in &host.experts {
-                if let Some(&e) = ids
-                    .iter()
-                    .find(|&&e| experts.get(e as usize).is_none_or(Option::is_none))
-                {
-                    return Err(shape_err(
-                        op,
-                        format!("expert {e} was routed to but is pruned"),
-                    ));
-                }
-            }
-        }
+        // A routing that names a pruned expert (null table entries) or an id past the table is
+        // caught by the kernels, which then read nothing, write NaN and set the error flag that
+        // the next download reports: no host synchronisation per layer.
+        let (e32, ep) = (i32v(op, experts.len())?, self.err_ptr()?);
+        let (gate_up, down) = if nvfp4 {
+            ("moe_gate_up_nvfp4", "moe_down_nvfp4")
+        } else {
+            ("moe_gate_up_tab", "moe_down_tab")
+        };
         let (n, k) = (x.rows, route.k);
         let y = self.buf(n, h)?;
         if n == 0 {
@@ -1545,10 +1792,10 @@ impl Backend for CudaBackend {
             let hp = hw.at(r0 * k * i * 4)?;
             let yp = y.row_ptr(r0)?;
             let rows = u32v(op, rn)?;
-            go!(self, Source::Moe, "moe_gate_up_tab", (u32v(op, (k * i).div_ceil(8))?, rows, 1), 256, 0;
-                &tab, &ids, &xp, &hp, &i32_, &h32, &k32);
-            go!(self, Source::Moe, "moe_down_tab", (u32v(op, h.div_ceil(8))?, rows, 1), 256, 0;
-                &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32);
+            go!(self, Source::Moe, gate_up, (u32v(op, (k * i).div_ceil(8))?, rows, 1), 256, 0;
+                &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
+            go!(self, Source::Moe, down, (u32v(op, h.div_ceil(8))?, rows, 1), 256, 0;
+                &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
             r0 += rn;
         }
         Ok(y)

@@ -258,6 +258,9 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("moe_router_keep", ops::router_keep),
     ("moe_experts_rows_fp8", ops::experts_rows),
     ("gemv_fp8", ops::gemv_fp8),
+    ("moe_router_nonfinite", ops::router_nonfinite),
+    ("moe_experts_rows_nvfp4", ops::experts_rows_nvfp4),
+    ("gemv_nvfp4", ops::gemv_nvfp4),
 ];
 
 /// Runs the contract on device 0 for kernels whose name contains `filter`.

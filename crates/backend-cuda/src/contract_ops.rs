@@ -818,3 +818,258 @@ pub(super) fn gemv_fp8(c: &mut Ctx) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// Router policy with non-finite logits and a keep mask (model::Backend::route): NaN as -inf,
+/// +inf experts sharing the mass, -inf experts chosen last with weight 0, pruned experts never
+/// chosen even when +inf, ties to the lower index, ranking by logit where probabilities
+/// underflow; then a row with no finite kept logit must come back as NonFinite, and the
+/// backend must keep working after reporting it.
+pub(super) fn router_nonfinite(c: &mut Ctx) -> Result<()> {
+    let (e, k) = (64, 8);
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    let keep: Vec<bool> = (0..e).map(|i| i % 7 != 3).collect();
+    let mut rows: Vec<Vec<f32>> = Vec::new();
+    let base = |c: &mut Ctx| -> Vec<f32> {
+        (0..e)
+            .map(|_| (c.rng.below(33) as f32 - 16.0) * 0.25)
+            .collect()
+    };
+    // NaNs (one on the strongest kept expert) and a tie at the top
+    let mut r = base(c);
+    for i in [0, 5, 20, 41] {
+        r[i] = nan;
+    }
+    r[6] = 6.0;
+    r[30] = 6.0;
+    rows.push(r);
+    // +inf on kept experts 9 and 40 and on pruned expert 3: 9 and 40 share the mass
+    let mut r = base(c);
+    r[3] = inf;
+    r[9] = inf;
+    r[40] = inf;
+    r[12] = nan;
+    rows.push(r);
+    // only 5 finite kept logits: the top 8 ends with -inf experts in index order, weight 0
+    let mut r: Vec<f32> = (0..e)
+        .map(|i| if i % 2 == 0 { -f32::INFINITY } else { nan })
+        .collect();
+    for (i, v) in [(1, 0.5), (2, 1.5), (8, 1.0), (13, 1.5), (60, -2.0)] {
+        r[i] = v;
+    }
+    rows.push(r);
+    // probabilities underflow to 0 in f32: the rank still follows the logit
+    let mut r: Vec<f32> = (0..e).map(|i| -150.0 - (i % 13) as f32 * 3.0).collect();
+    r[50] = 0.0;
+    r[11] = -0.5;
+    rows.push(r);
+    // every logit equal: the k lowest kept indices
+    rows.push(vec![1.25; e]);
+    let n = rows.len();
+    let logits: Vec<f32> = rows.concat();
+    let (mut rid, mut rw) = (Vec::new(), Vec::new());
+    for row in &rows {
+        let (ids, w) =
+            crate::reference::router_policy(row, k, Some(&keep)).expect("a finite kept logit");
+        rid.extend(ids);
+        rw.extend(w);
+    }
+    triple3(
+        c,
+        "5 rows, E 64, top-8, keep, NaN/+-inf/ties/underflow",
+        tol_f32(e),
+        &rw,
+        |be| {
+            let r = be.route(&be.upload(&logits, n, e)?, k, Some(&keep))?;
+            let h = be.route_host(&r)?;
+            let ids: Vec<u32> = h.experts.concat();
+            let mut w: Vec<f32> = h.weights.concat();
+            if ids != rid {
+                w.iter_mut().for_each(|x| *x = f32::NAN);
+            }
+            Ok(w)
+        },
+        false,
+    )?;
+    // a row with every kept logit NaN/-inf (its only finite logit is on a pruned expert)
+    let be = backend(c, Variant::Exact, false);
+    let mut dead: Vec<f32> = (0..e)
+        .map(|i| if i % 2 == 0 { nan } else { -f32::INFINITY })
+        .collect();
+    dead[3] = 2.0;
+    let two: Vec<f32> = [rows[0].clone(), dead].concat();
+    let got = be
+        .route(&be.upload(&two, 2, e)?, k, Some(&keep))
+        .and_then(|r| be.route_host(&r));
+    let reported = matches!(got, Err(model::BackendError::NonFinite { .. }));
+    // the flag is cleared once reported: the next routing of finite rows succeeds
+    let after = be
+        .route(&be.upload(&logits, n, e)?, k, Some(&keep))
+        .and_then(|r| be.route_host(&r))
+        .map(|h| h.experts.concat() == rid)
+        .unwrap_or(false);
+    c.push(
+        "all kept logits NaN/-inf -> NonFinite, then recovers",
+        Kind::Check,
+        reported && after,
+        format!(
+            "{} ; next routing {}",
+            match &got {
+                Err(e) => format!("error: {e}"),
+                Ok(h) => format!("no error (ids {:?})", h.experts.get(1)),
+            },
+            if after { "matches" } else { "WRONG" }
+        ),
+    );
+    Ok(())
+}
+
+/// Host NVFP4 matrix: packed codes, E4M3 scales, global, and its f64 dequantised form.
+struct Nvfp4Mat {
+    codes: Vec<u8>,
+    scales: Vec<u8>,
+    global: f32,
+    rows: usize,
+    cols: usize,
+}
+
+impl Nvfp4Mat {
+    fn new(c: &mut Ctx, rows: usize, cols: usize) -> Self {
+        Nvfp4Mat {
+            codes: c.rng.bytes(rows * cols / 2),
+            scales: c.rng.e4m3_scales(rows * cols / 16),
+            global: (c.rng.range(0.5, 2.0) * 1e-2) as f32,
+            rows,
+            cols,
+        }
+    }
+    fn apply(&self, x: &[f64]) -> Vec<f64> {
+        (0..self.rows)
+            .map(|r| {
+                (0..self.cols)
+                    .map(|col| {
+                        crate::reference::nvfp4_weight(
+                            &self.codes,
+                            &self.scales,
+                            self.global,
+                            self.cols,
+                            r,
+                            col,
+                        ) * x[col]
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+    fn upload(&self, be: &CudaBackend) -> Result<crate::backend::CudaWeight> {
+        Ok(be.weight_nvfp4(self.rows, self.cols, &self.codes, &self.scales, self.global)?)
+    }
+}
+
+/// Routed NVFP4 experts over a pruned layer (pointer table with null entries, keep mask in the
+/// router): gate/up rows of 512 columns (16-byte code loads), down rows of 272 (the 8-byte path).
+pub(super) fn experts_rows_nvfp4(c: &mut Ctx) -> Result<()> {
+    let (e, i, h, rows, k) = (12, 272, 512, 5, 4);
+    let keep: Vec<bool> = (0..e).map(|x| x % 4 != 1).collect();
+    let mats: Vec<Option<[Nvfp4Mat; 3]>> = (0..e)
+        .map(|x| {
+            keep[x].then(|| {
+                [
+                    Nvfp4Mat::new(c, i, h),
+                    Nvfp4Mat::new(c, i, h),
+                    Nvfp4Mat::new(c, h, i),
+                ]
+            })
+        })
+        .collect();
+    let x = c.rng.normals_f32(rows * h, 1.0);
+    let logits = c.rng.normals_f32(rows * e, 1.0);
+    let be0 = backend(c, Variant::Exact, false);
+    let route = be0.route_host(&be0.route(&be0.upload(&logits, rows, e)?, k, Some(&keep))?)?;
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        let xr = f64s(&x[r * h..(r + 1) * h]);
+        let mut y = vec![0.0; h];
+        for (&id, &wt) in route.experts[r].iter().zip(&route.weights[r]) {
+            let Some(m) = &mats[id as usize] else {
+                return Err(crate::error::CudaError::Shape {
+                    kernel: "moe_router",
+                    what: format!("routed to pruned expert {id}"),
+                });
+            };
+            let g = m[0].apply(&xr);
+            let u = m[1].apply(&xr);
+            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
+            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
+                *yy += f64::from(wt) * d;
+            }
+        }
+        reference.extend(y);
+    }
+    let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
+        let experts = mats
+            .iter()
+            .map(|m| {
+                m.as_ref()
+                    .map(|m| {
+                        Ok(Expert {
+                            gate: m[0].upload(be)?,
+                            up: m[1].upload(be)?,
+                            down: m[2].upload(be)?,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rt = be.route(
+            &be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?,
+            k,
+            Some(&keep),
+        )?;
+        let xd = be.upload(&x[r0 * h..(r0 + n) * h], n, h)?;
+        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
+    };
+    triple3(
+        c,
+        "5 rows, top-4 of 12 (3 pruned), I 272, H 512",
+        tol_f32(h * k),
+        &reference,
+        |be| run_rows(be, 0, rows),
+        false,
+    )?;
+    let batch = run_rows(&be0, 0, rows)?;
+    let mut same = true;
+    for r in 0..rows {
+        same &= bits_equal(&run_rows(&be0, r, 1)?, &batch[r * h..(r + 1) * h]);
+    }
+    c.push(
+        "5 rows: each row bitwise = its 1-row launch",
+        Kind::Check,
+        same,
+        format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
+    );
+    Ok(())
+}
+
+pub(super) fn gemv_nvfp4(c: &mut Ctx) -> Result<()> {
+    for (n, kk) in [(300, 512), (300, 528)] {
+        let rows = 3;
+        let m = Nvfp4Mat::new(c, n, kk);
+        let x = c.rng.normals_f32(rows * kk, 1.0);
+        let mut reference = Vec::new();
+        for r in 0..rows {
+            reference.extend(m.apply(&f64s(&x[r * kk..(r + 1) * kk])));
+        }
+        triple3(
+            c,
+            &format!("3 rows, W {n} x {kk} nvfp4"),
+            tol_f32(kk),
+            &reference,
+            |be| {
+                let w = m.upload(be)?;
+                Ok(be.download(&be.linear(&be.upload(&x, rows, kk)?, &w, Rows::Exact)?)?)
+            },
+            false,
+        )?;
+    }
+    Ok(())
+}

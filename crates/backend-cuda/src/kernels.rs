@@ -216,7 +216,8 @@ pub fn gemv(
 // ---------------------------------------------------------------- MoE
 
 pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
-    let dyn_smem = mul("router shared memory", &[e, 4])? as u64;
+    // key[E] and p[E], f32
+    let dyn_smem = mul("router shared memory", &[e, 8])? as u64;
     Ok(LaunchPlan {
         kernel: "moe_router",
         grid: [rows as u64, 1, 1],
@@ -228,7 +229,7 @@ pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
     })
 }
 
-/// Softmax over e logits per row, top-k (ties to the lower index), renormalised weights.
+/// Softmax over e logits per row, top-k by logit (ties to the lower index), renormalised weights.
 #[allow(clippy::too_many_arguments)]
 pub fn router(
     gpu: &Gpu,
@@ -249,7 +250,7 @@ pub fn router(
     len_at_least(kn, "weights", wts, mul("router weights", &[rows, k])?)?;
     let p = plan_router(rows, e)?;
     let (e32, k32) = (i32_of("e", e)?, i32_of("k", k)?);
-    let no_keep = 0u64;
+    let (no_keep, no_err) = (0u64, 0u64);
     launch!(
         gpu,
         &p,
@@ -260,7 +261,8 @@ pub fn router(
         wts,
         &e32,
         &k32,
-        &no_keep
+        &no_keep,
+        &no_err
     );
     Ok(())
 }

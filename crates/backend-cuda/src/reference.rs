@@ -98,6 +98,78 @@ pub fn router(logits: &[f32], e: usize, k: usize) -> (Vec<u32>, Vec<f64>) {
     (ids, wts)
 }
 
+/// Router under `model::Backend::route`'s policy, in f64, for one row: the kept experts ranked
+/// by logit (NaN as -inf) with ties to the lower index; weights softmax over the kept experts
+/// (the +inf ones sharing the mass equally when there are any), renormalised over the top k.
+/// `None` when every kept logit is NaN or -inf.
+pub fn router_policy(row: &[f32], k: usize, keep: Option<&[bool]>) -> Option<(Vec<u32>, Vec<f64>)> {
+    let kept = |i: usize| keep.is_none_or(|m| m[i]);
+    let key = |i: usize| {
+        let v = f64::from(row[i]);
+        if v.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            v
+        }
+    };
+    let idx: Vec<usize> = (0..row.len()).filter(|&i| kept(i)).collect();
+    let m = idx
+        .iter()
+        .map(|&i| key(i))
+        .fold(f64::NEG_INFINITY, f64::max);
+    if m == f64::NEG_INFINITY {
+        return None;
+    }
+    let p = |i: usize| {
+        if m == f64::INFINITY {
+            if key(i) == f64::INFINITY {
+                1.0
+            } else {
+                0.0
+            }
+        } else {
+            (key(i) - m).exp()
+        }
+    };
+    let mut order = idx;
+    // descending key, then ascending index (explicit, not relying on sort stability)
+    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    order.truncate(k);
+    let tot: f64 = order.iter().map(|&i| p(i)).sum();
+    Some((
+        order.iter().map(|&i| i as u32).collect(),
+        order.iter().map(|&i| p(i) / tot).collect(),
+    ))
+}
+
+/// E2M1 (FP4) code to f64: bit 3 sign, bits 2..1 exponent (bias 1), bit 0 mantissa; exponent 0
+/// is subnormal (0 or 0.5).
+pub fn e2m1(code: u8) -> f64 {
+    let sign = if code & 8 != 0 { -1.0 } else { 1.0 };
+    let e = i32::from((code >> 1) & 3);
+    let m = f64::from(code & 1);
+    if e == 0 {
+        sign * m * 0.5
+    } else {
+        sign * (1.0 + m / 2.0) * 2f64.powi(e - 1)
+    }
+}
+
+/// Dequantised NVFP4 weight (r, c) of a `[rows, cols]` matrix: codes `[rows, cols/2]` (low
+/// nibble = even column), E4M3 scales `[rows, cols/16]`, global: e2m1 · e4m3 · global.
+pub fn nvfp4_weight(
+    codes: &[u8],
+    scales: &[u8],
+    global: f32,
+    cols: usize,
+    r: usize,
+    c: usize,
+) -> f64 {
+    let b = codes[r * cols / 2 + c / 2];
+    let q = if c.is_multiple_of(2) { b & 15 } else { b >> 4 };
+    e2m1(q) * fp8_e4m3(scales[r * cols / 16 + c / 16]) * f64::from(global)
+}
+
 /// Dequantised FP8 weight: q[r, c] * scale_inv[r/128, c/128] of one [rows, cols] matrix.
 pub fn fp8_weight(q: &[u8], s: &[f32], cols: usize, r: usize, c: usize) -> f64 {
     let sb_cols = cols.div_ceil(128);
@@ -353,6 +425,49 @@ mod tests {
         assert_eq!(fp8_e4m3(0x08), 2f64.powi(-6));
         assert_eq!(fp8_e4m3(0x40), 2.0);
         assert!(fp8_e4m3(0x7f).is_nan());
+    }
+
+    #[test]
+    fn e2m1_decoding_known_values() {
+        let want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        for (q, w) in want.iter().enumerate() {
+            assert_eq!(e2m1(q as u8), *w);
+            assert_eq!(e2m1(q as u8 | 8), -*w);
+        }
+        // low nibble = even column; one scale per 16 columns
+        let codes = [0x21u8, 0x00, 0, 0, 0, 0, 0, 0, 0x07, 0, 0, 0, 0, 0, 0, 0];
+        let scales = [0x38u8, 0x40]; // 1.0, 2.0
+        assert_eq!(nvfp4_weight(&codes, &scales, 0.5, 32, 0, 0), 0.25);
+        assert_eq!(nvfp4_weight(&codes, &scales, 0.5, 32, 0, 1), 0.5);
+        assert_eq!(nvfp4_weight(&codes, &scales, 0.5, 32, 0, 16), 6.0);
+    }
+
+    #[test]
+    fn router_policy_agrees_with_the_cpu_backend() {
+        let (nan, inf) = (f32::NAN, f32::INFINITY);
+        let keep: Vec<bool> = (0..10).map(|i| i != 3).collect();
+        let rows: [[f32; 10]; 5] = [
+            [1.0, nan, 2.0, 9.0, 2.0, -1.0, 0.0, 0.5, 2.0, -3.0],
+            [inf, 0.0, 1.0, inf, -inf, inf, 2.0, nan, 0.0, 1.0],
+            [-inf, nan, 1.0, 2.0, -inf, nan, -inf, 0.0, -inf, nan],
+            [
+                0.0, -150.0, -160.0, 5.0, -170.0, -149.0, -200.0, -151.0, -300.0, -152.0,
+            ],
+            [1.0; 10],
+        ];
+        for row in &rows {
+            for mask in [None, Some(&keep[..])] {
+                let (ids, w) = router_policy(row, 6, mask).unwrap();
+                let (cids, cw) = backend_cpu::route_row(row, 6, mask).unwrap();
+                assert_eq!(ids, cids, "{row:?}");
+                for (a, b) in w.iter().zip(&cw) {
+                    assert!((a - f64::from(*b)).abs() < 1e-6, "{w:?} {cw:?}");
+                }
+            }
+        }
+        let dead = [nan, -inf, 5.0, nan];
+        assert!(router_policy(&dead, 1, Some(&[true, true, false, true])).is_none());
+        assert!(backend_cpu::route_row(&dead, 1, Some(&[true, true, false, true])).is_none());
     }
 
     #[test]

@@ -60,6 +60,18 @@ impl Rng {
             .collect()
     }
 
+    /// `n` random bytes (NVFP4 code pairs: every byte is valid).
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| (self.next_u64() >> 56) as u8).collect()
+    }
+
+    /// `n` positive e4m3fn scale bytes between 2^-3 and 2^3 (every mantissa).
+    pub fn e4m3_scales(&mut self, n: usize) -> Vec<u8> {
+        (0..n)
+            .map(|_| ((4 + self.below(7) as u8) << 3) | self.below(8) as u8)
+            .collect()
+    }
+
     /// `n` random e4m3fn bytes, NaN encodings (0x7f, 0xff) excluded.
     pub fn fp8_bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n)
