@@ -10,14 +10,16 @@ pub fn capabilities() -> Value {
         "commit": env!("DRAMATIS_GIT"),
         "backends": {
             "cpu": {"compiled": true, "activations": "f32", "kv": "f32"},
-            "cuda": {"compiled": cfg!(feature = "cuda"), "engine": false,
-                     "note": "kernels and their contract exist; the engine does not run on CUDA yet"},
+            "cuda": {"compiled": cfg!(feature = "cuda"), "engine": cfg!(feature = "cuda"), "kv": "f32 (DRAMATIS_CUDA_KV=bf16 opt-in)",
+                     "evidence": ["bench/cuda-kernels-2026-11-29.json", "bench/cuda-drama3-parity-2026-11-29.json",
+                                  "bench/cuda-drama3-2026-11-29.json", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tiled flash prefill", "codec on the GPU in the engine"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
             "model_type": "fish_omni",
             "prompt_template": "reference-bracket-v1",
-            "expert_formats_loaded": {"cpu": ["fp8-block128", "nvfp4-pruned"], "cuda": ["fp8-block128"]},
+            "expert_formats_loaded": {"cpu": ["fp8-block128", "nvfp4-pruned"], "cuda": ["fp8-block128", "nvfp4-pruned"]},
             "dense": ["BF16", "F32 (small tensors)"],
             "codec": "codec.pth (PyTorch zip, weight-norm parametrisations folded at load)"
         },
@@ -34,7 +36,7 @@ pub fn capabilities() -> Value {
                            "evidence": "dramatis golden testdata/drama3-tiny"}]
         },
         "features": {
-            "classifier_free_guidance": {"backends": ["cpu"], "evidence": "crates/speech/tests/cfg.rs"},
+            "classifier_free_guidance": {"backends": ["cpu", "cuda (same generic frame round; tests run on the CPU)"], "evidence": "crates/speech/tests/cfg.rs"},
             "reference_prefill_cache": {"evidence": "crates/speech/tests/prompt_cache.rs"},
             "voice_cloning": {"codec_encoder": "cpu"},
             "deterministic_replay": "counter-based Philox4x32-10 keyed by (seed, stream, step)"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One full verification pass on the GPU machine (binary built elsewhere with --features cuda).
+# Writes logs and receipts under $OUT. Usage: scripts/gpu-verify.sh target/release/dramatis
+set -uo pipefail
+bin=${1:-target/release/dramatis}
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1
+"$bin" kernel-contract > "$out/contract.log" 2>&1; echo "contract rc=$?" >> "$out/summary.txt"
+grep '^SUMMARY' "$out/contract.log" >> "$out/summary.txt"
+"$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-cuda.log" 2>&1; echo "golden rc=$?" >> "$out/summary.txt"
+grep '^GOLDEN' "$out/golden-cuda.log" >> "$out/summary.txt"
+timeout 150 "$bin" qualify-window --backend cuda --context 8192 --compare-cpu --out "$out/window-cuda-tiny-8192.json" > /dev/null 2>"$out/window8k.err"; echo "window 8192 rc=$?" >> "$out/summary.txt"
+timeout 150 "$bin" qualify-window --backend cuda --context 65536 --out "$out/window-cuda-tiny-65536.json" > /dev/null 2>"$out/window64k.err"; echo "window 65536 rc=$?" >> "$out/summary.txt"
+"$bin" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$out/fixture.log" 2>&1; echo "fixture rc=$?" >> "$out/summary.txt"
+(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$out/mem.log" 2>&1 &) 
+timeout 200 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1,8 --frames 32 --runs 3 --prefill-rows 1024,8192 --out "$out/bench-cuda-drama3.json" > "$out/bench.log" 2>&1; echo "bench rc=$?" >> "$out/summary.txt"
+pkill -f "nvidia-smi --query-gpu=memory.used" || true
+echo "peak device MiB: $(sort -n "$out/mem.log" | tail -1)" >> "$out/summary.txt"
+cat "$out/summary.txt"
