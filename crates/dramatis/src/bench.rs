@@ -179,13 +179,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let ck = checkpoint::Checkpoint::open(&dir)?;
         let cuda = matches!(a.backend, crate::cli::BackendArg::Cuda);
         for &n in &a.prefill_rows {
-            let mut secs = Vec::new();
-            for _ in 0..a.runs.min(3) {
-                let r = crate::gpu::fill_window_on(&ck, cuda, n + 2, 4096)?;
-                secs.push(r.prefill_seconds);
-            }
-            let m = median(secs);
-            prefill.push(json!({"prompt_rows": n, "prefill_seconds_median": m, "rows_per_s": n as f64 / m}));
+            // One run per length: each loads the model afresh (weights dominate the time otherwise).
+            let r = crate::gpu::fill_window_on(&ck, cuda, n + 2, 4096)?;
+            let m = r.prefill_seconds;
+            prefill.push(json!({"prompt_rows": n, "prefill_seconds": m, "runs": 1, "rows_per_s": n as f64 / m}));
             eprintln!("prefill {n} rows: {m:.3} s");
         }
     }
