@@ -1,0 +1,238 @@
+//! GPU codec decoder check and benchmark (run on the GPU machine):
+//! `codec_gpu [FIXTURE_DIR] [RECEIPT.json]`.
+//!
+//! 1. Tiny fixture: GPU decode vs the f64 goldens (`codec_decode`, `codec_long_decode`, within
+//!    1e-4), vs the CPU codec, and whole vs chunked (1, 3, 16 frames) GPU decode bit for bit.
+//! 2. Real Drama 3 codec geometry (random weights, `codec::synth`): GPU vs CPU on 16 frames,
+//!    bit identity of 1-frame streaming vs 16-frame pushes, and frames/s for 1-frame and
+//!    16-frame pushes on the GPU and the CPU codec.
+//!
+//! Writes a JSON receipt (default `$OUT/cuda-codec.json`, else `cuda-codec.json`).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use codec::{Codec, CodecConfig, Codes};
+use codec_cuda::{bit_identical, fixture_goldens, max_abs_diff32, CudaDecoder};
+use serde_json::{json, Value};
+
+type R<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn gpu_chunked(dec: &CudaDecoder, codes: &Codes, chunk: usize) -> R<Vec<f32>> {
+    let mut st = dec.state()?;
+    let mut pcm = Vec::new();
+    let mut f = 0;
+    while f < codes.frames() {
+        let end = (f + chunk).min(codes.frames());
+        pcm.extend(st.push(&codes.slice(f, end))?);
+        f = end;
+    }
+    Ok(pcm)
+}
+
+fn random_codes(cfg: &CodecConfig, frames: usize, seed: u64) -> R<Codes> {
+    let mut s = seed;
+    let mut next = || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    let nc = cfg.num_codebooks();
+    let mut data = vec![0u32; nc * frames];
+    for c in 0..nc {
+        let n = if c == 0 {
+            cfg.semantic_codebook_size
+        } else {
+            cfg.codebook_size
+        } as u32;
+        for f in 0..frames {
+            data[c * frames + f] = next() % n;
+        }
+    }
+    Ok(Codes::new(nc, frames, data)?)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
+    let codec = Codec::load(fixture, None)?;
+    let t0 = Instant::now();
+    let dec = CudaDecoder::load(fixture, &codec)?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let mut cases = Vec::new();
+    for (name, codes, want) in fixture_goldens(fixture)? {
+        let gpu = dec.decode(&codes)?;
+        let cpu = codec.decode(&codes)?;
+        let g = codec::max_abs_diff(&gpu, &want).unwrap_or(f64::INFINITY);
+        let c = codec::max_abs_diff(&cpu, &want).unwrap_or(f64::INFINITY);
+        let gc = max_abs_diff32(&gpu, &cpu).unwrap_or(f64::INFINITY);
+        let mut chunks = serde_json::Map::new();
+        for chunk in [1usize, 3, 16] {
+            let same = bit_identical(&gpu, &gpu_chunked(&dec, &codes, chunk)?);
+            if !same {
+                failures.push(format!("{name}: chunk {chunk} differs from whole decode"));
+            }
+            chunks.insert(chunk.to_string(), json!(same));
+        }
+        let pass = g.is_finite() && g <= 1e-4;
+        if !pass {
+            failures.push(format!("{name}: GPU vs golden {g:.3e} > 1e-4"));
+        }
+        println!(
+            "{} {name:<20} frames {:>4}  GPU vs golden {g:.3e}  CPU vs golden {c:.3e}  GPU vs CPU {gc:.3e}  chunks 1/3/16 bit-identical {:?}",
+            if pass { "PASS" } else { "FAIL" },
+            codes.frames(),
+            chunks.values().collect::<Vec<_>>()
+        );
+        cases.push(json!({
+            "case": name, "frames": codes.frames(), "samples": gpu.len(),
+            "gpu_vs_golden_max_abs": g, "cpu_vs_golden_max_abs": c, "gpu_vs_cpu_max_abs": gc,
+            "tolerance": 1e-4, "pass": pass, "chunked_bit_identical": chunks,
+        }));
+    }
+    Ok(json!({ "fixture": fixture.display().to_string(), "gpu_load_s": load_s, "cases": cases }))
+}
+
+fn real(failures: &mut Vec<String>) -> R<Value> {
+    let cfg = CodecConfig::default();
+    let t0 = Instant::now();
+    let tmp = tempfile::tempdir()?;
+    {
+        let sd = codec::synth::synthetic_state_dict(&cfg, 7);
+        let bytes = checkpoint::pth_write::write_pth(&sd)?;
+        std::fs::write(tmp.path().join("codec.pth"), bytes)?;
+    }
+    let synth_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let codec = Codec::load(tmp.path(), Some(cfg.clone()))?;
+    let cpu_load_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let dec = CudaDecoder::load(tmp.path(), &codec)?;
+    let gpu_load_s = t0.elapsed().as_secs_f64();
+    println!("real geometry: synth+write {synth_s:.1}s, CPU load {cpu_load_s:.1}s, GPU load {gpu_load_s:.1}s");
+    let fl = codec.frame_length();
+    let codes = random_codes(&cfg, 64, 11)?;
+
+    // GPU, 1-frame streaming pushes: 4 warm-up frames, then 48 timed.
+    let mut st = dec.state()?;
+    let mut stream = Vec::new();
+    for f in 0..4 {
+        stream.extend(st.push(&codes.slice(f, f + 1))?);
+    }
+    let mut t1 = Vec::new();
+    for f in 4..52 {
+        let t = Instant::now();
+        stream.extend(st.push(&codes.slice(f, f + 1))?);
+        t1.push(t.elapsed().as_secs_f64());
+    }
+    let gpu_fps_1 = 1.0 / median(t1.clone());
+    let gpu_fps_1_mean = t1.len() as f64 / t1.iter().sum::<f64>();
+
+    // GPU, 16-frame pushes: one warm-up, then the 4 pushes of 64 frames, 3 rounds.
+    let _ = dec.decode(&codes.slice(0, 16))?;
+    let mut t16 = Vec::new();
+    let mut whole16 = Vec::new();
+    for round in 0..3 {
+        let mut st = dec.state()?;
+        for f in (0..64).step_by(16) {
+            let t = Instant::now();
+            let pcm = st.push(&codes.slice(f, f + 16))?;
+            t16.push(t.elapsed().as_secs_f64());
+            if round == 0 {
+                whole16.extend(pcm);
+            }
+        }
+    }
+    let gpu_fps_16 = 16.0 / median(t16.clone());
+    let stream_same = bit_identical(&stream, &whole16[..52 * fl]);
+    if !stream_same {
+        failures.push("real geometry: 1-frame stream differs from 16-frame pushes".into());
+    }
+
+    // CPU codec on the same machine.
+    let mut cst = codec.decoder_state();
+    let t = Instant::now();
+    let cpu16a = cst.push(&codes.slice(0, 16))?;
+    let cpu_first16_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let _ = cst.push(&codes.slice(16, 32))?;
+    let cpu16_s = t.elapsed().as_secs_f64();
+    let mut cst = codec.decoder_state();
+    let _ = cst.push(&codes.slice(0, 1))?;
+    let mut c1 = Vec::new();
+    for f in 1..7 {
+        let t = Instant::now();
+        let _ = cst.push(&codes.slice(f, f + 1))?;
+        c1.push(t.elapsed().as_secs_f64());
+    }
+    let cpu_fps_1 = 1.0 / median(c1);
+    let cpu_fps_16 = 16.0 / cpu16_s.min(cpu_first16_s);
+    let gc = max_abs_diff32(&whole16[..16 * fl], &cpu16a).unwrap_or(f64::INFINITY);
+    let peak = cpu16a.iter().fold(0f32, |a, &b| a.max(b.abs()));
+    println!(
+        "real geometry: GPU vs CPU (16 frames) max abs {gc:.3e} (peak |pcm| {peak:.3}); 1-frame stream == 16-frame pushes: {stream_same}"
+    );
+    println!(
+        "real geometry frames/s: GPU 1-frame {gpu_fps_1:.1} (mean {gpu_fps_1_mean:.1}), GPU 16-frame {gpu_fps_16:.1}; CPU 1-frame {cpu_fps_1:.2}, CPU 16-frame {cpu_fps_16:.2}"
+    );
+    if gc.is_nan() || gc > 1e-3 {
+        failures.push(format!("real geometry: GPU vs CPU {gc:.3e} > 1e-3"));
+    }
+    Ok(json!({
+        "geometry": "Drama 3 codec (CodecConfig::default), random weights synth seed 7",
+        "decoder_dim": cfg.decoder_dim, "frame_length": fl, "step_frames": codec_cuda::STEP_FRAMES,
+        "synth_write_s": synth_s, "cpu_load_s": cpu_load_s, "gpu_load_s": gpu_load_s,
+        "gpu_vs_cpu_max_abs_16_frames": gc, "pcm_peak_abs": peak,
+        "stream_1_vs_push_16_bit_identical": stream_same,
+        "gpu_frames_per_s_push1_median": gpu_fps_1, "gpu_frames_per_s_push1_mean": gpu_fps_1_mean,
+        "gpu_push1_ms": t1.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+        "gpu_frames_per_s_push16_median": gpu_fps_16,
+        "gpu_push16_ms": t16.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+        "cpu_frames_per_s_push1_median": cpu_fps_1, "cpu_frames_per_s_push16": cpu_fps_16,
+        "cpu_push16_first_s": cpu_first16_s, "cpu_push16_second_s": cpu16_s,
+        "speedup_push1": gpu_fps_1 / cpu_fps_1, "speedup_push16": gpu_fps_16 / cpu_fps_16,
+    }))
+}
+
+fn main() -> R<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let fixture = PathBuf::from(args.get(1).map_or("testdata/drama3-tiny", |s| s.as_str()));
+    let receipt = args.get(2).map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("OUT")
+            .map(PathBuf::from)
+            .unwrap_or_default()
+            .join("cuda-codec.json")
+    });
+    let mut failures = Vec::new();
+    let gpu = backend_cuda::Gpu::new(0)?;
+    let device = json!({
+        "name": gpu.info.name, "compute_capability": gpu.info.compute_capability,
+        "sm_count": gpu.info.sm_count, "cuda_driver_version": gpu.info.cuda_driver_version,
+        "cpu_threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+    });
+    drop(gpu);
+    let tiny = tiny(&fixture, &mut failures)?;
+    let real = real(&mut failures)?;
+    let doc = json!({
+        "kind": "cuda-codec",
+        "date": std::env::var("RECEIPT_DATE").unwrap_or_default(),
+        "commit": std::env::var("RECEIPT_COMMIT").unwrap_or_default(),
+        "device": device, "tiny": tiny, "real": real,
+        "failures": failures, "pass": failures.is_empty(),
+    });
+    std::fs::write(&receipt, serde_json::to_string_pretty(&doc)?)?;
+    println!("receipt: {}", receipt.display());
+    if failures.is_empty() {
+        println!("ALL PASS");
+        Ok(())
+    } else {
+        for f in &failures {
+            println!("FAIL {f}");
+        }
+        std::process::exit(1)
+    }
+}

@@ -1,0 +1,316 @@
+// The ModifiedDAC decoder on the GPU (crate codec-cuda). No CUDA headers.
+// Layout: time-major f32 activations [rows, channels]. Every GEMM output element is the
+// fma chain acc = fma(A[r,k], B[k,c], acc) over k = 0..K-1 in order, whatever kernel, tile
+// or chunk computes it, so streamed decoding is bit-identical to whole decoding.
+#define CODEC_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block-wide reductions for blockDim.x a multiple of 32 (<= 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : -CODEC_INF;
+    return warp_max(t);
+}
+
+// A(r, kk) = A[r*rsa + (kk / cin)*jstride + kk % cin] (implicit im2col for convolutions).
+__device__ __forceinline__ float load_a(const float* A, int r, int kk, long long rsa, int cin,
+                                        long long jstride) {
+    int j = kk / cin;
+    int ci = kk - j * cin;
+    return A[(long long)r * rsa + (long long)j * jstride + ci];
+}
+
+// v = acc (+ bias[c % bias_n]) (* gamma[c]); v = res[r, c] + v; tanh if act == 1.
+__device__ __forceinline__ void epilogue(float acc, int r, int c, int N, float* C,
+                                         const float* bias, int bias_n, const float* gamma,
+                                         const float* res, int act) {
+    float v = acc;
+    if (bias) v = __fadd_rn(v, bias[c % bias_n]);
+    if (gamma) v = __fmul_rn(v, gamma[c]);
+    if (res) v = __fadd_rn(res[(long long)r * N + c], v);
+    if (act == 1) v = tanhf(v);
+    C[(long long)r * N + c] = v;
+}
+
+template <int BM, int BN, int BK, int TM, int TN>
+__device__ __forceinline__ void gemm_tile(int M, int N, int K, const float* A, long long rsa,
+                                          int cin, long long jstride, const float* B, float* C,
+                                          const float* bias, int bias_n, const float* gamma,
+                                          const float* res, int act, int ks,
+                                          float* part) {
+    const int NT = (BM / TM) * (BN / TN);
+    __shared__ float As[BK][BM + 1];
+    __shared__ float Bs[BK][BN];
+    int tid = threadIdx.x;
+    int tx = tid % (BN / TN), ty = tid / (BN / TN);
+    int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
+    // K segment of this block (split-K: a fixed segment length per layer, never per row count).
+    int kbeg = blockIdx.z * ks, kend = min(K, kbeg + ks);
+    for (int k0 = kbeg; k0 < kend; k0 += BK) {
+        for (int i = tid; i < BM * BK; i += NT) {
+            int r = i / BK, kk = i % BK;
+            int gr = row0 + r, gk = k0 + kk;
+            As[kk][r] = (gr < M && gk < kend) ? load_a(A, gr, gk, rsa, cin, jstride) : 0.0f;
+        }
+        for (int i = tid; i < BK * BN; i += NT) {
+            int kk = i / BN, c = i % BN;
+            int gk = k0 + kk, gc = col0 + c;
+            Bs[kk][c] = (gk < kend && gc < N) ? B[(long long)gk * N + gc] : 0.0f;
+        }
+        __syncthreads();
+        int kmax = min(BK, kend - k0);
+        for (int kk = 0; kk < kmax; kk++) {
+            float a[TM], b[TN];
+#pragma unroll
+            for (int i = 0; i < TM; i++) a[i] = As[kk][ty * TM + i];
+#pragma unroll
+            for (int j = 0; j < TN; j++) b[j] = Bs[kk][tx * TN + j];
+#pragma unroll
+            for (int i = 0; i < TM; i++)
+#pragma unroll
+                for (int j = 0; j < TN; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < TM; i++) {
+        int r = row0 + ty * TM + i;
+        if (r >= M) continue;
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            int c = col0 + tx * TN + j;
+            if (c >= N) continue;
+            if (gridDim.z == 1) epilogue(acc[i][j], r, c, N, C, bias, bias_n, gamma, res, act);
+            else part[((long long)blockIdx.z * M + r) * N + c] = acc[i][j];
+        }
+    }
+}
+
+// 64x64 tiles, 256 threads, 4x4 outputs each: many rows.
+extern "C" __global__ void __launch_bounds__(256)
+gemm_big(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+         const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+         const float* res, int act, int ks, float* part) {
+    gemm_tile<64, 64, 16, 4, 4>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res,
+                                act, ks, part);
+}
+
+// 8x128 tiles, 256 threads, 1x4 outputs each: few rows (frame-rate layers).
+extern "C" __global__ void __launch_bounds__(256)
+gemm_small(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+           const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+           const float* res, int act, int ks, float* part) {
+    gemm_tile<8, 128, 32, 1, 4>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res,
+                                act, ks, part);
+}
+
+// Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.
+extern "C" __global__ void gemm_reduce(const float* part, int nseg, int M, int N, float* C,
+                                       const float* bias, int bias_n, const float* gamma,
+                                       const float* res, int act) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long mn = (long long)M * N;
+    if (i >= mn) return;
+    float acc = part[i];
+    for (int z = 1; z < nseg; z++) acc = __fadd_rn(acc, part[z * mn + i]);
+    epilogue(acc, (int)(i / N), (int)(i % N), N, C, bias, bias_n, gamma, res, act);
+}
+
+// N == 1: one thread per row, the same fma chain.
+extern "C" __global__ void gemm_n1(int M, int K, const float* A, long long rsa, int cin,
+                                   long long jstride, const float* B, float* C,
+                                   const float* bias, const float* gamma, const float* res,
+                                   int act) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= M) return;
+    float acc = 0.0f;
+    for (int kk = 0; kk < K; kk++) acc = fmaf(load_a(A, r, kk, rsa, cin, jstride), B[kk], acc);
+    epilogue(acc, r, 0, 1, C, bias, 1, gamma, res, act);
+}
+
+// out = x + inv * sin(alpha x)^2, channel c = i % C.
+extern "C" __global__ void snake(const float* x, const float* alpha, const float* inv,
+                                 float* out, long long n, int C) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    int c = (int)(i % C);
+    float v = x[i];
+    float s = sinf(__fmul_rn(alpha[c], v));
+    out[i] = __fadd_rn(v, __fmul_rn(inv[c], __fmul_rn(s, s)));
+}
+
+// Causal depthwise conv: buf [K-1+L, C] -> out [L, C]; w [K, C].
+extern "C" __global__ void dwconv(const float* buf, const float* w, const float* b, float* out,
+                                  int L, int C, int K) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)L * C) return;
+    int t = (int)(i / C), c = (int)(i % C);
+    float acc = 0.0f;
+    for (int j = 0; j < K; j++) acc = fmaf(buf[(long long)(t + j) * C + c], w[j * C + c], acc);
+    out[i] = __fadd_rn(acc, b[c]);
+}
+
+// LayerNorm (biased variance) per row; one block per row.
+extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float* out,
+                                      int C, float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long long)blockIdx.x * C;
+    float* o = out + (long long)blockIdx.x * C;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += xr[c];
+    float mean = block_sum(s, scratch) / (float)C;
+    float v = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float d = xr[c] - mean;
+        v = fmaf(d, d, v);
+    }
+    float var = block_sum(v, scratch) / (float)C;
+    float inv = 1.0f / sqrtf(var + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        o[c] = __fadd_rn(__fmul_rn(__fmul_rn(xr[c] - mean, inv), w[c]), b[c]);
+}
+
+// RMSNorm per row; one block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* out, int C,
+                                    float eps) {
+    __shared__ float scratch[32];
+    const float* xr = x + (long long)blockIdx.x * C;
+    float* o = out + (long long)blockIdx.x * C;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s = fmaf(xr[c], xr[c], s);
+    float ms = block_sum(s, scratch) / (float)C;
+    float inv = 1.0f / sqrtf(ms + eps);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = __fmul_rn(__fmul_rn(xr[c], inv), w[c]);
+}
+
+// Exact (erf) GELU in place.
+extern "C" __global__ void gelu(float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[i];
+    x[i] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+}
+
+// ab [rows, 2F] -> out [rows, F]: silu(a) * b.
+extern "C" __global__ void swiglu(const float* ab, float* out, int rows, int F) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * F) return;
+    long long r = i / F;
+    int j = (int)(i % F);
+    float a = ab[r * 2 * F + j], b = ab[r * 2 * F + F + j];
+    out[i] = __fmul_rn(a / (1.0f + expf(-a)), b);
+}
+
+// qkv [t, 3W] (W = heads*hd): rotate q in place (interleaved pairs), write rotated k and v to
+// the rings at slot (pos0 + r) % ring. cs: cos [t, hd/2] then sin [t, hd/2].
+extern "C" __global__ void rope_kv(float* qkv, const float* cs, float* kring, float* vring,
+                                   int t, int heads, int hd, long long pos0, int ring) {
+    int half = hd / 2, W = heads * hd;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)t * heads * half) return;
+    int p = (int)(i % half);
+    int h = (int)((i / half) % heads);
+    int r = (int)(i / ((long long)half * heads));
+    float c = cs[(long long)r * half + p], s = cs[(long long)t * half + (long long)r * half + p];
+    float* row = qkv + (long long)r * 3 * W;
+    int o = h * hd + 2 * p;
+    float a = row[o], b = row[o + 1];
+    row[o] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    row[o + 1] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    long long slot = ((pos0 + r) % ring) * (long long)W;
+    float ka = row[W + o], kb = row[W + o + 1];
+    kring[slot + o] = __fsub_rn(__fmul_rn(ka, c), __fmul_rn(kb, s));
+    kring[slot + o + 1] = __fadd_rn(__fmul_rn(kb, c), __fmul_rn(ka, s));
+    vring[slot + o] = row[2 * W + o];
+    vring[slot + o + 1] = row[2 * W + o + 1];
+}
+
+// Causal window attention; one block per (row, head), blockDim a multiple of 32; dynamic shared
+// memory: window floats. Row r (absolute position pos0 + r) attends to the last `window`
+// positions up to itself, read from the rings.
+extern "C" __global__ void attention(const float* qkv, const float* kring, const float* vring,
+                                     float* out, int heads, int hd, long long pos0, int window,
+                                     int ring, float scale) {
+    extern __shared__ float p[];
+    __shared__ float scratch[32];
+    int r = blockIdx.x / heads, h = blockIdx.x % heads;
+    int W = heads * hd;
+    long long me = pos0 + r;
+    long long lo = me + 1 - window;
+    if (lo < 0) lo = 0;
+    int n = (int)(me + 1 - lo);
+    const float* q = qkv + (long long)r * 3 * W + h * hd;
+    float mx = -CODEC_INF;
+    for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
+        const float* k = kring + ((lo + jj) % ring) * (long long)W + h * hd;
+        float s = 0.0f;
+        for (int d = 0; d < hd; d++) s = fmaf(q[d], k[d], s);
+        s = __fmul_rn(s, scale);
+        p[jj] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = block_max(mx, scratch);
+    float sum = 0.0f;
+    for (int jj = threadIdx.x; jj < n; jj += blockDim.x) {
+        float e = expf(p[jj] - mx);
+        p[jj] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, scratch);
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < n; jj++) {
+            const float* v = vring + ((lo + jj) % ring) * (long long)W + h * hd;
+            acc = fmaf(p[jj] / sum, v[d], acc);
+        }
+        out[(long long)r * W + h * hd + d] = acc;
+    }
+}
+
+// z = (e_0 W_0 + b_0) + sum_{q>=1} (e_q W_q + b_q); e [t, Q*cb] gathered codebook rows,
+// W [Q, cb, dim], b [Q, dim], out [t, dim].
+extern "C" __global__ void vq_sum(const float* e, const float* W, const float* b, float* out,
+                                  int t, int Q, int cb, int dim) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)t * dim) return;
+    int r = (int)(i / dim), c = (int)(i % dim);
+    const float* er = e + (long long)r * Q * cb;
+    float z = 0.0f, zr = 0.0f;
+    for (int q = 0; q < Q; q++) {
+        float a = 0.0f;
+        for (int k = 0; k < cb; k++) a = fmaf(er[q * cb + k], W[((long long)q * cb + k) * dim + c], a);
+        a = __fadd_rn(a, b[q * dim + c]);
+        if (q == 0) z = a;
+        else if (q == 1) zr = a;
+        else zr = __fadd_rn(zr, a);
+    }
+    out[i] = Q > 1 ? __fadd_rn(z, zr) : z;
+}

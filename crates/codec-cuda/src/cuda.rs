@@ -1,0 +1,518 @@
+//! The GPU executor: `kernels/codec.cu` compiled by NVRTC for the device (cached on disk like
+//! backend-cuda's kernels, same key scheme), buffers as raw device allocations on one stream.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use backend_cuda::runtime::{cache_dir, cache_key, compile_options, nvrtc_version, Variant};
+use backend_cuda::Gpu;
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use crate::exec::{Exec, Gemm, P};
+use crate::{CudaCodecError, Result};
+
+/// The kernel source (no CUDA headers).
+pub const SOURCE: &str = include_str!("../kernels/codec.cu");
+/// Kernel names in [`SOURCE`].
+pub const KERNELS: [&str; 13] = [
+    "gemm_big",
+    "gemm_reduce",
+    "gemm_small",
+    "gemm_n1",
+    "snake",
+    "dwconv",
+    "layer_norm",
+    "rms_norm",
+    "gelu",
+    "swiglu",
+    "rope_kv",
+    "attention",
+    "vq_sum",
+];
+
+/// Rows at or under which the frame-rate GEMM tiling is used (the same fma chains either way).
+const SMALL_M: usize = 32;
+
+/// Compiles [`SOURCE`] for `arch`, through the disk cache. Returns PTX and whether it was cached.
+pub fn compile(arch: &str) -> Result<(String, bool)> {
+    let options = compile_options(arch, Variant::Exact);
+    let key = cache_key(SOURCE, &options, arch, nvrtc_version()?);
+    let path = cache_dir().map(|d| d.join(format!("codec-{key}.ptx")));
+    if let Some(p) = &path {
+        if let Ok(ptx) = std::fs::read_to_string(p) {
+            return Ok((ptx, true));
+        }
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: options.clone(),
+        name: Some("codec.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| CudaCodecError::Compile(format!("{e:?}")))?
+        .to_src();
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        // A cache that cannot be written only costs a recompile next time.
+        if std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, p);
+        }
+    }
+    Ok((ptx, false))
+}
+
+/// A device allocation and its base address.
+type DevBuf = (CudaSlice<f32>, u64);
+
+/// Buffers and kernels on one device stream. Not `Sync`: one thread drives it at a time.
+pub struct CudaExec {
+    pub gpu: Arc<Gpu>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    bufs: RefCell<Vec<Option<DevBuf>>>,
+    /// Split-K partial sums, grown on demand (used only between a GEMM and its combine).
+    part: RefCell<Option<DevBuf>>,
+}
+
+fn cdiv(a: usize, b: usize) -> usize {
+    a.div_ceil(b)
+}
+
+fn u32_of(v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| CudaCodecError::Shape(format!("{v} exceeds a launch dimension")))
+}
+
+fn i32_of(v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaCodecError::Shape(format!("{v} exceeds a 32-bit size")))
+}
+
+fn i64_of(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn grid1(n: usize, block: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig {
+        grid_dim: (u32_of(cdiv(n, block).max(1))?, 1, 1),
+        block_dim: (u32_of(block)?, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+impl CudaExec {
+    /// Compiles (or reads from the cache) and loads the kernels on `gpu`.
+    pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
+        let (ptx, _cached) = compile(&gpu.arch)?;
+        let module = gpu
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .map_err(backend_cuda::CudaError::from)?;
+        let mut funcs = HashMap::new();
+        for name in KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(backend_cuda::CudaError::from)?;
+            funcs.insert(name, f);
+        }
+        Ok(Self {
+            gpu,
+            funcs,
+            bufs: RefCell::new(Vec::new()),
+            part: RefCell::new(None),
+        })
+    }
+
+    /// Device address of `p` (element offset checked against the allocation for `n` elements).
+    fn ptr(&self, p: P, n: usize) -> Result<u64> {
+        let b = self.bufs.borrow();
+        let (s, base) = b
+            .get(p.buf)
+            .and_then(|x| x.as_ref())
+            .ok_or_else(|| CudaCodecError::Shape(format!("buffer {} is not live", p.buf)))?;
+        if p.off + n > s.len() {
+            return Err(CudaCodecError::Shape(format!(
+                "buffer {} holds {} floats, {} needed at offset {}",
+                p.buf,
+                s.len(),
+                n,
+                p.off
+            )));
+        }
+        Ok(base + 4 * p.off as u64)
+    }
+
+    /// Device address of a partial-sum buffer of at least `n` floats.
+    fn part(&self, n: usize) -> Result<u64> {
+        let mut p = self.part.borrow_mut();
+        if p.as_ref().is_none_or(|(s, _)| s.len() < n) {
+            // The old buffer is freed in stream order, after the work queued on it.
+            *p = None;
+            let s = self
+                .stream()
+                .alloc_zeros::<f32>(n)
+                .map_err(backend_cuda::CudaError::from)?;
+            let base = {
+                let (ptr, _sync) = s.device_ptr(self.stream());
+                ptr
+            };
+            *p = Some((s, base));
+        }
+        Ok(p.as_ref().map_or(0, |(_, b)| *b))
+    }
+
+    fn opt(&self, p: Option<P>, n: usize) -> Result<u64> {
+        p.map_or(Ok(0), |p| self.ptr(p, n))
+    }
+
+    fn f(&self, name: &'static str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    fn stream(&self) -> &Arc<cudarc::driver::CudaStream> {
+        &self.gpu.stream
+    }
+
+    /// Waits for all queued work.
+    pub fn sync(&self) -> Result<()> {
+        self.stream()
+            .synchronize()
+            .map_err(backend_cuda::CudaError::from)?;
+        Ok(())
+    }
+}
+
+macro_rules! launch {
+    ($self:expr, $name:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let f = $self.f($name);
+        let mut b = $self.stream().launch_builder(f);
+        $( b.arg($arg); )*
+        // SAFETY: argument types and order match the kernel's signature in kernels/codec.cu, and
+        // every pointer was range-checked by `ptr` for the extent the kernel touches.
+        unsafe { b.launch($cfg) }.map_err(backend_cuda::CudaError::from)?;
+    }};
+}
+
+impl Exec for CudaExec {
+    fn alloc(&self, n: usize) -> Result<usize> {
+        let s = self
+            .stream()
+            .alloc_zeros::<f32>(n)
+            .map_err(backend_cuda::CudaError::from)?;
+        let base = {
+            let (p, _sync) = s.device_ptr(self.stream());
+            p
+        };
+        let mut b = self.bufs.borrow_mut();
+        b.push(Some((s, base)));
+        Ok(b.len() - 1)
+    }
+
+    fn free(&self, buf: usize) {
+        if let Some(x) = self.bufs.borrow_mut().get_mut(buf) {
+            *x = None;
+        }
+    }
+
+    fn write(&self, dst: P, data: &[f32]) -> Result<()> {
+        let d = self.ptr(dst, data.len())?;
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(backend_cuda::CudaError::from)?;
+        // SAFETY: `d` addresses data.len() live f32 (checked); pageable source memory is staged
+        // before the call returns, so `data` may go after it.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(d, data, self.stream().cu_stream())
+                .map_err(backend_cuda::CudaError::from)?
+        };
+        Ok(())
+    }
+
+    fn read(&self, src: P, n: usize) -> Result<Vec<f32>> {
+        let s = self.ptr(src, n)?;
+        let mut out = vec![0.0f32; n];
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(backend_cuda::CudaError::from)?;
+        // SAFETY: `s` addresses n live f32 (checked); the stream is synchronised before `out`
+        // is used.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(&mut out, s, self.stream().cu_stream())
+                .map_err(backend_cuda::CudaError::from)?
+        };
+        self.sync()?;
+        Ok(out)
+    }
+
+    fn copy(&self, dst: P, src: P, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (d, s) = (self.ptr(dst, n)?, self.ptr(src, n)?);
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(backend_cuda::CudaError::from)?;
+        // SAFETY: both ranges are live (checked) and the decoder never copies overlapping ones.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(d, s, 4 * n, self.stream().cu_stream())
+                .map_err(backend_cuda::CudaError::from)?
+        };
+        Ok(())
+    }
+
+    fn gemm(&self, g: &Gemm) -> Result<()> {
+        if g.m == 0 || g.n == 0 {
+            return Ok(());
+        }
+        // The furthest A element read: row m−1, tap (k−1)/cin, channel cin−1.
+        let taps = (g.k - 1) / g.cin;
+        let a_extent = (g.m - 1) * g.rsa + taps * g.jstride + g.cin.min(g.k);
+        let a = self.ptr(g.a, a_extent)?;
+        let b = self.ptr(g.b, g.k * g.n)?;
+        let c = self.ptr(g.c, g.m * g.n)?;
+        let bias = self.opt(g.bias, g.bias_n)?;
+        let gamma = self.opt(g.gamma, g.n)?;
+        let res = self.opt(g.res, g.m * g.n)?;
+        let (m, n, k) = (i32_of(g.m)?, i32_of(g.n)?, i32_of(g.k)?);
+        let (rsa, cin, js) = (i64_of(g.rsa), i32_of(g.cin)?, i64_of(g.jstride));
+        let bias_n = i32_of(g.bias_n.max(1))?;
+        let act = i32::from(g.tanh);
+        if g.n == 1 {
+            let cfg = grid1(g.m, 128)?;
+            launch!(
+                self, "gemm_n1", cfg, &m, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &gamma, &res,
+                &act
+            );
+            return Ok(());
+        }
+        let (name, bm, bn) = if g.m <= SMALL_M {
+            ("gemm_small", 8, 128)
+        } else {
+            ("gemm_big", 64, 64)
+        };
+        let ks = crate::exec::split_len(g.k, g.n);
+        let nseg = cdiv(g.k, ks);
+        let part = if nseg > 1 {
+            self.part(nseg * g.m * g.n)?
+        } else {
+            0
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32_of(cdiv(g.n, bn))?,
+                u32_of(cdiv(g.m, bm))?,
+                u32_of(nseg)?,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let ksi = i32_of(ks)?;
+        launch!(
+            self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma, &res,
+            &act, &ksi, &part
+        );
+        if nseg > 1 {
+            let ns = i32_of(nseg)?;
+            launch!(
+                self,
+                "gemm_reduce",
+                grid1(g.m * g.n, 256)?,
+                &part,
+                &ns,
+                &m,
+                &n,
+                &c,
+                &bias,
+                &bias_n,
+                &gamma,
+                &res,
+                &act
+            );
+        }
+        Ok(())
+    }
+
+    fn snake(&self, x: P, alpha: P, inv: P, out: P, n: usize, c: usize) -> Result<()> {
+        let (xp, op) = (self.ptr(x, n)?, self.ptr(out, n)?);
+        let (ap, ip) = (self.ptr(alpha, c)?, self.ptr(inv, c)?);
+        let (nn, cc) = (i64_of(n), i32_of(c)?);
+        launch!(self, "snake", grid1(n, 256)?, &xp, &ap, &ip, &op, &nn, &cc);
+        Ok(())
+    }
+
+    fn dwconv(&self, buf: P, w: P, b: P, out: P, l: usize, c: usize, k: usize) -> Result<()> {
+        let bp = self.ptr(buf, (k - 1 + l) * c)?;
+        let (wp, bb, op) = (self.ptr(w, k * c)?, self.ptr(b, c)?, self.ptr(out, l * c)?);
+        let (ll, cc, kk) = (i32_of(l)?, i32_of(c)?, i32_of(k)?);
+        launch!(
+            self,
+            "dwconv",
+            grid1(l * c, 256)?,
+            &bp,
+            &wp,
+            &bb,
+            &op,
+            &ll,
+            &cc,
+            &kk
+        );
+        Ok(())
+    }
+
+    fn layer_norm(&self, x: P, w: P, b: P, out: P, rows: usize, c: usize, eps: f32) -> Result<()> {
+        let (xp, op) = (self.ptr(x, rows * c)?, self.ptr(out, rows * c)?);
+        let (wp, bp) = (self.ptr(w, c)?, self.ptr(b, c)?);
+        let cc = i32_of(c)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(rows)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "layer_norm", cfg, &xp, &wp, &bp, &op, &cc, &eps);
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: P, w: P, out: P, rows: usize, c: usize, eps: f32) -> Result<()> {
+        let (xp, op, wp) = (
+            self.ptr(x, rows * c)?,
+            self.ptr(out, rows * c)?,
+            self.ptr(w, c)?,
+        );
+        let cc = i32_of(c)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(rows)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "rms_norm", cfg, &xp, &wp, &op, &cc, &eps);
+        Ok(())
+    }
+
+    fn gelu(&self, x: P, n: usize) -> Result<()> {
+        let xp = self.ptr(x, n)?;
+        let nn = i64_of(n);
+        launch!(self, "gelu", grid1(n, 256)?, &xp, &nn);
+        Ok(())
+    }
+
+    fn swiglu(&self, ab: P, out: P, rows: usize, f: usize) -> Result<()> {
+        let (ap, op) = (self.ptr(ab, rows * 2 * f)?, self.ptr(out, rows * f)?);
+        let (rr, ff) = (i32_of(rows)?, i32_of(f)?);
+        launch!(self, "swiglu", grid1(rows * f, 256)?, &ap, &op, &rr, &ff);
+        Ok(())
+    }
+
+    fn rope_kv(
+        &self,
+        qkv: P,
+        cs: P,
+        kring: P,
+        vring: P,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        pos0: u64,
+        ring: usize,
+    ) -> Result<()> {
+        let w = heads * hd;
+        let qp = self.ptr(qkv, t * 3 * w)?;
+        let cp = self.ptr(cs, t * hd)?;
+        let (kp, vp) = (self.ptr(kring, ring * w)?, self.ptr(vring, ring * w)?);
+        let (tt, hh, dd, rr) = (i32_of(t)?, i32_of(heads)?, i32_of(hd)?, i32_of(ring)?);
+        let p0 = i64::try_from(pos0).map_err(|_| CudaCodecError::Shape("position".into()))?;
+        let n = t * heads * (hd / 2);
+        launch!(
+            self,
+            "rope_kv",
+            grid1(n, 256)?,
+            &qp,
+            &cp,
+            &kp,
+            &vp,
+            &tt,
+            &hh,
+            &dd,
+            &p0,
+            &rr
+        );
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        qkv: P,
+        kring: P,
+        vring: P,
+        out: P,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        pos0: u64,
+        window: usize,
+        ring: usize,
+    ) -> Result<()> {
+        let w = heads * hd;
+        let qp = self.ptr(qkv, t * 3 * w)?;
+        let (kp, vp) = (self.ptr(kring, ring * w)?, self.ptr(vring, ring * w)?);
+        let op = self.ptr(out, t * w)?;
+        let (hh, dd, ww, rr) = (i32_of(heads)?, i32_of(hd)?, i32_of(window)?, i32_of(ring)?);
+        let p0 = i64::try_from(pos0).map_err(|_| CudaCodecError::Shape("position".into()))?;
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(t * heads)?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: u32_of(4 * window)?,
+        };
+        launch!(
+            self,
+            "attention",
+            cfg,
+            &qp,
+            &kp,
+            &vp,
+            &op,
+            &hh,
+            &dd,
+            &p0,
+            &ww,
+            &rr,
+            &scale
+        );
+        Ok(())
+    }
+
+    fn vq_sum(
+        &self,
+        e: P,
+        w: P,
+        b: P,
+        out: P,
+        t: usize,
+        q: usize,
+        cb: usize,
+        dim: usize,
+    ) -> Result<()> {
+        let ep = self.ptr(e, t * q * cb)?;
+        let (wp, bp) = (self.ptr(w, q * cb * dim)?, self.ptr(b, q * dim)?);
+        let op = self.ptr(out, t * dim)?;
+        let (tt, qq, cc, dd) = (i32_of(t)?, i32_of(q)?, i32_of(cb)?, i32_of(dim)?);
+        launch!(
+            self,
+            "vq_sum",
+            grid1(t * dim, 256)?,
+            &ep,
+            &wp,
+            &bp,
+            &op,
+            &tt,
+            &qq,
+            &cc,
+            &dd
+        );
+        Ok(())
+    }
+}
