@@ -299,7 +299,28 @@ impl Engine {
         let frames_total = Arc::new(AtomicU64::new(0));
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
+        let decoders: DecoderFactory = match opts.backend {
+            BackendChoice::Cpu => {
+                let c = codec.clone();
+                Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
+            }
+            #[cfg(feature = "cuda")]
+            BackendChoice::Cuda => {
+                // The streaming decoder on the GPU, on its own stream (overlaps the model's).
+                let gpu_codec = codec_cuda::CudaDecoder::load(&dir, &codec)
+                    .map_err(|e| SpeechError::Engine(format!("GPU codec: {e}")))?;
+                Box::new(move || {
+                    gpu_codec
+                        .state()
+                        .map(|s| Box::new(s) as Box<dyn StreamDecoder>)
+                        .map_err(|e| e.to_string())
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            BackendChoice::Cuda => Box::new(|| Err("no CUDA in this build".to_string())),
+        };
         let ctx = WorkerCtx {
+            decoders,
             cache_budget: admission::Bytes::from_gib_f64(opts.prompt_cache_gib)
                 .map(|b| b.0)
                 .unwrap_or(0),
@@ -888,6 +909,27 @@ fn to_rows(rows: &[crate::prompt::Row]) -> Vec<model::Row> {
         .collect()
 }
 
+/// A streaming codec decoder of one job (CPU, or GPU when the engine runs on CUDA).
+pub(crate) trait StreamDecoder: Send {
+    fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String>;
+}
+
+impl StreamDecoder for DecoderState {
+    fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String> {
+        DecoderState::push(self, codes).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl StreamDecoder for codec_cuda::CudaDecoderState {
+    fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String> {
+        codec_cuda::CudaDecoderState::push(self, codes).map_err(|e| e.to_string())
+    }
+}
+
+/// Makes a fresh decoder state for each job.
+pub(crate) type DecoderFactory = Box<dyn Fn() -> Result<Box<dyn StreamDecoder>, String> + Send>;
+
 /// Work for the codec thread, per job key, in frame order.
 enum CodecMsg {
     Start {
@@ -917,7 +959,7 @@ enum CodecMsg {
 struct CodecJob {
     events: mpsc::UnboundedSender<JobEvent>,
     submitted: Instant,
-    decoder: DecoderState,
+    decoder: Box<dyn StreamDecoder>,
     hasher: PcmHasher,
     samples: u64,
     first_audio: Option<f64>,
@@ -926,18 +968,37 @@ struct CodecJob {
 
 /// Streams every job's frames through its own decoder state (so streamed PCM equals a whole
 /// decode), hashes the s16 samples and sends audio and final events in order.
-fn codec_loop(codec: Codec, rx: std::sync::mpsc::Receiver<CodecMsg>) {
+fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Receiver<CodecMsg>) {
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
-    let rate = f64::from(codec.sample_rate());
+    let rate = f64::from(rate);
     while let Ok(msg) = rx.recv() {
         match msg {
             CodecMsg::Start { key, events, submitted } => {
+                let decoder = match new_decoder() {
+                    Ok(d) => d,
+                    Err(e) => {
+                        let _ = events.send(JobEvent::Failed(format!("codec: {e}")));
+                        jobs.insert(
+                            key,
+                            CodecJob {
+                                events,
+                                submitted,
+                                decoder: Box::new(NoDecoder),
+                                hasher: PcmHasher::new(),
+                                samples: 0,
+                                first_audio: None,
+                                failed: true,
+                            },
+                        );
+                        continue;
+                    }
+                };
                 jobs.insert(
                     key,
                     CodecJob {
                         events,
                         submitted,
-                        decoder: codec.decoder_state(),
+                        decoder,
                         hasher: PcmHasher::new(),
                         samples: 0,
                         first_audio: None,
@@ -950,7 +1011,10 @@ fn codec_loop(codec: Codec, rx: std::sync::mpsc::Receiver<CodecMsg>) {
                 if j.failed {
                     continue;
                 }
-                match Codes::new(codes.len(), 1, codes).and_then(|c| j.decoder.push(&c)) {
+                let pcm = Codes::new(codes.len(), 1, codes)
+                    .map_err(|e| e.to_string())
+                    .and_then(|c| j.decoder.push(&c));
+                match pcm {
                     Ok(pcm) => {
                         if j.first_audio.is_none() {
                             j.first_audio = Some(j.submitted.elapsed().as_secs_f64());
@@ -991,6 +1055,15 @@ fn codec_loop(codec: Codec, rx: std::sync::mpsc::Receiver<CodecMsg>) {
     }
 }
 
+/// Stands in for a decoder that could not be made (the job has already failed).
+struct NoDecoder;
+
+impl StreamDecoder for NoDecoder {
+    fn push(&mut self, _codes: &Codes) -> Result<Vec<f32>, String> {
+        Err("no decoder".into())
+    }
+}
+
 /// One job occupying a lane.
 struct Active<B: Backend> {
     job: Job,
@@ -1009,6 +1082,7 @@ struct Active<B: Backend> {
 
 /// Everything the worker needs besides the model.
 struct WorkerCtx {
+    decoders: DecoderFactory,
     cache_budget: u64,
     cache_per_row: u64,
     cache_fixed: u64,
@@ -1031,10 +1105,11 @@ fn spawn_worker<B: Backend + 'static>(
     let name = backend.name().to_string();
     let model = Model::load(ck, backend).map_err(err)?;
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
-    let codec = ctx.codec.clone();
+    let rate = ctx.codec.sample_rate();
+    let factory = ctx.decoders;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(codec, codec_rx))
+        .spawn(move || codec_loop(factory, rate, codec_rx))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
