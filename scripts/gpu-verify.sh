@@ -10,6 +10,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 grep '^SUMMARY' "$out/contract.log" >> "$out/summary.txt"
 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-cuda.log" 2>&1; echo "golden rc=$?" >> "$out/summary.txt"
 grep '^GOLDEN' "$out/golden-cuda.log" >> "$out/summary.txt"
+for i in 1 2; do "$bin" say "Hello there. A second sentence." --backend cuda --frames 24 --seed 3 --out "$out/say$i.wav" >> "$out/say.log" 2>&1; done
+echo "say twice on cuda: $(grep -o 'pcm_sha256 [0-9a-f]*' "$out/say.log" | sort -u | wc -l) distinct hash(es)" >> "$out/summary.txt"
 timeout 150 "$bin" qualify-window --backend cuda --context 8192 --compare-cpu --out "$out/window-cuda-tiny-8192.json" > /dev/null 2>"$out/window8k.err"; echo "window 8192 rc=$?" >> "$out/summary.txt"
 timeout 150 "$bin" qualify-window --backend cuda --context 65536 --out "$out/window-cuda-tiny-65536.json" > /dev/null 2>"$out/window64k.err"; echo "window 65536 rc=$?" >> "$out/summary.txt"
 "$bin" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$out/fixture.log" 2>&1; echo "fixture rc=$?" >> "$out/summary.txt"
