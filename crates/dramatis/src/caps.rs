@@ -13,7 +13,8 @@ pub fn capabilities() -> Value {
             "cuda": {"compiled": cfg!(feature = "cuda"), "engine": cfg!(feature = "cuda"), "kv": "f32 (DRAMATIS_CUDA_KV=bf16 opt-in)",
                      "evidence": ["bench/cuda-kernels-2026-11-29.json", "bench/cuda-drama3-parity-2026-11-29.json",
                                   "bench/cuda-drama3-2026-11-29.json", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
-                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tiled flash prefill", "codec on the GPU in the engine"]},
+                     "codec": "GPU streaming decoder (bench/cuda-codec-2026-11-29.json)",
+                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tiled flash prefill", "codec encoder on the GPU"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
@@ -32,8 +33,14 @@ pub fn capabilities() -> Value {
         "limits": limits,
         "window": {
             "admitted_by_contract": "P + F + 1 <= C <= max_position_embeddings (262144 for Drama 3)",
-            "qualified": [{"backend": "cpu", "checkpoint": "drama3-tiny golden fixture", "rows": 115,
-                           "evidence": "dramatis golden testdata/drama3-tiny"}]
+            "qualified": [
+                {"backend": "cpu", "checkpoint": "drama3-tiny golden fixture", "rows": 115, "evidence": "dramatis golden testdata/drama3-tiny"},
+                {"backend": "cpu", "checkpoint": "builtin tiny", "rows": 8192, "evidence": "bench/window-cpu-tiny-8192.json"},
+                {"backend": "cpu", "checkpoint": "builtin tiny", "rows": 32768, "evidence": "bench/window-cpu-tiny-32768.json"},
+                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 8192, "evidence": "bench/window-cuda-tiny-8192.json"},
+                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 65536, "evidence": "bench/window-cuda-tiny-65536.json"}
+            ],
+            "not_qualified": [131072, 262144]
         },
         "features": {
             "classifier_free_guidance": {"backends": ["cpu", "cuda (same generic frame round; tests run on the CPU)"], "evidence": "crates/speech/tests/cfg.rs"},
