@@ -23,7 +23,10 @@ pub struct BenchArgs {
     /// Lane counts to measure, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4")]
     pub lanes: Vec<usize>,
-    #[arg(long, default_value = "A quick benchmark sentence for the engine, read once.")]
+    #[arg(
+        long,
+        default_value = "A quick benchmark sentence for the engine, read once."
+    )]
     pub text: String,
     /// Attach a synthetic reference of this many frames to every request (0 = none): with the
     /// prefill cache on, every run after the warm-up restores it.
@@ -48,7 +51,11 @@ pub struct BenchArgs {
 /// Deterministic reference codes in every codebook's range (the codec clamps nothing here).
 fn synthetic_reference(frames: usize) -> ReferenceInput {
     ReferenceInput {
-        audio: ReferenceAudio::Codes((0..frames).map(|f| (0..10).map(|c| ((f * 7 + c * 3) % 16) as i64).collect()).collect()),
+        audio: ReferenceAudio::Codes(
+            (0..frames)
+                .map(|f| (0..10).map(|c| ((f * 7 + c * 3) % 16) as i64).collect())
+                .collect(),
+        ),
         transcript: "A synthetic reference passage for the benchmark.".into(),
     }
 }
@@ -83,7 +90,11 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
                 seed: Some((run * 1000 + i) as u64),
                 max_frames: Some(frames),
                 split: speech::Split::None,
-                references: if a.reference_frames > 0 { vec![synthetic_reference(a.reference_frames)] } else { vec![] },
+                references: if a.reference_frames > 0 {
+                    vec![synthetic_reference(a.reference_frames)]
+                } else {
+                    vec![]
+                },
                 ..Default::default()
             })
             .map_err(|e| anyhow!("refused: {}", e.message))

@@ -110,7 +110,8 @@ pub fn fill_window_on(
     if cuda {
         run_cuda(ck, window, chunk)
     } else {
-        speech::qualify::fill_window(ck, backend_cpu::CpuBackend::new(), window, chunk).map_err(|e| anyhow::anyhow!(e))
+        speech::qualify::fill_window(ck, backend_cpu::CpuBackend::new(), window, chunk)
+            .map_err(|e| anyhow::anyhow!(e))
     }
 }
 

@@ -973,7 +973,11 @@ fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Recei
     let rate = f64::from(rate);
     while let Ok(msg) = rx.recv() {
         match msg {
-            CodecMsg::Start { key, events, submitted } => {
+            CodecMsg::Start {
+                key,
+                events,
+                submitted,
+            } => {
                 let decoder = match new_decoder() {
                     Ok(d) => d,
                     Err(e) => {
@@ -1007,7 +1011,9 @@ fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Recei
                 );
             }
             CodecMsg::Frame { key, codes } => {
-                let Some(j) = jobs.get_mut(&key) else { continue };
+                let Some(j) = jobs.get_mut(&key) else {
+                    continue;
+                };
                 if j.failed {
                     continue;
                 }
@@ -1404,7 +1410,10 @@ impl<B: Backend> Worker<B> {
                 a.segment += 1;
                 if a.segment < a.job.segments.len() {
                     if let Err(e) = self.prefill_segment(a) {
-                        ended.push(CodecMsg::Fail { key: a.key, message: e });
+                        ended.push(CodecMsg::Fail {
+                            key: a.key,
+                            message: e,
+                        });
                         finished[i] = true;
                     }
                 } else {
@@ -1423,7 +1432,10 @@ impl<B: Backend> Worker<B> {
                         frame_cap: a.job.frame_cap,
                         guided: a.uncond.is_some(),
                     };
-                    ended.push(CodecMsg::Finish { key: a.key, summary });
+                    ended.push(CodecMsg::Finish {
+                        key: a.key,
+                        summary,
+                    });
                     finished[i] = true;
                 }
             }

@@ -145,7 +145,10 @@ fn request_gamma_is_validated() {
 
 #[test]
 fn request_gammas_replay_and_sequences_match() {
-    let e = engine(CfgOptions { allow_request_gamma: true, ..Default::default() });
+    let e = engine(CfgOptions {
+        allow_request_gamma: true,
+        ..Default::default()
+    });
     let g1 = run(&e, true, Some(1.0));
     let g2 = run(&e, true, Some(2.0));
     assert!(g1.1 && g2.1);
