@@ -80,75 +80,13 @@ fn matrix_shape(name: &str, v: &TensorView<'_>) -> BResult<(usize, usize)> {
     }
 }
 
-/// The scales of an NVFP4 matrix `name` (`[rows, cols/2]` U8 codes): `<stem>.weight_scale`
-/// F8_E4M3 `[rows, cols/16]` kept on the mmap, `<stem>.weight_scale_2` one F32. Scale codes
-/// that are NaN or negative, and a global scale that is not finite and non-negative, are refused.
+/// An NVFP4 matrix of `rows` x `cols` values, its scales kept on the mmap (checks in
+/// `model::stored`).
 fn nvfp4_format(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> BResult<Format> {
-    let bad = |n: &str, why: String| BackendError::Weight {
-        name: n.into(),
-        why,
-    };
-    let stem = name.strip_suffix(".weight").ok_or_else(|| {
-        bad(
-            name,
-            "a U8 (NVFP4) matrix must be named <stem>.weight, beside <stem>.weight_scale and \
-             <stem>.weight_scale_2"
-                .into(),
-        )
-    })?;
-    if !cols.is_multiple_of(linear::NVFP4_GROUP) {
-        return Err(bad(
-            name,
-            format!(
-                "NVFP4 needs a multiple of {} columns, found {cols}",
-                linear::NVFP4_GROUP
-            ),
-        ));
-    }
-    let sname = format!("{stem}.weight_scale");
-    let s = ck.tensor(&sname)?;
-    let want = [rows, cols / linear::NVFP4_GROUP];
-    if s.dtype() != DType::F8E4M3 || s.shape() != want {
-        return Err(bad(
-            &sname,
-            format!(
-                "expected F8_E4M3 {want:?}, found {} {:?}",
-                s.dtype(),
-                s.shape()
-            ),
-        ));
-    }
-    if let Some(i) = s.bytes.iter().position(|&b| b & 0x7f == 0x7f || b > 0x80) {
-        return Err(bad(
-            &sname,
-            format!(
-                "scale code {:#04x} at element {i} is NaN or negative",
-                s.bytes[i]
-            ),
-        ));
-    }
-    let gname = format!("{stem}.weight_scale_2");
-    let gv = ck.tensor(&gname)?;
-    let g = gv.to_f32();
-    if gv.dtype() != DType::F32 || g.len() != 1 {
-        return Err(bad(
-            &gname,
-            format!(
-                "expected one F32 value, found {} {:?}",
-                gv.dtype(),
-                gv.shape()
-            ),
-        ));
-    }
-    if !(g[0].is_finite() && g[0] >= 0.0) {
-        return Err(bad(
-            &gname,
-            format!("global scale {} is not finite and non-negative", g[0]),
-        ));
-    }
+    let p = model::stored::nvfp4_parts(ck, name, rows, cols / 2)?;
     Ok(Format::Nvfp4 {
-        scale: mapped(ck, &s),
-        global: g[0],
+        scale: mapped(ck, &p.scales),
+        global: p.global,
     })
 }
 

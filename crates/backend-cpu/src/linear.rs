@@ -18,7 +18,7 @@ use rayon::prelude::*;
 /// FP8 block edge (DRAMA3.md §3.3).
 pub const FP8_BLOCK: usize = 128;
 /// NVFP4 scale group: one E4M3 `weight_scale` per this many consecutive columns of a row.
-pub const NVFP4_GROUP: usize = 16;
+pub use model::stored::NVFP4_GROUP;
 
 /// The 16 E2M1 values by nibble (bit 3 = sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
 fn e2m1_table() -> &'static [f32; 16] {

@@ -31,7 +31,7 @@ pub const MAX_LANES: usize = 32;
 const GENERIC_MAX_HD: usize = 512;
 const FP8_BLOCK: usize = 128;
 /// NVFP4 scale group: one E4M3 scale per 16 consecutive columns of a row.
-const NVFP4_GROUP: usize = 16;
+use model::stored::NVFP4_GROUP;
 /// Where the E4M3 scale bytes start in an NVFP4 weight's scale allocation: the f32 global
 /// comes first, padded so that the scales stay 16-byte aligned.
 const NVFP4_SCALE_AT: usize = 16;
@@ -923,70 +923,8 @@ impl CudaBackend {
         rows: usize,
         col_bytes: usize,
     ) -> BResult<CudaWeight> {
-        let bad = |n: &str, why: String| BackendError::Weight {
-            name: n.into(),
-            why,
-        };
-        let stem = name.strip_suffix(".weight").ok_or_else(|| {
-            bad(
-                name,
-                "a U8 (NVFP4) matrix must be named <stem>.weight, beside <stem>.weight_scale and \
-                 <stem>.weight_scale_2"
-                    .into(),
-            )
-        })?;
-        let cols = col_bytes
-            .checked_mul(2)
-            .ok_or_else(|| bad(name, format!("{col_bytes} code bytes per row overflow")))?;
-        if !cols.is_multiple_of(NVFP4_GROUP) {
-            return Err(bad(
-                name,
-                format!("NVFP4 needs a multiple of {NVFP4_GROUP} columns, found {cols}"),
-            ));
-        }
-        let sname = format!("{stem}.weight_scale");
-        let s = ck.tensor(&sname)?;
-        let want = [rows, cols / NVFP4_GROUP];
-        if s.dtype() != DType::F8E4M3 || s.shape() != want {
-            return Err(bad(
-                &sname,
-                format!(
-                    "expected F8_E4M3 {want:?}, found {} {:?}",
-                    s.dtype(),
-                    s.shape()
-                ),
-            ));
-        }
-        if let Some(i) = s.bytes.iter().position(|&b| b & 0x7f == 0x7f || b > 0x80) {
-            return Err(bad(
-                &sname,
-                format!(
-                    "scale code {:#04x} at element {i} is NaN or negative",
-                    s.bytes[i]
-                ),
-            ));
-        }
-        let gname = format!("{stem}.weight_scale_2");
-        let gv = ck.tensor(&gname)?;
-        let g = gv.to_f32();
-        if gv.dtype() != DType::F32 || g.len() != 1 {
-            return Err(bad(
-                &gname,
-                format!(
-                    "expected one F32 value, found {} {:?}",
-                    gv.dtype(),
-                    gv.shape()
-                ),
-            ));
-        }
-        if !(g[0].is_finite() && g[0] >= 0.0) {
-            return Err(bad(
-                &gname,
-                format!("global scale {} is not finite and non-negative", g[0]),
-            ));
-        }
-        let v = ck.tensor(name)?;
-        self.weight_nvfp4(rows, cols, v.bytes, s.bytes, g[0])
+        let p = model::stored::nvfp4_parts(ck, name, rows, col_bytes)?;
+        self.weight_nvfp4(rows, p.cols, p.codes.bytes, p.scales.bytes, p.global)
     }
 }
 

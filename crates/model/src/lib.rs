@@ -12,6 +12,7 @@ pub mod generate;
 pub mod lane;
 pub mod model;
 pub mod sampling;
+pub mod stored;
 
 pub use backend::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 pub use generate::{FrameOut, Guidance, LaneStep, LogitsHook, StepTrace};
