@@ -371,3 +371,32 @@ fn fixture_round_trips_through_inspect() {
     let t = String::from_utf8_lossy(&o.stdout);
     assert!(t.contains("62245"), "{}", &t[t.len().saturating_sub(400)..]);
 }
+
+#[test]
+fn serve_lifecycle_start_failure_and_sigterm() {
+    // A start-up the plan refuses exits non-zero with the reason.
+    let o = bin()
+        .args(["serve", "--context", "262145", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(text(&o).contains("262145"), "{}", text(&o));
+    // A running server stops on SIGTERM with exit 0.
+    let port = 18000 + (std::process::id() % 2000) as u16;
+    let mut child = bin()
+        .args(["serve", "--port", &port.to_string(), "--context", "4096"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let up = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    assert!(up, "server did not start");
+    let pid = child.id().to_string();
+    let k = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(k.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "exit status {status:?}");
+}
