@@ -33,9 +33,9 @@ pub use geometry::{
 pub use host::{host_mem_available, parse_mem_available};
 pub use limits::{InputPolicy, Limits, ReferenceLimits};
 pub use plan::{
-    plan, Backend, BudgetSource, Budgets, ByteClass, DoesNotFit, Memory, MemoryBudget, MemoryTotal,
-    PcmFormat, Plan, PlanError, PlanReport, PlanRequest, ReplyMode, StatePerLane, StatePerRow,
-    Verdict, DEFAULT_PREFILL_CHUNK_ROWS,
+    plan, Backend, BudgetSource, Budgets, ByteClass, DoesNotFit, KvDtype, Memory, MemoryBudget,
+    MemoryTotal, PcmFormat, Plan, PlanError, PlanReport, PlanRequest, ReplyMode, StatePerLane,
+    StatePerRow, Verdict, DEFAULT_PREFILL_CHUNK_ROWS,
 };
 pub use pool::{KvPool, PoolUsage, Reservation};
 pub use units::{

@@ -50,6 +50,29 @@ impl Backend {
     }
 }
 
+/// KV cache element precision, when it differs from the backend's default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvDtype {
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    pub const fn bytes(self) -> u64 {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
 /// Caller-owned PCM sample format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -152,6 +175,8 @@ pub struct PlanRequest {
     pub device_budget: Option<MemoryBudget>,
     pub host_budget: Option<MemoryBudget>,
     pub limits: Limits,
+    /// KV element precision; `None` is the backend's default ([`Backend::kv_element_bytes`]).
+    pub kv: Option<KvDtype>,
 }
 
 /// Default prefill chunk.
@@ -176,6 +201,7 @@ impl PlanRequest {
             device_budget: None,
             host_budget: None,
             limits: Limits::default(),
+            kv: None,
         }
     }
 }
@@ -445,13 +471,17 @@ fn size(
         });
     }
 
-    let kv_el = backend.kv_element_bytes();
+    let kv_el = req
+        .kv
+        .map(KvDtype::bytes)
+        .unwrap_or(backend.kv_element_bytes());
+    let kv_name = req.kv.map(KvDtype::as_str).unwrap_or(backend.kv_dtype());
     let backbone_row = geom.backbone_kv_bytes_per_row(kv_el)?;
     let backbone_cfg_row = if req.cfg { backbone_row } else { 0 };
     let tower_row = geom.tower_kv_bytes_per_row(kv_el)?;
     let row_total = sum(&[backbone_row, backbone_cfg_row, tower_row], P)?;
     let per_row = StatePerRow {
-        kv_dtype: backend.kv_dtype(),
+        kv_dtype: kv_name,
         backbone_kv: Bytes(backbone_row),
         backbone_kv_cfg: Bytes(backbone_cfg_row),
         tower_kv: Bytes(tower_row),
@@ -572,7 +602,7 @@ fn size(
         format!(
             "{rows} KV rows x {backbone_row} B ({} full-attention layers, {})",
             geom.full_attention_layers(),
-            backend.kv_dtype()
+            kv_name
         ),
     );
     if req.cfg {
@@ -589,8 +619,7 @@ fn size(
         mul(rows, tower_row, "tower KV pool")?,
         format!(
             "{rows} KV rows x {tower_row} B ({} tower layers, {})",
-            geom.tower_layers,
-            backend.kv_dtype()
+            geom.tower_layers, kv_name
         ),
     );
 

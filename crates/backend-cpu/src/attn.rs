@@ -11,6 +11,9 @@ pub struct CpuKv {
     pub len: usize,
     pub capacity: usize,
     pub width: usize,
+    /// Round appended K/V to BF16 (as a BF16 cache stores them), for numerics comparisons with
+    /// CUDA's opt-in BF16 cache: `DRAMATIS_CPU_KV=bf16`.
+    pub round_bf16: bool,
 }
 
 impl CpuKv {
@@ -33,6 +36,8 @@ impl CpuKv {
             len: 0,
             capacity,
             width,
+            round_bf16: std::env::var("DRAMATIS_CPU_KV")
+                .is_ok_and(|v| v.eq_ignore_ascii_case("bf16")),
         })
     }
 
@@ -46,8 +51,15 @@ impl CpuKv {
                 capacity: self.capacity,
             });
         }
-        self.k.extend_from_slice(&k[..rows * self.width]);
-        self.v.extend_from_slice(&v[..rows * self.width]);
+        let n = rows * self.width;
+        if self.round_bf16 {
+            let r = |x: &f32| half::bf16::from_f32(*x).to_f32();
+            self.k.extend(k[..n].iter().map(r));
+            self.v.extend(v[..n].iter().map(r));
+        } else {
+            self.k.extend_from_slice(&k[..n]);
+            self.v.extend_from_slice(&v[..n]);
+        }
         self.len = need;
         Ok(())
     }

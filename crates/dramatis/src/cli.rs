@@ -30,6 +30,12 @@ pub enum BackendArg {
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum KvArg {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 enum GeometryArg {
     Tiny,
     Drama3,
@@ -515,6 +521,10 @@ struct PlanArgs {
     host_gib: Option<f64>,
     #[arg(long, default_value_t = 1.0)]
     prompt_cache_gib: f64,
+    /// KV cache precision (default: what the engine uses: f32 on both backends; CUDA BF16 with
+    /// DRAMATIS_CUDA_KV=bf16).
+    #[arg(long, value_enum)]
+    kv: Option<KvArg>,
     /// Plan for streamed replies (no whole-reply PCM buffer).
     #[arg(long)]
     streamed: bool,
@@ -558,6 +568,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
         None => admission::FrameCap::Default,
     };
     req.cfg = a.cfg;
+    req.kv = Some(match a.kv {
+        Some(KvArg::Bf16) => admission::KvDtype::Bf16,
+        Some(KvArg::F32) => admission::KvDtype::F32,
+        None => speech::engine::kv_dtype(a.backend == BackendArg::Cuda),
+    });
     if a.streamed {
         req.reply = admission::ReplyMode::Streamed;
     }

@@ -400,3 +400,45 @@ fn serve_lifecycle_start_failure_and_sigterm() {
     let status = child.wait().unwrap();
     assert!(status.success(), "exit status {status:?}");
 }
+
+#[test]
+fn plan_reports_kv_per_row_by_precision() {
+    // DRAMA3.md section 5: 20,480 + 26,624 = 47,104 B per row in BF16; twice that in f32.
+    let o = bin()
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "262144",
+            "--backend",
+            "cuda",
+            "--kv",
+            "bf16",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["state_per_row"]["total"], 47104, "{v}");
+    assert_eq!(v["state_per_row"]["full_window"], 12_348_030_976u64);
+    let o = bin()
+        .args([
+            "plan",
+            "--geometry",
+            "drama3",
+            "--context",
+            "262144",
+            "--backend",
+            "cuda",
+            "--json",
+        ])
+        .env_remove("DRAMATIS_CUDA_KV")
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["state_per_row"]["total"], 94208,
+        "the engine's default CUDA KV is f32"
+    );
+}
