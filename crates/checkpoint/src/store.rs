@@ -319,6 +319,23 @@ impl Store {
         })
     }
 
+    /// Opens one safetensors file on its own (golden files, single-file checkpoints).
+    pub fn open_file(path: &Path) -> Result<Self, CheckpointError> {
+        let file = File::open(path).map_err(|e| CheckpointError::io(path, e))?;
+        // SAFETY: the file is opened read-only and not modified while mapped.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| CheckpointError::io(path, e))?;
+        let (infos, _meta) = parse_header(path, &map, 0)?;
+        let tensors = infos.into_iter().map(|i| (i.name.clone(), i)).collect();
+        Ok(Store {
+            shards: vec![Arc::new(Shard {
+                path: path.to_path_buf(),
+                map,
+            })],
+            tensors,
+            metadata: BTreeMap::new(),
+        })
+    }
+
     pub fn get(&self, name: &str) -> Result<TensorView<'_>, CheckpointError> {
         let info = self
             .tensors

@@ -79,9 +79,7 @@ fn golden_tensors_readable() {
         ("golden.safetensors", want),
         ("golden_long.safetensors", long),
     ] {
-        let sub = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(dir.join(file), sub.path().join("model.safetensors")).unwrap();
-        let store = Store::open(sub.path()).unwrap();
+        let store = Store::open_file(&dir.join(file)).unwrap();
         for (name, dt, shape) in list.iter() {
             let v = store.get(name).unwrap_or_else(|e| panic!("{file}: {e}"));
             assert_eq!(v.dtype().name(), *dt, "{name}");

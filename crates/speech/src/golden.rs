@@ -77,27 +77,6 @@ impl GoldenReport {
 struct Goldens {
     short: Store,
     long: Option<Store>,
-    _tmp: Vec<std::path::PathBuf>,
-}
-
-/// Opens a single safetensors file through a private folder holding a link to it.
-fn open_file(path: &Path, tag: &str) -> Result<(Store, std::path::PathBuf), String> {
-    let dir = std::env::temp_dir().join(format!(
-        "dramatis-golden-{}-{tag}-{}",
-        std::process::id(),
-        unique()
-    ));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let abs = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    std::os::unix::fs::symlink(&abs, dir.join("model.safetensors")).map_err(|e| e.to_string())?;
-    let s = Store::open(&dir).map_err(|e| e.to_string())?;
-    Ok((s, dir))
-}
-
-fn unique() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Goldens {
@@ -150,19 +129,15 @@ pub fn run(dir: &Path) -> Result<GoldenReport, String> {
 /// Runs every case with the model on `backend` (the codec runs on the CPU).
 pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, String> {
     let gdir = dir.join("golden");
-    let (short, t1) = open_file(&gdir.join("golden.safetensors"), "short")?;
-    let (long, t2) = match gdir.join("golden_long.safetensors") {
-        p if p.exists() => {
-            let (s, d) = open_file(&p, "long")?;
-            (Some(s), Some(d))
-        }
-        _ => (None, None),
+    let open = |p: &Path| Store::open_file(p).map_err(|e| e.to_string());
+    let short = open(&gdir.join("golden.safetensors"))?;
+    let long_path = gdir.join("golden_long.safetensors");
+    let long = if long_path.exists() {
+        Some(open(&long_path)?)
+    } else {
+        None
     };
-    let g = Goldens {
-        short,
-        long,
-        _tmp: [Some(t1), t2].into_iter().flatten().collect(),
-    };
+    let g = Goldens { short, long };
     let mut r = GoldenReport {
         lines: Vec::new(),
         cases: 0,
@@ -179,9 +154,6 @@ pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, Stri
     generation_cases(&mut r, &g, &model)?;
     prompt_case(&mut r, &g, dir, &ck)?;
     codec_cases(&mut r, &g, dir)?;
-    for d in &g._tmp {
-        let _ = std::fs::remove_dir_all(d);
-    }
     Ok(r)
 }
 
