@@ -31,7 +31,7 @@ pub struct LaneState<B: Backend> {
 }
 
 impl<B: Backend> LaneState<B> {
-    pub(crate) fn new(m: &Model<B>, capacity: usize) -> Result<Self, ModelError> {
+    pub(crate) fn new(m: &Model<B>, capacity: usize, with_tower: bool) -> Result<Self, ModelError> {
         let g = &m.geometry;
         let max = m.config.text_config.max_position_embeddings;
         if capacity == 0 || capacity > max {
@@ -47,7 +47,8 @@ impl<B: Backend> LaneState<B> {
         let gdn = (0..g.linear_layers())
             .map(|_| be.gdn_new(&g.gdn))
             .collect::<Result<Vec<_>, _>>()?;
-        let tower_kv = (0..g.tower_layers)
+        let tower_layers = if with_tower { g.tower_layers } else { 0 };
+        let tower_kv = (0..tower_layers)
             .map(|_| be.kv_new(capacity, g.tower_attn.kv_heads, g.tower_attn.head_dim))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
@@ -73,7 +74,7 @@ impl<B: Backend> LaneState<B> {
                 capacity,
             });
         }
-        let mut out = Self::new(m, capacity)?;
+        let mut out = Self::new(m, capacity, self.has_tower())?;
         let be = &m.backend;
         for (d, s) in out.kv.iter_mut().zip(&self.kv) {
             be.kv_copy(s, d)?;
@@ -93,6 +94,11 @@ impl<B: Backend> LaneState<B> {
         out.last_row = self.last_row;
         out.recent = self.recent.clone();
         Ok(out)
+    }
+
+    /// Whether the lane carries the tower's K/V (false for a guidance branch: backbone only).
+    pub fn has_tower(&self) -> bool {
+        !self.tower_kv.is_empty()
     }
 
     /// Rows this lane was sized for.

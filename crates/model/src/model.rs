@@ -403,7 +403,13 @@ impl<B: Backend> Model<B> {
 
     /// A fresh lane able to hold `capacity_rows` backbone rows (admission reserves P + F + 1).
     pub fn new_lane(&self, capacity_rows: usize) -> Result<LaneState<B>> {
-        LaneState::new(self, capacity_rows)
+        LaneState::new(self, capacity_rows, true)
+    }
+
+    /// A lane with backbone state only (the unconditional branch of guidance): prefill and
+    /// advance skip the tower, and it never samples a frame itself.
+    pub fn new_backbone_lane(&self, capacity_rows: usize) -> Result<LaneState<B>> {
+        LaneState::new(self, capacity_rows, false)
     }
 
     /// Checks a row's token and codes against the vocabulary and codebook.
@@ -775,7 +781,7 @@ impl<B: Backend> Model<B> {
         if t > 1 {
             hidden.push(be.rows(&hn, 0, t - 1)?);
         }
-        if !inputs.is_empty() {
+        if !inputs.is_empty() && lane.has_tower() {
             let refs: Vec<&B::Buf> = hidden.iter().collect();
             let h = be.concat_rows(&refs)?;
             self.tower_bulk(lane, &h, &inputs, &labels, tower_trace)?;
@@ -861,6 +867,11 @@ impl<B: Backend> Model<B> {
         pick: &mut dyn FnMut(usize, usize, &[f32]) -> u32,
         mut head_logits: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<Row>> {
+        if lanes.iter().any(|l| !l.has_tower()) {
+            return Err(ModelError::Unsupported(
+                "a backbone-only lane (guidance branch) cannot run the tower".into(),
+            ));
+        }
         let be = &self.backend;
         let g = &self.geometry;
         let n = lanes.len();

@@ -103,7 +103,9 @@ struct Job {
     segments: Vec<(Prompt, Admission)>,
     /// Guidance: γ and, per segment, the unconditional prompt (the same text, no references).
     guidance: Option<(f32, Vec<Prompt>)>,
-    /// Largest P + F + 1 over the segments: the rows this job's lane needs.
+    /// Largest P + F + 1 over the segments: the rows the conditional lane is sized for.
+    lane_rows: u64,
+    /// KV rows reserved from the pool: `lane_rows`, plus the unconditional branch's when guided.
     rows: u64,
     cap: CapApplied,
     frame_cap: u64,
@@ -261,8 +263,11 @@ impl Engine {
             .backbone_kv_bytes_per_row(kv_bytes)
             .and_then(|a| geom.tower_kv_bytes_per_row(kv_bytes).map(|b| a + b))
             .map_err(|e| SpeechError::Engine(e.to_string()))?;
+        // With guidance possible, each lane may hold a second (unconditional) window of rows.
+        let cfg_possible = opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
         let pool_rows = window
             .checked_mul(lanes as u64)
+            .and_then(|r| r.checked_mul(if cfg_possible { 2 } else { 1 }))
             .ok_or_else(|| SpeechError::Engine("window x lanes overflows".into()))?;
         let mut req = admission::PlanRequest::new(match opts.backend {
             BackendChoice::Cpu => admission::Backend::Cpu,
@@ -271,7 +276,7 @@ impl Engine {
         req.context = Some(Window(window));
         req.kv = Some(kv);
         req.lanes = Lanes(lanes as u64);
-        req.cfg = opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
+        req.cfg = cfg_possible;
         req.prompt_cache =
             admission::Bytes::from_gib_f64(opts.prompt_cache_gib).unwrap_or(admission::Bytes(0));
         req.limits = opts.limits;
@@ -497,6 +502,7 @@ impl Engine {
             seed,
             params: job_parts.params,
             rows: job_parts.rows,
+            lane_rows: job_parts.lane_rows,
             cap: job_parts.cap,
             frame_cap: job_parts.frame_cap,
             segments: job_parts.segments,
@@ -696,6 +702,7 @@ impl Engine {
         } else {
             None
         };
+        let lane_rows = rows;
         // The unconditional branch keeps its own backbone state: reserve its rows too.
         if let Some((_, un)) = &guidance {
             let extra = un
@@ -717,6 +724,7 @@ impl Engine {
             ));
         }
         Ok(Prepared {
+            lane_rows,
             guidance,
             seed,
             params,
@@ -781,6 +789,7 @@ impl Drop for Engine {
 }
 
 struct Prepared {
+    lane_rows: u64,
     guidance: Option<(f32, Vec<Prompt>)>,
     seed: u64,
     params: SamplingParams,
@@ -1260,7 +1269,7 @@ impl<B: Backend> Worker<B> {
         job: Job,
         reservation: admission::Reservation,
     ) -> Result<Active<B>, (mpsc::UnboundedSender<JobEvent>, String)> {
-        let lane = match self.model.new_lane(job.rows as usize) {
+        let lane = match self.model.new_lane(job.lane_rows as usize) {
             Ok(l) => l,
             Err(e) => return Err((job.events, e.to_string())),
         };
@@ -1299,7 +1308,7 @@ impl<B: Backend> Worker<B> {
         if a.segment > 0 {
             a.lane = self
                 .model
-                .new_lane(a.job.rows as usize)
+                .new_lane(a.job.lane_rows as usize)
                 .map_err(|e| e.to_string())?;
         }
         let seg = &a.job.segments[a.segment].0;
@@ -1338,7 +1347,7 @@ impl<B: Backend> Worker<B> {
             let seg = &a.job.segments[a.segment];
             let urows = to_rows(&un[a.segment].rows);
             let cap = urows.len() + seg.1.frames.0 as usize + 1;
-            let mut lane = self.model.new_lane(cap).map_err(|e| e.to_string())?;
+            let mut lane = self.model.new_backbone_lane(cap).map_err(|e| e.to_string())?;
             self.model
                 .prefill(&mut lane, &urows)
                 .map_err(|e| e.to_string())?;

@@ -176,3 +176,22 @@ fn request_gammas_replay_and_sequences_match() {
     drop(h);
     assert_eq!(run(&e, true, Some(1.0)).0, g1.0);
 }
+
+#[test]
+fn guided_request_filling_the_window_is_admitted() {
+    // The pool holds a second window per lane when guidance can run: a guided request whose
+    // conditional branch fills C (default cap shrunk to C - P - 1) is admitted, not refused.
+    let e = engine(CfgOptions { gamma: 1.0, ..Default::default() });
+    let r = SynthesisRequest {
+        text: "Fill it.".into(),
+        references: vec![reference()],
+        seed: Some(1),
+        ..Default::default()
+    };
+    let p = e.prompt_rows(&r).unwrap()[0];
+    let h = e.submit(r).unwrap();
+    let (_, s) = h.wait().unwrap();
+    assert!(s.guided);
+    assert_eq!(s.frame_cap, 1024 - p - 1);
+    assert_eq!(s.cap, speech::CapApplied::DefaultShrunk);
+}
