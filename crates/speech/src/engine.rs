@@ -264,7 +264,8 @@ impl Engine {
             .and_then(|a| geom.tower_kv_bytes_per_row(kv_bytes).map(|b| a + b))
             .map_err(|e| SpeechError::Engine(e.to_string()))?;
         // With guidance possible, each lane may hold a second (unconditional) window of rows.
-        let cfg_possible = opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
+        let cfg_possible =
+            opts.cfg.gamma > 0.0 || opts.cfg.force_guided || opts.cfg.allow_request_gamma;
         let pool_rows = window
             .checked_mul(lanes as u64)
             .and_then(|r| r.checked_mul(if cfg_possible { 2 } else { 1 }))
@@ -437,13 +438,28 @@ impl Engine {
         }
     }
 
-    /// Encodes a WAV clip into reference codes (frame-major).
-    pub fn encode_clip(&self, wav: &[u8]) -> Result<Vec<Vec<i64>>, SpeechError> {
-        let pcm = crate::pcm::read_clip(wav, self.codec.sample_rate())?;
+    /// Encodes a WAV clip into reference codes (frame-major). The clip's length is checked
+    /// against the per-passage frame limit before any resampling or encoding.
+    pub fn encode_clip(
+        &self,
+        wav: &[u8],
+        index: u64,
+        param: &str,
+    ) -> Result<Vec<Vec<i64>>, RequestError> {
+        let bad =
+            |e: SpeechError| RequestError::invalid("invalid_audio", Some(param), e.to_string());
+        let (mono, rate) = crate::pcm::decode_wav(wav).map_err(bad)?;
+        let target = u64::from(self.codec.sample_rate());
+        let samples = (mono.len() as u64).saturating_mul(target) / u64::from(rate);
+        let frames = samples.div_ceil(self.codec.frame_length() as u64);
+        self.limits
+            .check_reference_frames(index, admission::ReferenceFrames(frames))
+            .map_err(|e| with_param(limit_err(e), param))?;
+        let pcm = crate::pcm::resample(&mono, rate, self.codec.sample_rate()).map_err(bad)?;
         let codes = self
             .codec
             .encode(&pcm)
-            .map_err(|e| SpeechError::Audio(e.to_string()))?;
+            .map_err(|e| bad(SpeechError::Audio(e.to_string())))?;
         Ok((0..codes.frames())
             .map(|f| {
                 (0..codes.num_codebooks())
@@ -472,9 +488,7 @@ impl Engine {
             .map_err(|e| with_param(limit_err(e), "text"))?;
         crate::prompt::validate_text(transcript, "voice transcript")
             .map_err(|e| RequestError::invalid(speech_code(&e), Some("text"), e.to_string()))?;
-        let codes = self
-            .encode_clip(wav)
-            .map_err(|e| RequestError::invalid("invalid_audio", Some("audio"), e.to_string()))?;
+        let codes = self.encode_clip(wav, 1, "audio")?;
         self.limits
             .check_reference_frames(1, admission::ReferenceFrames(codes.len() as u64))
             .map_err(|e| with_param(limit_err(e), "audio"))?;
@@ -614,13 +628,9 @@ impl Engine {
                 .map_err(|e| with_param(limit_err(e), &format!("{p}.text")))?;
             let codes = match &r.audio {
                 ReferenceAudio::Codes(c) => c.clone(),
-                ReferenceAudio::Wav(bytes) => self.encode_clip(bytes).map_err(|e| {
-                    RequestError::invalid(
-                        "invalid_audio",
-                        Some(&format!("{p}.audio")),
-                        e.to_string(),
-                    )
-                })?,
+                ReferenceAudio::Wav(bytes) => {
+                    self.encode_clip(bytes, idx as u64 + 1, &format!("{p}.audio"))?
+                }
             };
             self.limits
                 .check_reference_frames(
@@ -1347,7 +1357,10 @@ impl<B: Backend> Worker<B> {
             let seg = &a.job.segments[a.segment];
             let urows = to_rows(&un[a.segment].rows);
             let cap = urows.len() + seg.1.frames.0 as usize + 1;
-            let mut lane = self.model.new_backbone_lane(cap).map_err(|e| e.to_string())?;
+            let mut lane = self
+                .model
+                .new_backbone_lane(cap)
+                .map_err(|e| e.to_string())?;
             self.model
                 .prefill(&mut lane, &urows)
                 .map_err(|e| e.to_string())?;

@@ -82,13 +82,28 @@ pub fn wav_header(sample_rate: u32, samples: Option<u64>) -> Vec<u8> {
 
 /// Reads a WAV clip (any rate, channels averaged to mono) as f32 at `target_rate`.
 pub fn read_clip(bytes: &[u8], target_rate: u32) -> Result<Vec<f32>, SpeechError> {
+    let (mono, rate) = decode_wav(bytes)?;
+    resample(&mono, rate, target_rate)
+}
+
+/// Sample rates a reference clip may have (a crafted header must not size the resampler).
+pub const CLIP_RATES: std::ops::RangeInclusive<u32> = 8_000..=192_000;
+
+/// A WAV clip as mono f32 at its own rate (channels averaged).
+pub fn decode_wav(bytes: &[u8]) -> Result<(Vec<f32>, u32), SpeechError> {
     let reader = hound::WavReader::new(std::io::Cursor::new(bytes))
         .map_err(|e| SpeechError::Audio(format!("not a readable WAV file: {e}")))?;
     let spec = reader.spec();
-    if spec.channels == 0 || spec.sample_rate == 0 {
-        return Err(SpeechError::Audio(
-            "WAV has no channels or a zero sample rate".into(),
-        ));
+    if spec.channels == 0 {
+        return Err(SpeechError::Audio("WAV has no channels".into()));
+    }
+    if !CLIP_RATES.contains(&spec.sample_rate) {
+        return Err(SpeechError::Audio(format!(
+            "WAV sample rate {} Hz is outside the accepted {} to {} Hz",
+            spec.sample_rate,
+            CLIP_RATES.start(),
+            CLIP_RATES.end()
+        )));
     }
     let ch = spec.channels as usize;
     let interleaved: Vec<f32> = match spec.sample_format {
@@ -115,7 +130,7 @@ pub fn read_clip(bytes: &[u8], target_rate: u32) -> Result<Vec<f32>, SpeechError
     if !mono.iter().all(|x| x.is_finite()) {
         return Err(SpeechError::Audio("WAV holds non-finite samples".into()));
     }
-    resample(&mono, spec.sample_rate, target_rate)
+    Ok((mono, spec.sample_rate))
 }
 
 pub fn read_clip_file(path: &Path, target_rate: u32) -> Result<Vec<f32>, SpeechError> {

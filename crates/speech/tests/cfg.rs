@@ -181,7 +181,10 @@ fn request_gammas_replay_and_sequences_match() {
 fn guided_request_filling_the_window_is_admitted() {
     // The pool holds a second window per lane when guidance can run: a guided request whose
     // conditional branch fills C (default cap shrunk to C - P - 1) is admitted, not refused.
-    let e = engine(CfgOptions { gamma: 1.0, ..Default::default() });
+    let e = engine(CfgOptions {
+        gamma: 1.0,
+        ..Default::default()
+    });
     let r = SynthesisRequest {
         text: "Fill it.".into(),
         references: vec![reference()],

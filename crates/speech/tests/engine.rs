@@ -183,3 +183,50 @@ fn window_boundary_is_exact_with_and_without_references() {
     let err = e.submit(req(&long, 1, 1)).err().unwrap();
     assert_eq!(err.code, "window_exceeded");
 }
+
+fn wav(rate: u32, samples: usize) -> Vec<u8> {
+    let pcm: Vec<i16> = (0..samples)
+        .map(|i| ((i as f32 * 0.03).sin() * 9000.0) as i16)
+        .collect();
+    let mut s16 = speech::pcm::wav_bytes(&pcm, 44100);
+    s16[24..28].copy_from_slice(&rate.to_le_bytes());
+    s16[28..32].copy_from_slice(&rate.wrapping_mul(2).to_le_bytes());
+    s16
+}
+
+#[test]
+fn hostile_reference_clips_are_refused_before_work() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let e = engine(1, 2);
+    let with_clip = |bytes: Vec<u8>| {
+        let mut r = req("Clone it.", 1, 4);
+        r.references = vec![speech::ReferenceInput {
+            audio: speech::ReferenceAudio::Wav(bytes),
+            transcript: "A clip.".into(),
+        }];
+        r
+    };
+    // A header claiming 4.29 GHz must not size the resampler.
+    let err = e.submit(with_clip(wav(4_294_967_291, 64))).err().unwrap();
+    assert_eq!(err.code, "invalid_audio", "{}", err.message);
+    // One whose header is consistent but whose rate is absurdly low is refused by rate too.
+    let err = e.submit(with_clip(wav(1, 64))).err().unwrap();
+    assert!(err.message.contains("sample rate"), "{}", err.message);
+    // A clip longer than 646 frames (30 s) is refused from its length, before encoding.
+    let t = std::time::Instant::now();
+    let err = e.submit(with_clip(wav(8000, 8000 * 40))).err().unwrap();
+    assert_eq!(err.code, "reference_too_long_frames", "{}", err.message);
+    assert!(
+        t.elapsed().as_secs_f64() < 2.0,
+        "refused only after work: {:?}",
+        t.elapsed()
+    );
+    // The next request is unaffected.
+    let ok = e
+        .submit(with_clip(wav(16000, 16000)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(ok.1.frames >= 1);
+}
