@@ -101,6 +101,8 @@ struct Job {
     seed: u64,
     params: SamplingParams,
     segments: Vec<(Prompt, Admission)>,
+    /// The reference prefix every segment's prompt starts with (segments hold only their own rows).
+    prefix: Vec<crate::prompt::Row>,
     /// Guidance: γ and, per segment, the unconditional prompt (the same text, no references).
     guidance: Option<(f32, Vec<Prompt>)>,
     /// Largest P + F + 1 over the segments: the rows the conditional lane is sized for.
@@ -183,6 +185,9 @@ pub struct Engine {
 fn err(e: impl std::fmt::Display) -> SpeechError {
     SpeechError::Engine(e.to_string())
 }
+
+/// Sentence groups per request: each is its own prompt (and prefill), so their number is bounded.
+pub const MAX_SEGMENTS: usize = 4096;
 
 /// The K/V precision the engine runs with: f32 on both backends (BF16 K/V is opt-in on CUDA,
 /// `DRAMATIS_CUDA_KV=bf16`: it fails the fixture's 1e-3 logits tolerance, as the CPU does with
@@ -521,6 +526,7 @@ impl Engine {
             frame_cap: job_parts.frame_cap,
             segments: job_parts.segments,
             guidance: job_parts.guidance,
+            prefix: job_parts.prefix,
             events: tx,
             cancel: Arc::clone(&cancel),
             submitted: Instant::now(),
@@ -564,7 +570,10 @@ impl Engine {
         // Any admissible cap: only P is wanted here.
         probe.max_frames = None;
         let p = self.prepare(&probe)?;
-        Ok(p.segments.iter().map(|s| s.0.rows.len() as u64).collect())
+        Ok(p.segments
+            .iter()
+            .map(|s| (s.0.prefix_rows + s.0.rows.len()) as u64)
+            .collect())
     }
 
     fn prepare(&self, req: &SynthesisRequest) -> Result<Prepared, RequestError> {
@@ -657,10 +666,22 @@ impl Engine {
             Some(f) => FrameCap::Explicit(Frames(f)),
             None => FrameCap::Default,
         };
+        if texts.len() > MAX_SEGMENTS {
+            return Err(RequestError::limit(
+                "too_many_segments",
+                Some("input"),
+                format!(
+                    "the text splits into {} sentence groups, more than the limit of {MAX_SEGMENTS} groups per request; \
+                     raise chunk_length or send fewer sentences",
+                    texts.len()
+                ),
+            ));
+        }
         let mut segments = Vec::with_capacity(texts.len());
+        let mut prefix: Vec<crate::prompt::Row> = Vec::new();
         let mut rows = 0u64;
         for t in &texts {
-            let p = builder.build(t, &refs).map_err(|e| {
+            let mut p = builder.build(t, &refs).map_err(|e| {
                 RequestError::invalid(speech_code(&e), Some("input"), e.to_string())
             })?;
             let a = self
@@ -677,6 +698,12 @@ impl Engine {
                     )
                 })?;
             rows = rows.max(a.rows().0);
+            // Every segment shares the reference prefix: keep one copy, and only each segment's
+            // own rows.
+            if prefix.is_empty() {
+                prefix = p.rows[..p.prefix_rows].to_vec();
+            }
+            p.rows.drain(..p.prefix_rows);
             segments.push((p, a));
         }
         if segments.is_empty() {
@@ -718,7 +745,7 @@ impl Engine {
             let extra = un
                 .iter()
                 .zip(&segments)
-                .map(|(p, s)| p.rows.len() as u64 + s.1.frames.0 + 1)
+                .map(|(p, s)| (p.prefix_rows + p.rows.len()) as u64 + s.1.frames.0 + 1)
                 .max()
                 .unwrap_or(0);
             rows = rows.saturating_add(extra);
@@ -734,6 +761,7 @@ impl Engine {
             ));
         }
         Ok(Prepared {
+            prefix,
             lane_rows,
             guidance,
             seed,
@@ -799,6 +827,7 @@ impl Drop for Engine {
 }
 
 struct Prepared {
+    prefix: Vec<crate::prompt::Row>,
     lane_rows: u64,
     guidance: Option<(f32, Vec<Prompt>)>,
     seed: u64,
@@ -1305,7 +1334,7 @@ impl<B: Backend> Worker<B> {
             seed: a.job.seed,
             frame_cap: a.job.frame_cap,
             cap: a.job.cap,
-            prompt_rows: a.job.segments[0].0.rows.len() as u64,
+            prompt_rows: a.job.segments[0].1.prompt_rows.0,
         });
         if let Err(e) = self.prefill_segment(&mut a) {
             let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
@@ -1322,8 +1351,11 @@ impl<B: Backend> Worker<B> {
                 .map_err(|e| e.to_string())?;
         }
         let seg = &a.job.segments[a.segment].0;
-        let rows = to_rows(&seg.rows);
         let p = seg.prefix_rows;
+        let rows: Vec<model::Row> = to_rows(&a.job.prefix[..p])
+            .into_iter()
+            .chain(to_rows(&seg.rows))
+            .collect();
         if p > 0 && p < rows.len() {
             // The reference prefix: restored from the cache or prefilled (and then cached).
             let capacity = a.lane.capacity();

@@ -230,3 +230,13 @@ fn hostile_reference_clips_are_refused_before_work() {
         .unwrap();
     assert!(ok.1.frames >= 1);
 }
+
+#[test]
+fn sentence_groups_are_bounded() {
+    let e = engine(1, 2);
+    let mut r = req(&"Hi. ".repeat(5000), 1, 2);
+    r.chunk_length = Some(1);
+    let err = e.submit(r).err().unwrap();
+    assert_eq!(err.code, "too_many_segments");
+    assert!(err.message.contains("4096"), "{}", err.message);
+}
