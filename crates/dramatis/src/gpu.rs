@@ -73,6 +73,7 @@ pub fn qualify_window(
     if compare_cpu && cuda {
         let cpu = speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk)
             .map_err(|e| anyhow::anyhow!(e))?;
+        let same_len = run.last_logits.len() == cpu.last_logits.len();
         let diff = run
             .last_logits
             .iter()
@@ -80,11 +81,16 @@ pub fn qualify_window(
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         let scale = cpu.last_logits.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        // The fixture's tolerance for logits: atol 1e-3 + rtol 1e-3 of the largest logit.
+        let within =
+            same_len && diff.is_finite() && f64::from(diff) <= 1e-3 + 1e-3 * f64::from(scale);
+        let same_frame = cpu.frame == run.frame;
         receipt["cpu_reference"] = serde_json::json!({
             "prefill_seconds": cpu.prefill_seconds, "frame": cpu.frame,
-            "max_abs_logit_diff": diff, "max_abs_logit": scale,
-            "same_frame": cpu.frame == run.frame,
+            "max_abs_logit_diff": diff, "max_abs_logit": scale, "within_tolerance": within,
+            "same_frame": same_frame,
         });
+        ok &= within && same_frame;
         ok &= cpu.last_logits_finite;
     }
     receipt["verdict"] = serde_json::json!(if ok { "filled" } else { "failed" });

@@ -223,6 +223,24 @@ fn with_param(mut e: RequestError, p: &str) -> RequestError {
 impl Engine {
     /// Loads everything and starts the worker; failures release what was taken (RAII).
     pub fn load(opts: EngineOptions) -> Result<Arc<Engine>, SpeechError> {
+        let g = opts.cfg.gamma;
+        if !(g.is_finite() && (0.0..=10.0).contains(&g)) {
+            return Err(SpeechError::Engine(format!(
+                "--cfg-gamma must be a finite number in [0, 10], got {g}"
+            )));
+        }
+        for (flag, v) in [
+            ("--host-gib", opts.host_gib),
+            ("--prompt-cache-gib", Some(opts.prompt_cache_gib)),
+        ] {
+            if let Some(v) = v {
+                if admission::Bytes::from_gib_f64(v).is_none() {
+                    return Err(SpeechError::Engine(format!(
+                        "{flag} {v}: must be a finite, non-negative number of GiB below 2^64 bytes"
+                    )));
+                }
+            }
+        }
         let dir = match &opts.model_dir {
             Some(d) => d.clone(),
             None => crate::builtin::ensure_builtin().map_err(err)?,

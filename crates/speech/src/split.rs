@@ -62,10 +62,14 @@ pub fn segments(text: &str, chunk_bytes: usize) -> Vec<String> {
         if !cur.is_empty() && (changes || cur.len() + 1 + s.len() > chunk_bytes) {
             groups.push(std::mem::take(&mut cur));
         }
-        if let Some(tag) = &own {
-            speaker = Some(tag.clone());
-        }
+        // The speaker in force after this sentence: its last tag, wherever it stands.
+        let last = s
+            .rfind("<|speaker:")
+            .and_then(|i| s[i..].find("|>").map(|e| s[i..i + e + 2].to_string()));
         if cur.is_empty() {
+            if let Some(tag) = &own {
+                speaker = Some(tag.clone());
+            }
             cur_speaker = speaker.clone();
             if own.is_none() {
                 if let Some(tag) = &speaker {
@@ -77,6 +81,9 @@ pub fn segments(text: &str, chunk_bytes: usize) -> Vec<String> {
             cur.push(' ');
         }
         cur.push_str(&s);
+        if let Some(tag) = last {
+            speaker = Some(tag);
+        }
     }
     if !cur.is_empty() {
         groups.push(cur);
@@ -118,5 +125,11 @@ mod tests {
         assert_eq!(g, vec!["<|speaker:1|> A. B.", "<|speaker:2|> C. D."]);
         let g = segments("A. B.", 1000);
         assert_eq!(g, vec!["A. B."]);
+        // A tag in the middle of a sentence carries into the next group.
+        let g = segments(
+            "<|speaker:0|>Hello! How are you?<|speaker:1|>I'm fine. Thanks.",
+            20,
+        );
+        assert_eq!(g.last().unwrap(), "<|speaker:1|> Thanks.");
     }
 }

@@ -38,7 +38,9 @@ pub struct VoiceCatalog {
 
 /// Voice names are file names: ASCII letters, digits, `-`, `_`, `.`; 1..=64 bytes; no leading dot.
 pub fn valid_name(name: &str) -> bool {
-    !name.is_empty()
+    // "default" and "builtin" select the builtin voice in requests: never a catalog entry.
+    !matches!(name, "default" | "builtin")
+        && !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('.')
         && name
@@ -80,7 +82,7 @@ impl VoiceCatalog {
             Err(RequestError::invalid(
                 "invalid_voice_name",
                 Some("name"),
-                format!("voice name {name:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.', not starting with '.'"),
+                format!("voice name {name:?} must be 1 to 64 ASCII letters, digits, '-', '_' or '.', not starting with '.', and not \"default\" or \"builtin\""),
             ))
         }
     }
