@@ -552,6 +552,14 @@ impl Engine {
         {
             let (m, cv) = &*self.shared;
             let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+            if s.stopped {
+                return Err(RequestError {
+                    kind: RequestErrorKind::Server,
+                    code: "engine_stopped".into(),
+                    param: None,
+                    message: "the engine has stopped and takes no more requests".into(),
+                });
+            }
             if s.shutdown {
                 return Err(RequestError {
                     kind: RequestErrorKind::Overloaded,
@@ -1216,7 +1224,27 @@ fn spawn_worker<B: Backend + 'static>(
     let h = std::thread::Builder::new()
         .name("dramatis-frames".into())
         .spawn(move || {
-            worker.run();
+            let shared = Arc::clone(&worker.shared);
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()));
+            if let Err(p) = outcome {
+                // A bug must not leave callers waiting: stop taking work and fail what waits.
+                let why = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "unknown panic".into());
+                let (m, cv) = &*shared;
+                let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+                s.shutdown = true;
+                s.stopped = true;
+                s.busy = 0;
+                for job in s.queue.drain(..) {
+                    let _ = job
+                        .events
+                        .send(JobEvent::Failed(format!("the engine stopped: {why}")));
+                }
+                cv.notify_all();
+            }
             // The worker held the only sender: the codec thread drains and ends.
             let _ = codec_thread.join();
         })
