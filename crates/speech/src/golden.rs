@@ -97,6 +97,16 @@ impl Goldens {
     }
 }
 
+/// Columns of a `[rows, columns]` golden, or an error naming it.
+fn width(shape: &[usize], name: &str) -> Result<usize, String> {
+    match shape {
+        [_, w] => Ok(*w),
+        s => Err(format!(
+            "golden {name} has shape {s:?}, expected [rows, columns]"
+        )),
+    }
+}
+
 fn rows_of(flat: &[i64], width: usize) -> Result<Vec<Row>, String> {
     if width != ROW_WIDTH {
         return Err(format!(
@@ -163,14 +173,18 @@ fn backbone_cases<B: Backend>(
     m: &Model<B>,
 ) -> Result<(), String> {
     let cands: Vec<i64> = m.candidates().iter().map(|&c| i64::from(c)).collect();
-    if let Some(want) = g.i64("candidate_token_ids") {
-        r.exact("candidate_token_ids", &cands, &want);
+    match g.i64("candidate_token_ids") {
+        Some(want) => r.exact("candidate_token_ids", &cands, &want),
+        None => r.push("candidate_token_ids", false, "golden tensor missing".into()),
     }
     let Some(shape) = g.shape("prompt_rows") else {
         r.push("prompt_rows", false, "golden tensor missing".into());
         return Ok(());
     };
-    let rows = rows_of(&g.i64("prompt_rows").unwrap_or_default(), shape[1])?;
+    let rows = rows_of(
+        &g.i64("prompt_rows").unwrap_or_default(),
+        width(&shape, "prompt_rows")?,
+    )?;
     let tr = m
         .backbone_teacher_forced(&rows)
         .map_err(|e| e.to_string())?;
@@ -189,7 +203,10 @@ fn backbone_cases<B: Backend>(
         r.push("tf_sequence", false, "golden tensor missing".into());
         return Ok(());
     };
-    let tf = rows_of(&g.i64("tf_sequence").unwrap_or_default(), tshape[1])?;
+    let tf = rows_of(
+        &g.i64("tf_sequence").unwrap_or_default(),
+        width(&tshape, "tf_sequence")?,
+    )?;
     let tt = m.backbone_teacher_forced(&tf).map_err(|e| e.to_string())?;
     case(r, "tf_final_hidden", &tt.final_hidden);
     case(r, "tf_semantic_logits", &tt.candidate_logits);
@@ -197,8 +214,13 @@ fn backbone_cases<B: Backend>(
         .tower_teacher_forced(&tf, &tt.final_hidden)
         .map_err(|e| e.to_string())?;
     let shared = m.geometry.tower_shared;
-    if let Some(s) = tower.layer_outputs.get(shared.saturating_sub(1)) {
-        case(r, "tf_shared_out", s);
+    match tower.layer_outputs.get(shared.saturating_sub(1)) {
+        Some(s) => case(r, "tf_shared_out", s),
+        None => r.push(
+            "tf_shared_out",
+            false,
+            "the tower has no shared layers".into(),
+        ),
     }
     case(r, "tf_tower_layer_outputs", &tower.layer_outputs.concat());
     case(r, "tf_codebook_logits", &tower.codebook_logits);
@@ -214,9 +236,12 @@ fn generation_cases<B: Backend>(
         r.push("gen_frames", false, "golden tensor missing".into());
         return Ok(());
     };
-    let rows = rows_of(&g.i64("prompt_rows").unwrap_or_default(), pshape[1])?;
+    let rows = rows_of(
+        &g.i64("prompt_rows").unwrap_or_default(),
+        width(&pshape, "prompt_rows")?,
+    )?;
     let want = g.i64("gen_frames").unwrap_or_default();
-    let n = fshape[0];
+    let n = *fshape.first().ok_or("gen_frames has no dimensions")?;
     let mut lane = m.new_lane(rows.len() + n + 1).map_err(|e| e.to_string())?;
     m.prefill(&mut lane, &rows).map_err(|e| e.to_string())?;
     let (mut frames, mut hidden, mut sem, mut heads) =
@@ -275,6 +300,14 @@ fn prompt_case(
     ) else {
         return Ok(());
     };
+    if cs.len() != 2 || codes.len() != cs[0] * cs[1] {
+        r.push(
+            "prompt_rows (builder)",
+            false,
+            format!("codec_encode_codes has shape {cs:?}, not [codebooks, frames]"),
+        );
+        return Ok(());
+    }
     let frames = cs[1];
     let refcodes: Vec<Vec<i64>> = (0..frames)
         .map(|f| (0..cs[0]).map(|c| codes[c * frames + f]).collect())
