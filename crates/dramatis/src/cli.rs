@@ -435,6 +435,8 @@ fn say(a: SayArgs) -> Result<ExitCode> {
             SplitArg::Sentence => Split::Sentence,
             SplitArg::None => Split::None,
         },
+        // `say` writes one WAV: the whole reply is held.
+        whole_reply: true,
         ..Default::default()
     };
     let mut h = eng

@@ -46,6 +46,9 @@ pub struct SynthesisRequest {
     pub chunk_length: Option<usize>,
     /// Per-request guidance strength (only with `--cfg-allow-request-gamma`).
     pub cfg_gamma: Option<f32>,
+    /// The caller keeps the whole reply in memory (not streamed): its PCM is checked against the
+    /// host budget before the request is admitted.
+    pub whole_reply: bool,
 }
 
 /// Which frame cap applied to a request.

@@ -165,6 +165,8 @@ pub struct Engine {
     backend_name: String,
     expert_format: String,
     contract: WindowContract,
+    /// Bytes one whole reply may hold (see `load`).
+    whole_reply_budget: u64,
     limits: Limits,
     lanes: usize,
     queue_cap: usize,
@@ -310,6 +312,13 @@ impl Engine {
         req.host_budget =
             admission::MemoryBudget::choose(host_flag, admission::host_mem_available());
         let plan = admission::plan(&geom, &req);
+        // What the host has beyond the plan, shared by every request that may be in flight, is
+        // what one whole (not streamed) reply may hold.
+        let whole_reply_budget = plan
+            .total(admission::Memory::Host)
+            .and_then(|t| t.budget.map(|b| b.bytes.0.saturating_sub(t.needed.0)))
+            .map(|free| free / (lanes as u64 + queue_cap as u64).max(1))
+            .unwrap_or(u64::MAX);
         if !plan.is_admitted() {
             return Err(SpeechError::Engine(format!(
                 "start-up refused by the memory plan (use --context, --parallel or --host-gib):\n{}",
@@ -397,6 +406,7 @@ impl Engine {
             backend_name,
             expert_format: ck.expert_format.name().to_string(),
             contract,
+            whole_reply_budget,
             limits: opts.limits,
             lanes,
             queue_cap,
@@ -749,6 +759,27 @@ impl Engine {
             CapApplied::Default
         };
         let frame_cap = segments.iter().map(|s| s.1.frames.0).min().unwrap_or(0);
+        if req.whole_reply {
+            // s16 samples plus the encoded body: 4 bytes per sample of every segment's cap.
+            let frames: u64 = segments
+                .iter()
+                .map(|s| s.1.frames.0)
+                .fold(0, u64::saturating_add);
+            let bytes = frames
+                .saturating_mul(self.codec.frame_length() as u64)
+                .saturating_mul(4);
+            if bytes > self.whole_reply_budget {
+                return Err(RequestError::limit(
+                    "whole_reply_too_large",
+                    Some("max_frames"),
+                    format!(
+                        "a whole reply of up to {frames} frames needs {bytes} bytes of host memory, more than the \
+                         {} bytes one reply may hold here; stream it (stream: true) or ask for fewer frames",
+                        self.whole_reply_budget
+                    ),
+                ));
+            }
+        }
         let seed = req.seed.unwrap_or_else(draw_seed);
         // Guided only with a reference (the builtin voice never is), and only when γ > 0 or the
         // guided path is forced for qualification.

@@ -240,3 +240,27 @@ fn sentence_groups_are_bounded() {
     assert_eq!(err.code, "too_many_segments");
     assert!(err.message.contains("4096"), "{}", err.message);
 }
+
+#[test]
+fn whole_replies_are_checked_against_host_memory() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let e = Engine::load(EngineOptions {
+        host_gib: Some(4.0),
+        prompt_cache_gib: 0.0,
+        voices_dir: Some(cache.join("voices-whole")),
+        ..Default::default()
+    })
+    .unwrap();
+    // 200000 frames x 2048 samples x 4 bytes = 1.6 GB: more than one of 5 in-flight replies
+    // may hold in what 4 GiB leaves beside the plan.
+    let mut r = req("Long.", 1, 200_000);
+    r.whole_reply = true;
+    let err = e.submit(r.clone()).err().unwrap();
+    assert_eq!(err.code, "whole_reply_too_large", "{}", err.message);
+    assert!(err.message.contains("1638400000"), "{}", err.message);
+    // Streamed, the same request is admitted (then abandoned).
+    r.whole_reply = false;
+    let h = e.submit(r).unwrap();
+    h.cancel();
+}
