@@ -87,33 +87,19 @@ fn golden_fails_on_a_broken_fixture() {
 #[test]
 fn say_is_deterministic_per_seed() {
     let d = tmp("say");
-    let a = say(&[
-        "Hello there. Second sentence.",
-        "--seed",
-        "7",
-        "--frames",
-        "24",
-        "--out",
-        d.join("a.wav").to_str().unwrap(),
-    ]);
-    let b = say(&[
-        "Hello there. Second sentence.",
-        "--seed",
-        "7",
-        "--frames",
-        "24",
-        "--out",
-        d.join("b.wav").to_str().unwrap(),
-    ]);
-    let c = say(&[
-        "Hello there. Second sentence.",
-        "--seed",
-        "8",
-        "--frames",
-        "24",
-        "--out",
-        d.join("c.wav").to_str().unwrap(),
-    ]);
+    let take = |seed: &str, name: &str| {
+        let out = d.join(name);
+        say(&[
+            "Hello there. Second sentence.",
+            "--seed",
+            seed,
+            "--frames",
+            "24",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    let (a, b, c) = (take("7", "a.wav"), take("7", "b.wav"), take("8", "c.wav"));
     assert!(a.status.success(), "{}", text(&a));
     assert_eq!(hash_of(&a), hash_of(&b));
     assert_ne!(hash_of(&a), hash_of(&c));
@@ -138,22 +124,7 @@ fn say_with_a_reference_clip() {
     let pcm: Vec<i16> = (0..11025)
         .map(|i| ((i as f32 * 0.05).sin() * 12000.0) as i16)
         .collect();
-    let mut wav = Vec::new();
-    wav.extend_from_slice(b"RIFF");
-    wav.extend_from_slice(&(36 + pcm.len() as u32 * 2).to_le_bytes());
-    wav.extend_from_slice(b"WAVEfmt ");
-    wav.extend_from_slice(&16u32.to_le_bytes());
-    wav.extend_from_slice(&1u16.to_le_bytes());
-    wav.extend_from_slice(&1u16.to_le_bytes());
-    wav.extend_from_slice(&22050u32.to_le_bytes());
-    wav.extend_from_slice(&44100u32.to_le_bytes());
-    wav.extend_from_slice(&2u16.to_le_bytes());
-    wav.extend_from_slice(&16u16.to_le_bytes());
-    wav.extend_from_slice(b"data");
-    wav.extend_from_slice(&(pcm.len() as u32 * 2).to_le_bytes());
-    for s in &pcm {
-        wav.extend_from_slice(&s.to_le_bytes());
-    }
+    let wav = speech::pcm::wav_bytes(&pcm, 22050);
     let clip = d.join("clip.wav");
     std::fs::write(&clip, &wav).unwrap();
     let o = say(&[
