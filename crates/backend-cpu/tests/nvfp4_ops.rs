@@ -1,37 +1,12 @@
 //! NVFP4 weights and the masked router against independent FP64 references on random inputs,
 //! each with a planted control showing the check can fail.
 
-use backend_cpu::{route_row, Bytes, CpuBackend, CpuBuf, CpuWeight, Format};
+use backend_cpu::{route_row, Bytes, CpuBackend, CpuWeight, Format};
 use checkpoint::dtype::{bf16_to_f32, f32_to_bf16};
 use model::{Backend, BackendError, Rows};
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [-1, 1), never exactly 0.
-    fn f(&mut self) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        let v = 2.0 * u - 1.0;
-        if v == 0.0 {
-            0.5
-        } else {
-            v
-        }
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-fn buf(rows: usize, cols: usize, data: Vec<f32>) -> CpuBuf {
-    CpuBackend.upload(&data, rows, cols).unwrap()
-}
+mod common;
+use common::{buf, Rng};
 
 /// E2M1 decoded from its definition (sign bit 3, exponent bits 2..1 with bias 1, mantissa bit 0;
 /// exponent 0 is subnormal: 0 or 0.5), independently of `checkpoint::dtype`.

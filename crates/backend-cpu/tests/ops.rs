@@ -2,37 +2,12 @@
 //! equalities the model relies on: chunked == recurrent delta rule, cached == uncached
 //! attention, row-exact linear independent of the batch, MoE tie-breaking.
 
-use backend_cpu::{Bytes, CpuBackend, CpuBuf, CpuGdn, CpuKv, CpuVector, CpuWeight, Format};
+use backend_cpu::{Bytes, CpuBackend, CpuGdn, CpuKv, CpuVector, CpuWeight, Format};
 use checkpoint::dtype::{bf16_to_f32, f32_to_bf16, f8e4m3_to_f32};
 use model::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
 
-/// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [-1, 1), never exactly 0.
-    fn f(&mut self) -> f32 {
-        let u = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        let v = 2.0 * u - 1.0;
-        if v == 0.0 {
-            0.5
-        } else {
-            v
-        }
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
-    }
-}
-
-fn buf(rows: usize, cols: usize, data: Vec<f32>) -> CpuBuf {
-    CpuBackend.upload(&data, rows, cols).unwrap()
-}
+mod common;
+use common::{buf, Rng};
 
 fn bf16_weight(rng: &mut Rng, rows: usize, cols: usize) -> (CpuWeight, Vec<f64>) {
     let mut bytes = Vec::with_capacity(rows * cols * 2);
