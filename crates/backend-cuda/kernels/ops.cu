@@ -1,7 +1,8 @@
 // The op-level kernels of the `Backend` implementation (any geometry): buffer moves, embedding
 // gather, RMSNorm with f32 weights, elementwise ops, rotary embedding (both layouts), the KV-cache
-// append, a generic causal attention, and the Gated DeltaNet conv and recurrence over many rows
-// and lanes. Activations are f32; per-lane state arrives as pointer tables passed by value.
+// append, a generic causal attention, a tiled flash-style causal prefill, and the Gated DeltaNet
+// conv and recurrence over many rows and lanes. Activations are f32; per-lane state arrives as
+// pointer tables passed by value.
 // PLANT builds are deliberately wrong; LOWP builds round a stage to bf16 (or truncate), so the
 // kernel contract can check that its cases tell precision apart.
 
@@ -324,6 +325,179 @@ extern "C" __global__ void __launch_bounds__(128) attn_generic_f32(KvTab tab, co
                                                                     int nkv, int hd, long long cap,
                                                                     float scale) {
     attn_generic_body<float>(tab, q, out, t, nh, nkv, hd, cap, scale);
+}
+
+// ---------------------------------------------------------------- flash-style causal prefill
+
+// Four consecutive cache values as f32 (i a multiple of 4; the caller checks hd % 32 == 0).
+__device__ __forceinline__ float4 kv_load4(const float* p, long long i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ float4 kv_load4(const bf16_t* p, long long i) {
+    uint2 u = *(const uint2*)(p + i);
+    float2 a = bf16x2_to_f32(u.x), b = bf16x2_to_f32(u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
+#define FQ 32  // query rows per block
+#define FK 32  // keys per tile
+// Tiled causal attention over many query rows of one lane (the prefill): each block takes FQ = 32
+// consecutive rows of one query head and walks the lane's cache in FK = 32-key tiles staged in
+// shared memory, so each K/V tile is read once per 32 rows instead of once per row. Online
+// softmax in f32 per row, as attn_generic_body. Row r (of t, lane blockIdx.z) sees keys
+// [0, len + r + 1). Thread (ty, tx) = (tid / 8, tid % 8) scores rows ty and ty + 16 against keys
+// tx + 8j (j < 4), and accumulates dims tx*4 + 32jj (jj < hd/32) of the same two rows.
+// Grid (ceil(t / FQ), nh, lanes), block 128, dynamic shared memory
+// ((FQ + 2 FK)(hd + 4) + FQ (FK + 1)) floats; hd a multiple of 32, at most 256. Blocks are
+// issued longest (latest rows) first. PLANT 1: sees one key past the causal limit. LOWP: q
+// rounded to bf16.
+template <typename T>
+__device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
+                                int t, int nh, int nkv, int hd, long long cap, float scale) {
+    extern __shared__ __align__(16) float fsm[];
+    const int ld = hd + 4, lp = FK + 1;
+    float* Qs = fsm;
+    float* Ks = Qs + FQ * ld;
+    float* Vs = Ks + FK * ld;
+    float* Ps = Vs + FK * ld;
+    int lane_id = blockIdx.z, h = blockIdx.y;
+    int kvh = h / (nh / nkv);
+    long long q0 = (long long)(gridDim.x - 1 - blockIdx.x) * FQ;
+    int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
+    long long base = tab.len[lane_id];
+    const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
+    const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
+    for (int i = tid; i < FQ * hd; i += blockDim.x) {
+        int r = i / hd, d = i % hd;
+        long long row = q0 + r;
+        Qs[r * ld + d] = row < t ? lowp(q[(((long long)lane_id * t + row) * nh + h) * hd + d]) : 0.0f;
+    }
+    long long rows_here = t - q0 < FQ ? t - q0 : FQ;
+    long long kend = base + q0 + rows_here;  // exclusive key limit of the block's last row
+#if PLANT == 1
+    kend += 1;
+#endif
+    if (kend > cap) kend = cap;
+    int nj = hd >> 5;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float acc[2][8][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
+    for (long long k0 = 0; k0 < kend; k0 += FK) {
+        __syncthreads();  // the previous tile's readers are done (and Q is visible)
+        for (int i = tid * 4; i < FK * hd; i += blockDim.x * 4) {
+            int kk = i / hd, d = i % hd;
+            long long key = k0 + kk;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+            if (key < kend) {
+                a = kv_load4(kb, key * hd + d);
+                b = kv_load4(vb, key * hd + d);
+            }
+            *(float4*)&Ks[kk * ld + d] = a;
+            *(float4*)&Vs[kk * ld + d] = b;
+        }
+        __syncthreads();
+        float s[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) s[i][j] = 0.0f;
+        for (int d = 0; d < hd; d += 4) {
+            float4 qa = *(const float4*)&Qs[ty * ld + d];
+            float4 qb = *(const float4*)&Qs[(ty + 16) * ld + d];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 kv = *(const float4*)&Ks[(tx + 8 * j) * ld + d];
+                s[0][j] = fmaf(qa.x, kv.x, s[0][j]); s[0][j] = fmaf(qa.y, kv.y, s[0][j]);
+                s[0][j] = fmaf(qa.z, kv.z, s[0][j]); s[0][j] = fmaf(qa.w, kv.w, s[0][j]);
+                s[1][j] = fmaf(qb.x, kv.x, s[1][j]); s[1][j] = fmaf(qb.y, kv.y, s[1][j]);
+                s[1][j] = fmaf(qb.z, kv.z, s[1][j]); s[1][j] = fmaf(qb.w, kv.w, s[1][j]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            int r = ty + 16 * i;
+            long long lim = base + q0 + r + 1;
+#if PLANT == 1
+            lim += 1;
+#endif
+            if (lim > cap) lim = cap;
+            float mt = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                long long key = k0 + tx + 8 * j;
+                s[i][j] = key < lim ? s[i][j] * scale : -INFINITY;
+                mt = fmaxf(mt, s[i][j]);
+            }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 4));
+            float mn = fmaxf(m[i], mt);
+            float corr = m[i] == -INFINITY ? 0.0f : expf(m[i] - mn);
+            float psum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float p = s[i][j] == -INFINITY ? 0.0f : expf(s[i][j] - mn);
+                Ps[r * lp + tx + 8 * j] = p;
+                psum += p;
+            }
+            psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+            psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+            psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+            l[i] = l[i] * corr + psum;
+            m[i] = mn;
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][jj][e] *= corr;
+        }
+        __syncthreads();
+        int nk = (int)(kend - k0 < FK ? kend - k0 : FK);
+        for (int kk = 0; kk < nk; ++kk) {
+            float p0 = Ps[ty * lp + kk], p1 = Ps[(ty + 16) * lp + kk];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                if (jj < nj) {
+                    float4 v = *(const float4*)&Vs[kk * ld + tx * 4 + 32 * jj];
+                    acc[0][jj][0] = fmaf(p0, v.x, acc[0][jj][0]); acc[0][jj][1] = fmaf(p0, v.y, acc[0][jj][1]);
+                    acc[0][jj][2] = fmaf(p0, v.z, acc[0][jj][2]); acc[0][jj][3] = fmaf(p0, v.w, acc[0][jj][3]);
+                    acc[1][jj][0] = fmaf(p1, v.x, acc[1][jj][0]); acc[1][jj][1] = fmaf(p1, v.y, acc[1][jj][1]);
+                    acc[1][jj][2] = fmaf(p1, v.z, acc[1][jj][2]); acc[1][jj][3] = fmaf(p1, v.w, acc[1][jj][3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        long long row = q0 + ty + 16 * i;
+        if (row >= t) continue;
+        float inv = 1.0f / l[i];
+        float* o = out + (((long long)lane_id * t + row) * nh + h) * hd;
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+            if (jj < nj) {
+                float4 r4 = make_float4(acc[i][jj][0] * inv, acc[i][jj][1] * inv, acc[i][jj][2] * inv,
+                                        acc[i][jj][3] * inv);
+                *(float4*)&o[tx * 4 + 32 * jj] = r4;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_flash_bf16(KvTab tab, const float* __restrict__ q,
+                                                                   float* __restrict__ out, int t, int nh,
+                                                                   int nkv, int hd, long long cap,
+                                                                   float scale) {
+    attn_flash_body<bf16_t>(tab, q, out, t, nh, nkv, hd, cap, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_flash_f32(KvTab tab, const float* __restrict__ q,
+                                                                  float* __restrict__ out, int t, int nh,
+                                                                  int nkv, int hd, long long cap,
+                                                                  float scale) {
+    attn_flash_body<float>(tab, q, out, t, nh, nkv, hd, cap, scale);
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet

@@ -260,12 +260,15 @@ pub struct CudaOptions {
     /// From this many keys on, attention over a BF16 cache with 256-dim heads in groups of 8
     /// uses the split-key kernel instead of the generic one.
     pub split_min_keys: usize,
+    /// From this many query rows of one lane on (a prefill), attention runs the tiled
+    /// flash-style kernel (head dims a multiple of 32 up to 256).
+    pub flash_min_rows: usize,
 }
 
 impl CudaOptions {
     /// `DRAMATIS_CUDA_KV=f32|bf16` (default f32: BF16 K/V fails the fixture's 1e-3 logits
     /// tolerance and drifts at Drama 3 geometry, see NOTES.md), `DRAMATIS_CUDA_SPLIT_MIN`
-    /// (default 1024).
+    /// (default 1024), `DRAMATIS_CUDA_FLASH_MIN` (default 2).
     pub fn from_env() -> Self {
         let kv_f32 = !std::env::var("DRAMATIS_CUDA_KV")
             .map(|v| v.eq_ignore_ascii_case("bf16"))
@@ -274,9 +277,14 @@ impl CudaOptions {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1024);
+        let flash_min_rows = std::env::var("DRAMATIS_CUDA_FLASH_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2);
         CudaOptions {
             kv_f32,
             split_min_keys,
+            flash_min_rows,
         }
     }
 }
@@ -746,6 +754,17 @@ impl CudaBackend {
             "kv_append_bf16"
         };
         go!(self, Source::Ops, app, grid_app, 128, 0; &tab, &kp, &vp, &t32, &nkv32, &hd32, &cap64);
+        let flash = t >= self.opts.flash_min_rows
+            && hd.is_multiple_of(32)
+            && hd <= kernels::FLASH_MAX_HEAD_DIM
+            && nh.is_multiple_of(nkv);
+        if flash {
+            self.attend_flash(&tab, qp, op, d, lanes, t, cap, f32kv)?;
+            for c in caches.iter_mut() {
+                c.len += t;
+            }
+            return Ok(());
+        }
         let longest = caches.iter().map(|c| c.len + t).max().unwrap_or(0);
         let split = !f32kv
             && hd == ATTN_HEAD_DIM
@@ -776,6 +795,72 @@ impl CudaBackend {
         for c in caches.iter_mut() {
             c.len += t;
         }
+        Ok(())
+    }
+
+    /// Tiled causal attention of `t` rows per lane whose caches already hold them (the
+    /// prefill): `tab.len` are the lengths before the append.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_flash(
+        &self,
+        tab: &KvTab,
+        q: u64,
+        out: u64,
+        d: &AttnDims,
+        lanes: usize,
+        t: usize,
+        cap: usize,
+        f32kv: bool,
+    ) -> BResult<()> {
+        let p = kernels::plan_flash(t, d.q_heads, lanes, d.head_dim, cap, f32kv).map_err(dev)?;
+        if let Some(why) = p.problems(&self.gpu.info).first() {
+            return Err(dev(format!("{}: {why}", p.kernel)));
+        }
+        let f = self
+            .gpu
+            .func(Source::Ops, self.variant, p.kernel)
+            .map_err(dev)?;
+        let smem = i32v("attention", p.dyn_smem as usize)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem,
+        )
+        .map_err(dev)?;
+        let (t32, nh, nkv, hd) = (
+            i32v("attention", t)?,
+            i32v("attention", d.q_heads)?,
+            i32v("attention", d.kv_heads)?,
+            i32v("attention", d.head_dim)?,
+        );
+        let cap64 = i64v("attention", cap)?;
+        let scale = 1.0f32 / (d.head_dim as f32).sqrt();
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32v("attention", p.grid[0] as usize)?,
+                u32v("attention", p.grid[1] as usize)?,
+                u32v("attention", p.grid[2] as usize)?,
+            ),
+            block_dim: (p.block as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: the arguments match attn_flash_{f32,bf16} in kernels/ops.cu; `attend` checked
+        // every lane's cache holds len + t rows of its layout and q/out hold lanes * t rows.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&f)
+                .arg(tab)
+                .arg(&q)
+                .arg(&out)
+                .arg(&t32)
+                .arg(&nh)
+                .arg(&nkv)
+                .arg(&hd)
+                .arg(&cap64)
+                .arg(&scale)
+                .launch(cfg)
+        }
+        .map_err(dev)?;
         Ok(())
     }
 
@@ -1765,6 +1850,7 @@ mod tests {
         let o = CudaOptions {
             kv_f32: false,
             split_min_keys: 1024,
+            flash_min_rows: 2,
         };
         assert!(!o.kv_f32 && o.split_min_keys == 1024);
     }

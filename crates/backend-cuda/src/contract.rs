@@ -253,6 +253,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("rope_neox_interleaved", ops::rope),
     ("kv_append_bf16_f32", ops::kv_append),
     ("attn_generic_bf16_f32", ops::attn_generic),
+    ("attn_flash_prefill", ops::attn_flash),
     ("gdn_conv_rows", ops::conv_rows),
     ("gdn_delta_rule_rows", ops::delta_rule),
     ("moe_router_keep", ops::router_keep),
@@ -1071,6 +1072,8 @@ pub fn nominal_limits() -> Vec<(String, Vec<String>)> {
         k::plan_split(1, &geom(262_144), nc, chunk),
         k::plan_prep(262_144, &geom(262_144)),
         k::plan_gemv(262_144, 8192, 8, 262_144),
+        k::plan_flash(262_144, 16, 1, 256, 262_144, true),
+        k::plan_flash(262_144, 16, 1, 256, 262_144, false),
     ]
     .into_iter()
     .filter_map(|p| p.ok())

@@ -17,6 +17,20 @@ fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
         CudaOptions {
             kv_f32,
             split_min_keys: usize::MAX,
+            flash_min_rows: usize::MAX,
+        },
+    )
+}
+
+/// A backend whose prefill attention takes the tiled flash-style kernel from 2 rows on.
+fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
+    CudaBackend::with_gpu(
+        c.shared.clone(),
+        v,
+        CudaOptions {
+            kv_f32,
+            split_min_keys: usize::MAX,
+            flash_min_rows: 2,
         },
     )
 }
@@ -487,6 +501,204 @@ pub(super) fn attn_generic(c: &mut Ctx) -> Result<()> {
         same,
         format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
     );
+    Ok(())
+}
+
+/// Prefill of `past` rows (outputs dropped) then of the checked `t` rows, through one lane's
+/// cache of `cap` rows; returns the checked rows' outputs.
+#[allow(clippy::too_many_arguments)]
+fn flash_run(
+    be: &CudaBackend,
+    d: &AttnDims,
+    cap: usize,
+    past: usize,
+    q0: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+) -> Result<Vec<f32>> {
+    let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
+    let t = q.len() / (nh * hd);
+    let w = nkv * hd;
+    let mut kv = be.kv_new(cap, nkv, hd)?;
+    if past > 0 {
+        be.attn_prefill(
+            &be.upload(q0, past, nh * hd)?,
+            &be.upload(&k[..past * w], past, w)?,
+            &be.upload(&v[..past * w], past, w)?,
+            d,
+            &mut kv,
+        )?;
+    }
+    let (qd, kd, vd) = (
+        be.upload(q, t, nh * hd)?,
+        be.upload(&k[past * w..(past + t) * w], t, w)?,
+        be.upload(&v[past * w..(past + t) * w], t, w)?,
+    );
+    Ok(be.download(&be.attn_prefill(&qd, &kd, &vd, d, &mut kv)?)?)
+}
+
+/// Makes key `pos` (kv head `kvh`) score `score` for query `qrow` (`[nh·hd]` head `h`) and gives it a
+/// large value; returns that value.
+#[allow(clippy::too_many_arguments)]
+fn plant(
+    c: &mut Ctx,
+    k: &mut [f32],
+    v: &mut [f32],
+    qrow: &[f32],
+    h: usize,
+    kvh: usize,
+    pos: usize,
+    nkv: usize,
+    hd: usize,
+    score: f64,
+) -> Vec<f64> {
+    let qh = &qrow[h * hd..(h + 1) * hd];
+    let n2: f64 = qh.iter().map(|&x| f64::from(x).powi(2)).sum();
+    // q·k / sqrt(hd) = score
+    let a = score * (hd as f64).sqrt() / n2;
+    let at = pos * nkv * hd + kvh * hd;
+    let mut val = Vec::with_capacity(hd);
+    for dd in 0..hd {
+        k[at + dd] = (f64::from(qh[dd]) * a) as f32;
+        let x = (c.rng.normal() * 4.0) as f32;
+        v[at + dd] = x;
+        val.push(f64::from(x));
+    }
+    val
+}
+
+pub(super) fn attn_flash(c: &mut Ctx) -> Result<()> {
+    // (heads, kv heads, head dim, past rows, new rows, f32 cache): partial query tiles, several
+    // key tiles, a first call with no past, the tiny and the Drama 3 geometries
+    for (nh, nkv, hd, past, t, f32kv) in [
+        (4, 2, 32, 150, 70, true),
+        (4, 2, 32, 0, 45, true),
+        (16, 2, 256, 40, 100, true),
+        (16, 2, 256, 300, 33, false),
+        (4, 2, 64, 17, 96, false),
+    ] {
+        let d = dims(nh, nkv, hd);
+        let n = past + t;
+        let q0 = c.rng.normals_f32(past * nh * hd, 1.0);
+        let q = c.rng.normals_f32(t * nh * hd, 1.0);
+        let k = c.rng.normals_f32(n * nkv * hd, 1.0);
+        let v = c.rng.normals_f32(n * nkv * hd, 1.0);
+        let store = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&y| if f32kv { y } else { round_bf16(y) })
+                .collect()
+        };
+        let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, past, t);
+        let case = format!(
+            "{} cache, {nh}/{nkv} heads x {hd}, {t} rows after {past}",
+            if f32kv { "f32" } else { "bf16" }
+        );
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .iter()
+            .map(|&var| {
+                flash_run(
+                    &flash_backend(c, var, f32kv),
+                    &d,
+                    n + 3,
+                    past,
+                    &q0,
+                    &q,
+                    &k,
+                    &v,
+                )
+            })
+            .collect::<Result<_>>()?;
+        let tol = tol_f32(hd + n);
+        c.check(&case, rel_l2(&got[0], &reference), tol);
+        c.discriminate(&case, rel_l2(&got[1], &reference), tol);
+        c.control(&case, rel_l2(&got[2], &reference), tol);
+    }
+
+    // Long range at C = 262144 (tiny geometry): 64 checked rows after 262080. Row 5 head 0's
+    // only strong key sits at position 7; row 10 head 2's strong key is the next row's own key
+    // (position 262091), beyond its causal limit, and must be ignored.
+    let (nh, nkv, hd, cap, t) = (4, 2, 32, 262_144, 64);
+    let past = cap - t;
+    let d = dims(nh, nkv, hd);
+    let q0 = c.rng.normals_f32(past * nh * hd, 1.0);
+    let q = c.rng.normals_f32(t * nh * hd, 1.0);
+    let mut k = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let mut v = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let w = nh * hd;
+    let early = plant(c, &mut k, &mut v, &q[5 * w..6 * w], 0, 0, 7, nkv, hd, 40.0);
+    let beyond = plant(
+        c,
+        &mut k,
+        &mut v,
+        &q[10 * w..11 * w],
+        2,
+        1,
+        past + 11,
+        nkv,
+        hd,
+        40.0,
+    );
+    let reference = attn_ref(&q, &k, &v, nh, nkv, hd, past, t);
+    let out = flash_run(
+        &flash_backend(c, Variant::Exact, true),
+        &d,
+        cap,
+        past,
+        &q0,
+        &q,
+        &k,
+        &v,
+    )?;
+    let tol = tol_f32(hd + cap);
+    c.check(
+        "262144 keys, 64 rows after 262080 (vs FP64)",
+        rel_l2(&out, &reference),
+        tol,
+    );
+    let o5 = &out[5 * w..5 * w + hd];
+    let o10 = &out[10 * w + 2 * hd..10 * w + 3 * hd];
+    let cos = |a: &[f32], b: &[f64]| -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(&x, y)| f64::from(x) * y).sum();
+        let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        let nb = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+        dot / (na * nb)
+    };
+    let (ce, cb) = (cos(o5, &early), cos(o10, &beyond));
+    c.push(
+        "262144 keys: row 5 finds key 7, row 10 ignores key 262091",
+        Kind::Check,
+        ce > 0.99 && cb.abs() < 0.5,
+        format!("cosine to key 7's value {ce:.5} (> 0.99), to key 262091's {cb:.4} (|.| < 0.5)"),
+    );
+    let planted = flash_run(
+        &flash_backend(c, Variant::Planted, true),
+        &d,
+        cap,
+        past,
+        &q0,
+        &q,
+        &k,
+        &v,
+    )?;
+    c.control(
+        "262144 keys, off-by-one causal mask",
+        rel_l2(&planted, &reference),
+        tol,
+    );
+    for (rows, hd, f32kv) in [
+        (262_144, 256, true),
+        (262_144, 256, false),
+        (262_144, 32, true),
+    ] {
+        c.limit(
+            &format!(
+                "{rows} rows x 16 heads x {hd}, C = 262144, {} cache",
+                if f32kv { "f32" } else { "bf16" }
+            ),
+            crate::kernels::plan_flash(rows, 16, 1, hd, 262_144, f32kv),
+        );
+    }
     Ok(())
 }
 

@@ -12,6 +12,11 @@ pub const ATTN_HEAD_DIM: usize = 256;
 pub const ATTN_GROUP: usize = 8;
 const ATTN_SPLIT_SMEM: u64 = 8 * 256 * 4 + 4 * 32 * 136 * 2 + 4 * 32 * 8 * 4 + 2 * 4 * 8 * 4;
 const ATTN_MIN_CHUNK: usize = 128;
+/// Largest head dim of the flash-style prefill kernel (8 float4 column groups per thread).
+pub const FLASH_MAX_HEAD_DIM: usize = 256;
+/// Query rows per block and keys per tile of the flash-style prefill kernel (ops.cu FQ, FK).
+const FLASH_ROWS: usize = 32;
+const FLASH_KEYS: usize = 32;
 
 /// How one kernel is launched at a shape.
 #[derive(Clone, Debug, PartialEq)]
@@ -22,6 +27,9 @@ pub struct LaunchPlan {
     /// static + dynamic shared memory, bytes
     pub smem: u64,
     pub dyn_smem: u64,
+    /// The kernel raises its dynamic shared memory limit (`MAX_DYNAMIC_SHARED_SIZE_BYTES`),
+    /// so the opt-in limit applies instead of the default 48 KiB.
+    pub optin: bool,
     /// the largest value held by a 32-bit (int) index or size in the kernel
     pub i32_max: u64,
     /// the largest element offset, computed in 64-bit
@@ -43,7 +51,12 @@ impl LaunchPlan {
                 self.block, info.max_block_threads
             ));
         }
-        if self.smem > info.max_smem_block {
+        if self.optin && self.smem > info.max_smem_optin {
+            p.push(format!(
+                "shared memory {} B over the opt-in limit of {} B",
+                self.smem, info.max_smem_optin
+            ));
+        } else if !self.optin && self.smem > info.max_smem_block {
             p.push(format!(
                 "shared memory {} B over {} B (no opt-in used)",
                 self.smem, info.max_smem_block
@@ -127,6 +140,7 @@ pub fn plan_rmsnorm(rows: usize, n: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: 128,
         dyn_smem: 0,
+        optin: false,
         i32_max: n as u64,
         offset_max: mul("rmsnorm extent", &[rows, n])? as u64,
     })
@@ -165,6 +179,7 @@ pub fn plan_gemv(n_out: usize, k: usize, rows: usize, w_rows: usize) -> Result<L
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: [k, n_out, rows].into_iter().max().unwrap_or(0) as u64,
         offset_max: mul("gemv weight extent", &[w_rows, k])?
             .max(mul("gemv output", &[rows, n_out])?) as u64,
@@ -224,6 +239,7 @@ pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: dyn_smem + 128 + 128 + 128,
         dyn_smem,
+        optin: false,
         i32_max: e as u64,
         offset_max: mul("router logits", &[rows, e])? as u64,
     })
@@ -313,6 +329,7 @@ pub fn plan_gate_up(k: usize, i: usize, h: usize, e: usize) -> Result<LaunchPlan
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: [i, h, k].into_iter().max().unwrap_or(0) as u64,
         offset_max: mul("expert weights", &[e, i, h])? as u64,
     })
@@ -325,6 +342,7 @@ pub fn plan_down(k: usize, i: usize, h: usize, e: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: [i, h, k].into_iter().max().unwrap_or(0) as u64,
         offset_max: mul("expert weights", &[e, i, h])? as u64,
     })
@@ -413,6 +431,7 @@ pub fn plan_conv(c: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: mul("conv state", &[c, 4])? as u64,
         offset_max: mul("conv state", &[c, 4])? as u64,
     })
@@ -446,6 +465,7 @@ pub fn plan_l2norm(nk: usize, dk: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: mul("l2norm extent", &[2, nk, dk])? as u64,
         offset_max: mul("l2norm extent", &[2, nk, dk])? as u64,
     })
@@ -474,6 +494,7 @@ pub fn plan_recurrent(nv: usize) -> Result<LaunchPlan> {
         block: 512,
         smem: (2 * 128 + 8 * 128) * 4,
         dyn_smem: 0,
+        optin: false,
         i32_max: nv as u64,
         offset_max: mul("delta state", &[nv, GDN_HEAD_DIM, GDN_HEAD_DIM])? as u64,
     })
@@ -544,6 +565,7 @@ pub fn plan_gated_norm(nv: usize, dv: usize) -> Result<LaunchPlan> {
         block: 256,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: dv as u64,
         offset_max: mul("gated norm extent", &[nv, dv])? as u64,
     })
@@ -618,6 +640,7 @@ pub fn plan_prep(t: usize, g: &AttnGeom) -> Result<LaunchPlan> {
         block: g.hd as u64,
         smem: (g.hd * 4 + 128) as u64,
         dyn_smem: (g.hd * 4) as u64,
+        optin: false,
         i32_max: (g.nh + g.nkv).max(g.hd) as u64,
         offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(mul("qg", &[t, g.nh, 2 * g.hd])?)
             as u64,
@@ -712,6 +735,7 @@ pub fn plan_split(t: usize, g: &AttnGeom, nchunks: usize, chunk: usize) -> Resul
         block: 128,
         smem: ATTN_SPLIT_SMEM,
         dyn_smem: 0,
+        optin: false,
         i32_max: [nchunks, chunk, g.nh].into_iter().max().unwrap_or(0) as u64,
         offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(acc) as u64,
     })
@@ -725,6 +749,7 @@ pub fn plan_combine(t: usize, g: &AttnGeom, nchunks: usize) -> Result<LaunchPlan
         block: g.hd as u64,
         smem: 0,
         dyn_smem: 0,
+        optin: false,
         i32_max: nchunks.max(g.hd) as u64,
         offset_max: acc as u64,
     })
@@ -912,4 +937,49 @@ mod tests {
         assert_eq!(bad.problems(&info).len(), 2);
         const { assert!(ATTN_SPLIT_SMEM <= 48 * 1024) };
     }
+}
+
+// ---------------------------------------------------------------- flash-style causal prefill
+
+/// `attn_flash_{f32,bf16}` (ops.cu) over `t` rows per lane of `nh` heads of `hd` dims, caches of
+/// `cap` rows: one block per 32 rows of one head of one lane, Q and a K/V tile in shared memory.
+pub fn plan_flash(
+    t: usize,
+    nh: usize,
+    lanes: usize,
+    hd: usize,
+    cap: usize,
+    f32kv: bool,
+) -> Result<LaunchPlan> {
+    let kernel = if f32kv {
+        "attn_flash_f32"
+    } else {
+        "attn_flash_bf16"
+    };
+    need(
+        kernel,
+        hd % 32 == 0 && hd > 0 && hd <= FLASH_MAX_HEAD_DIM,
+        || format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}"),
+    )?;
+    let floats = mul(
+        "flash shared memory",
+        &[FLASH_ROWS + 2 * FLASH_KEYS, hd + 4],
+    )? + FLASH_ROWS * (FLASH_KEYS + 1);
+    let dyn_smem = (floats * 4) as u64;
+    Ok(LaunchPlan {
+        kernel,
+        grid: [cdiv(t, FLASH_ROWS) as u64, nh as u64, lanes as u64],
+        block: 128,
+        smem: dyn_smem,
+        dyn_smem,
+        optin: true,
+        // ints: t, nh, hd, and the FQ * hd shared index
+        i32_max: [t, nh, hd, FLASH_ROWS * (hd + 4)]
+            .into_iter()
+            .max()
+            .unwrap_or(0) as u64,
+        // q/out rows (lanes * t) * nh * hd; cache kvh * cap * hd + key * hd
+        offset_max: mul("flash offsets", &[lanes, t, nh, hd])?.max(mul("flash cache", &[cap, hd])?)
+            as u64,
+    })
 }

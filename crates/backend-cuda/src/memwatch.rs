@@ -1,0 +1,160 @@
+//! Device memory in use, read from the driver, so receipts can set what a run really held against
+//! the memory plan (`dramatis bench`).
+//!
+//! Every figure is device-wide (`cuMemGetInfo`: total - free on ordinal 0): it counts every
+//! process and context on the GPU, so callers subtract a baseline taken before they allocate.
+//! Without a driver every call is an error ([`CudaError::NoDriver`]), never a panic.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+
+use crate::error::{CudaError, Result};
+use crate::runtime::driver_present;
+
+/// The device the engine runs on: the backend and the GPU codec both open ordinal 0.
+const ORDINAL: usize = 0;
+
+/// How often [`PeakSampler`] polls: far shorter than a weight upload or a decode round, and a
+/// `cuMemGetInfo` call costs microseconds, so polling does not slow the run it measures.
+pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
+
+/// Device 0's primary context, retained once for the life of the process. The engine shares the
+/// primary context, so every sample carries the same context overhead, and polling never pays for
+/// creating (hundreds of ms) and releasing one.
+fn context() -> Result<Arc<CudaContext>> {
+    static CTX: OnceLock<Arc<CudaContext>> = OnceLock::new();
+    if let Some(ctx) = CTX.get() {
+        return Ok(Arc::clone(ctx));
+    }
+    // cudarc's loader panics on a missing library; check first.
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let count = CudaContext::device_count()?;
+    if count < 1 {
+        return Err(CudaError::NoDevice {
+            ordinal: ORDINAL,
+            count,
+        });
+    }
+    let ctx = CudaContext::new(ORDINAL)?;
+    Ok(Arc::clone(CTX.get_or_init(|| ctx)))
+}
+
+/// Bytes in use on device 0 now (total - free), by every process on it.
+pub fn used_bytes() -> Result<u64> {
+    let (free, total) = context()?.mem_get_info()?;
+    let used = total.checked_sub(free).ok_or(CudaError::Overflow {
+        what: "device memory in use (total bytes - free bytes)",
+    })?;
+    u64::try_from(used).map_err(|_| CudaError::Overflow {
+        what: "device memory in use (bytes)",
+    })
+}
+
+/// The highest device memory figure a [`PeakSampler`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peak {
+    /// Device-wide bytes in use at the highest sample.
+    pub used_bytes: u64,
+    /// Samples taken (the first one included); a peak of few samples may have missed a spike.
+    pub samples: u64,
+}
+
+/// Polls [`used_bytes`] on its own thread until stopped and keeps the maximum. Allocations that
+/// live shorter than the interval can be missed: the peak is a lower bound.
+pub struct PeakSampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicU64>,
+    samples: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PeakSampler {
+    /// Takes the first sample before returning, so a missing driver is an error here rather than
+    /// a silent zero at the end.
+    pub fn start(interval: Duration) -> Result<Self> {
+        let first = used_bytes()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicU64::new(first));
+        let samples = Arc::new(AtomicU64::new(1));
+        let thread = std::thread::Builder::new().name("memwatch".into()).spawn({
+            let (stop, peak, samples) = (stop.clone(), peak.clone(), samples.clone());
+            move || poll(interval, &stop, &peak, &samples)
+        })?;
+        Ok(Self {
+            stop,
+            peak,
+            samples,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops polling (after one last sample) and returns the peak.
+    pub fn stop(mut self) -> Peak {
+        self.join();
+        Peak {
+            used_bytes: self.peak.load(Ordering::Acquire),
+            samples: self.samples.load(Ordering::Acquire),
+        }
+    }
+
+    fn join(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            // The poll loop cannot panic; a join error would only lose samples, not the peak.
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PeakSampler {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+fn poll(interval: Duration, stop: &AtomicBool, peak: &AtomicU64, samples: &AtomicU64) {
+    loop {
+        let last = stop.load(Ordering::Acquire);
+        // A failed sample (a transient driver error) is skipped: the peak stays a lower bound.
+        if let Ok(used) = used_bytes() {
+            peak.fetch_max(used, Ordering::AcqRel);
+            samples.fetch_add(1, Ordering::AcqRel);
+        }
+        if last {
+            return;
+        }
+        std::thread::sleep(interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a driver both entry points refuse with NoDriver (no panic from cudarc's loader);
+    /// with one, the figures are real and the sampler keeps polling until stopped.
+    #[test]
+    fn used_bytes_and_sampler_error_cleanly_without_a_driver() {
+        if !driver_present() {
+            assert!(matches!(used_bytes(), Err(CudaError::NoDriver)));
+            assert!(matches!(
+                PeakSampler::start(DEFAULT_INTERVAL),
+                Err(CudaError::NoDriver)
+            ));
+            return;
+        }
+        let before = used_bytes().expect("device memory with a driver present");
+        assert!(before > 0, "a live context holds device memory");
+        let sampler = PeakSampler::start(DEFAULT_INTERVAL).expect("sampler with a driver");
+        std::thread::sleep(DEFAULT_INTERVAL * 4);
+        let peak = sampler.stop();
+        assert!(peak.samples >= 2, "{} samples", peak.samples);
+        assert!(peak.used_bytes > 0);
+    }
+}
