@@ -101,11 +101,83 @@ fn stride_grid(n: usize) -> (u32, u32, u32) {
     (blocks as u32, 1, 1)
 }
 
-/// Device memory of `bytes` bytes, returned to the stream-ordered pool on drop.
+/// Largest allocation served from [`SmallPool`]: decode activations and workspaces; bigger ones
+/// (weights, caches, prefill activations) come from the driver's stream-ordered pool.
+const SMALL_MAX: usize = 4 << 20;
+/// Smallest size class (bytes).
+const SMALL_MIN: usize = 256;
+
+/// Free lists of device blocks by power-of-two size class, kept by the backend. A frame makes
+/// over a thousand short-lived buffers; taking them from a host-side list costs no driver call
+/// (the driver's `cuMemAllocAsync` / `cuMemFreeAsync` pair does, per buffer). Reuse is safe
+/// because every launch of the backend is ordered on its one stream: a block handed back is
+/// only reused by work enqueued after all work that used it.
+pub struct SmallPool {
+    free: Mutex<Vec<Vec<u64>>>,
+    /// Every block ever taken from the driver, released when the pool is dropped.
+    backing: Mutex<Vec<CudaSlice<u8>>>,
+}
+
+impl SmallPool {
+    fn new() -> Self {
+        SmallPool {
+            free: Mutex::new(vec![Vec::new(); 32]),
+            backing: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The size class of `bytes` (block size `1 << class`).
+    fn class(bytes: usize) -> usize {
+        bytes.max(SMALL_MIN).next_power_of_two().trailing_zeros() as usize
+    }
+
+    fn take(&self, class: usize) -> Option<u64> {
+        self.free.lock().unwrap_or_else(|p| p.into_inner())[class].pop()
+    }
+
+    fn give_back(&self, class: usize, ptr: u64) {
+        self.free.lock().unwrap_or_else(|p| p.into_inner())[class].push(ptr);
+    }
+
+    /// Bytes held by the pool (in use or free).
+    pub fn held_bytes(&self) -> usize {
+        self.backing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|s| s.len())
+            .sum()
+    }
+}
+
+enum Owner {
+    Driver(#[allow(dead_code)] CudaSlice<u8>),
+    Pool(Arc<SmallPool>, usize),
+}
+
+/// Device memory of `bytes` bytes, returned on drop to the backend's small-block pool or to the
+/// driver's stream-ordered pool.
 pub struct Mem {
-    _slice: CudaSlice<u8>,
+    owner: Owner,
     ptr: u64,
     bytes: usize,
+    /// Unique for the process (addresses are reused after a free; ids are not).
+    id: u64,
+}
+
+/// Source of [`Mem::id`].
+static NEXT_MEM_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn next_mem_id() -> u64 {
+    NEXT_MEM_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        if let Owner::Pool(pool, class) = &self.owner {
+            pool.give_back(*class, self.ptr);
+        }
+    }
 }
 
 impl Mem {
@@ -194,6 +266,15 @@ impl CudaWeight {
         }
     }
 
+    /// The id of the weight's main allocation (unique for the process).
+    fn id(&self) -> u64 {
+        match self {
+            CudaWeight::Bf16 { mem, .. }
+            | CudaWeight::Fp8 { mem, .. }
+            | CudaWeight::Nvfp4 { mem, .. } => mem.id,
+        }
+    }
+
     /// The stored format, for messages.
     pub fn format_name(&self) -> &'static str {
         match self {
@@ -244,7 +325,14 @@ struct ExpertTable {
     dev: Mem,
 }
 
+/// Identifies one expert list without reading all of it: its address and length, how many
+/// experts are kept, and the allocation ids of the first kept gate and the last kept down.
+/// Allocation ids are never reused, so a list freed and rebuilt at the same address gets a new
+/// key.
+type ExpertKey = (usize, usize, usize, u64, u64);
+
 /// A layer's expert table on the device: its address, I, H, and whether the experts are NVFP4.
+#[derive(Clone, Copy)]
 struct TableRef {
     ptr: u64,
     i: usize,
@@ -297,15 +385,91 @@ pub struct CudaBackend {
     /// KV precision of caches made from now on (starts at `opts.kv_f32`).
     kv_f32: std::sync::atomic::AtomicBool,
     expert_tables: Mutex<Vec<ExpertTable>>,
+    /// Expert lists already turned into a table: a MoE call costs a hash lookup, not a walk
+    /// over every expert (about 28 µs per layer on the H200 host).
+    expert_keys: Mutex<std::collections::HashMap<ExpertKey, TableRef>>,
     /// One i32 of sticky error bits the kernels set (bit 0: a router row with every kept logit
     /// NaN or -inf; bit 1: a routing that names a pruned or out-of-range expert). Read, reported
     /// and cleared at each download, with the download's own synchronisation.
     err: Option<Mem>,
+    small: Arc<SmallPool>,
+    prof: Prof,
+}
+
+/// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
+/// is set and printed to stderr when the backend is dropped: where a frame's host time goes.
+#[derive(Default)]
+struct Prof {
+    on: bool,
+    ops: Mutex<std::collections::HashMap<&'static str, (u64, u128)>>,
+    launches: std::sync::atomic::AtomicU64,
+    allocs: std::sync::atomic::AtomicU64,
+}
+
+/// Records one op's host time on drop (nothing when profiling is off).
+struct ProfGuard<'a> {
+    prof: &'a Prof,
+    op: &'static str,
+    t0: Option<std::time::Instant>,
+}
+
+impl Drop for ProfGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(t0) = self.t0 {
+            let ns = t0.elapsed().as_nanos();
+            let mut m = self.prof.ops.lock().unwrap_or_else(|p| p.into_inner());
+            let e = m.entry(self.op).or_insert((0, 0));
+            e.0 += 1;
+            e.1 += ns;
+        }
+    }
+}
+
+impl Prof {
+    fn guard(&self, op: &'static str) -> ProfGuard<'_> {
+        ProfGuard {
+            prof: self,
+            op,
+            t0: self.on.then(std::time::Instant::now),
+        }
+    }
+
+    /// The table: op, calls, total host ms, µs per call; then launches and allocations.
+    fn report(&self) -> String {
+        let m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rows: Vec<_> = m.iter().collect();
+        rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1));
+        let total: u128 = rows.iter().map(|r| r.1 .1).sum();
+        let mut out = format!(
+            "cuda profile: host time in backend ops {:.1} ms; {} launches, {} allocations\n",
+            total as f64 / 1e6,
+            self.launches.load(std::sync::atomic::Ordering::Relaxed),
+            self.allocs.load(std::sync::atomic::Ordering::Relaxed)
+        );
+        out.push_str("op                  calls      host ms   us/call\n");
+        for (op, (n, ns)) in rows {
+            out.push_str(&format!(
+                "{op:<18} {n:>7} {:>12.1} {:>9.2}\n",
+                *ns as f64 / 1e6,
+                *ns as f64 / 1e3 / (*n).max(1) as f64
+            ));
+        }
+        out
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if self.prof.on {
+            eprintln!("{}", self.prof.report());
+        }
+    }
 }
 
 macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
+        $be.prof.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let grid: (u32, u32, u32) = $grid;
         if grid.1 as usize > MAX_GRID_Y || grid.2 as usize > MAX_GRID_Y || grid.0 == 0 {
             return Err(dev(format!("{}: grid {:?} outside the device limits", $name, grid)));
@@ -339,7 +503,13 @@ impl CudaBackend {
             kv_f32: std::sync::atomic::AtomicBool::new(opts.kv_f32),
             opts,
             expert_tables: Mutex::new(Vec::new()),
+            expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
+            small: Arc::new(SmallPool::new()),
+            prof: Prof {
+                on: std::env::var_os("DRAMATIS_CUDA_PROFILE").is_some(),
+                ..Default::default()
+            },
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
@@ -384,13 +554,40 @@ impl CudaBackend {
     }
 
     fn alloc(&self, bytes: usize) -> BResult<Mem> {
+        self.prof.allocs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if bytes <= SMALL_MAX {
+            let class = SmallPool::class(bytes);
+            let ptr = match self.small.take(class) {
+                Some(p) => p,
+                None => {
+                    // SAFETY: as below; the block lives in the pool's backing list until the
+                    // backend is dropped.
+                    let s: CudaSlice<u8> =
+                        unsafe { self.gpu.stream.alloc(1usize << class) }.map_err(dev)?;
+                    let p = s.device_ptr(&self.gpu.stream).0;
+                    self.small
+                        .backing
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(s);
+                    p
+                }
+            };
+            return Ok(Mem {
+                owner: Owner::Pool(self.small.clone(), class),
+                ptr,
+                bytes,
+                id: next_mem_id(),
+            });
+        }
         // SAFETY: the memory is uninitialised; every user writes before it reads, or zeroes it.
         let s: CudaSlice<u8> = unsafe { self.gpu.stream.alloc(bytes.max(1)) }.map_err(dev)?;
         let ptr = s.device_ptr(&self.gpu.stream).0;
         Ok(Mem {
             ptr,
-            _slice: s,
+            owner: Owner::Driver(s),
             bytes,
+            id: next_mem_id(),
         })
     }
 
@@ -594,9 +791,37 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// The device table of one layer's experts, found by [`ExpertKey`] or built.
+    fn expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<TableRef> {
+        let kept = experts.iter().filter(|e| e.is_some()).count();
+        let first = experts.iter().flatten().next().map(|e| e.gate.id());
+        let last = experts.iter().rev().flatten().next().map(|e| e.down.id());
+        let key = first
+            .zip(last)
+            .map(|(f, l)| (experts.as_ptr() as usize, experts.len(), kept, f, l));
+        if let Some(k) = key {
+            if let Some(t) = self
+                .expert_keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&k)
+            {
+                return Ok(*t);
+            }
+        }
+        let t = self.build_expert_table(experts)?;
+        if let Some(k) = key {
+            self.expert_keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(k, t);
+        }
+        Ok(t)
+    }
+
     /// The device table of one layer's experts, uploaded on first use and reused after. Every
     /// kept expert must have the same format (FP8 or NVFP4) and shapes.
-    fn expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<TableRef> {
+    fn build_expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<TableRef> {
         let op = "moe_experts";
         let nvfp4 = match experts.iter().flatten().next() {
             Some(ex) => matches!(ex.gate, CudaWeight::Nvfp4 { .. }),
@@ -686,6 +911,11 @@ impl CudaBackend {
         let ptr = dev_tab.ptr;
         if tabs.len() >= 512 {
             tabs.remove(0);
+            // a cached key may name the table just freed
+            self.expert_keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
         }
         tabs.push(ExpertTable {
             nvfp4,
@@ -1144,6 +1374,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("upload");
         if rows.checked_mul(cols) != Some(data.len()) {
             return Err(shape_err(
                 "upload",
@@ -1158,6 +1389,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, x: &CudaBuf) -> BResult<Vec<f32>> {
+        let _p = self.prof.guard("download");
         self.dtoh(x.ptr(), x.rows * x.cols)
     }
 
@@ -1166,6 +1398,7 @@ impl Backend for CudaBackend {
     }
 
     fn cols(&self, x: &CudaBuf, start: usize, len: usize) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("cols");
         self.cols_grouped(x, x.cols, start, len)
     }
 
@@ -1176,6 +1409,7 @@ impl Backend for CudaBackend {
         offset: usize,
         len: usize,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("cols_grouped");
         if group == 0 || !x.cols.is_multiple_of(group) || offset + len > group {
             return Err(shape_err(
                 "cols_grouped",
@@ -1207,6 +1441,7 @@ impl Backend for CudaBackend {
     }
 
     fn rows(&self, x: &CudaBuf, start: usize, len: usize) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("rows");
         if start + len > x.rows {
             return Err(shape_err(
                 "rows",
@@ -1219,6 +1454,7 @@ impl Backend for CudaBackend {
     }
 
     fn concat_cols(&self, a: &CudaBuf, b: &CudaBuf) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("concat_cols");
         if a.rows != b.rows {
             return Err(shape_err(
                 "concat_cols",
@@ -1242,6 +1478,7 @@ impl Backend for CudaBackend {
     }
 
     fn concat_rows(&self, parts: &[&CudaBuf]) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("concat_rows");
         let cols = parts.first().map_or(0, |p| p.cols);
         let mut rows = 0;
         for p in parts {
@@ -1356,6 +1593,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_copy(&self, src: &CudaKv, dst: &mut CudaKv) -> BResult<()> {
+        let _p = self.prof.guard("kv_copy");
         if dst.len != 0
             || dst.kv_heads != src.kv_heads
             || dst.head_dim != src.head_dim
@@ -1383,6 +1621,7 @@ impl Backend for CudaBackend {
     }
 
     fn gdn_copy(&self, src: &CudaGdn, dst: &mut CudaGdn) -> BResult<()> {
+        let _p = self.prof.guard("gdn_copy");
         if dst.dims != src.dims {
             return Err(shape_err(
                 "gdn_copy",
@@ -1405,6 +1644,7 @@ impl Backend for CudaBackend {
     }
 
     fn gather_sum(&self, tables: &[&CudaWeight], rows: &[GatherRow]) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gather_sum");
         let op = "gather_sum";
         if tables.len() > 8 {
             return Err(shape_err(op, format!("{} tables, at most 8", tables.len())));
@@ -1473,6 +1713,7 @@ impl Backend for CudaBackend {
         eps: f32,
         plus_one: bool,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("rms_norm");
         if group == 0 || !x.cols.is_multiple_of(group) || w.len != group {
             return Err(shape_err(
                 "rms_norm",
@@ -1492,6 +1733,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &CudaBuf, w: &CudaWeight, _rows: Rows) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("linear");
         let op = "linear";
         let (n_out, k) = (w.rows(), w.cols());
         if x.cols != k {
@@ -1534,16 +1776,19 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, a: &CudaBuf, b: &CudaBuf) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("add");
         same_shape("add", a, b)?;
         self.elementwise(a, b, 0)
     }
 
     fn silu_mul(&self, gate: &CudaBuf, up: &CudaBuf) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("silu_mul");
         same_shape("silu_mul", gate, up)?;
         self.elementwise(gate, up, 1)
     }
 
     fn sigmoid_mul(&self, x: &CudaBuf, gate: &CudaBuf) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("sigmoid_mul");
         if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
             return Err(shape_err(
                 "sigmoid_mul",
@@ -1565,6 +1810,7 @@ impl Backend for CudaBackend {
         style: Rope,
         positions: &[usize],
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("rope");
         if positions.len() != x.rows
             || head_dim == 0
             || !x.cols.is_multiple_of(head_dim)
@@ -1609,6 +1855,7 @@ impl Backend for CudaBackend {
         d: &AttnDims,
         cache: &mut CudaKv,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("attn_prefill");
         check_attn(q, k, v, d, cache)?;
         let out = self.buf(q.rows, d.q_heads * d.head_dim)?;
         if q.rows == 0 {
@@ -1626,6 +1873,7 @@ impl Backend for CudaBackend {
         d: &AttnDims,
         caches: &mut [&mut CudaKv],
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("attn_step");
         if caches.len() != q.rows {
             return Err(shape_err(
                 "attn_step",
@@ -1649,6 +1897,7 @@ impl Backend for CudaBackend {
         d: &GdnDims,
         state: &mut CudaGdn,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gdn_conv");
         check_conv(x, w, d)?;
         let u = self.buf(x.rows, x.cols)?;
         if x.rows > 0 {
@@ -1664,6 +1913,7 @@ impl Backend for CudaBackend {
         d: &GdnDims,
         states: &mut [&mut CudaGdn],
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gdn_conv_step");
         check_conv(x, w, d)?;
         if states.len() != x.rows {
             return Err(shape_err(
@@ -1689,6 +1939,7 @@ impl Backend for CudaBackend {
         state: &mut CudaGdn,
         _chunked: bool,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gdn_prefill");
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
         self.delta(qkv, b, a, a_log, dt_bias, d, &mut [state], qkv.rows, 0, &o)?;
@@ -1705,6 +1956,7 @@ impl Backend for CudaBackend {
         d: &GdnDims,
         states: &mut [&mut CudaGdn],
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gdn_step");
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
         if states.len() != qkv.rows {
             return Err(shape_err(
@@ -1720,6 +1972,7 @@ impl Backend for CudaBackend {
     }
 
     fn route(&self, logits: &CudaBuf, k: usize, keep: Option<&[bool]>) -> BResult<CudaRoute> {
+        let _p = self.prof.guard("route");
         let e = logits.cols;
         let kept = keep.map_or(e, |m| m.iter().filter(|&&b| b).count());
         if k == 0 || k > e || keep.is_some_and(|m| m.len() != e) || k > kept {
@@ -1774,6 +2027,7 @@ impl Backend for CudaBackend {
         experts: &[Option<Expert<CudaWeight>>],
         _rows: Rows,
     ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("moe_experts");
         let op = "moe_experts";
         let TableRef {
             ptr: tab,

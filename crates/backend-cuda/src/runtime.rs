@@ -235,7 +235,8 @@ pub struct Gpu {
     pub info: DeviceInfo,
     pub arch: String,
     modules: Mutex<HashMap<(Source, Variant), Arc<CudaModule>>>,
-    funcs: Mutex<HashMap<(Source, Variant, String), CudaFunction>>,
+    /// Keyed by the kernel's static name: a lookup per launch allocates nothing.
+    funcs: Mutex<HashMap<(Source, Variant, &'static str), CudaFunction>>,
     /// Kernel builds compiled now versus read from the disk cache.
     pub compile_stats: Mutex<(usize, usize)>,
 }
@@ -297,8 +298,8 @@ impl Gpu {
     }
 
     /// The named kernel of a source variant, compiling (or reading the cache) on first use.
-    pub fn func(&self, source: Source, variant: Variant, name: &str) -> Result<CudaFunction> {
-        let key = (source, variant, name.to_string());
+    pub fn func(&self, source: Source, variant: Variant, name: &'static str) -> Result<CudaFunction> {
+        let key = (source, variant, name);
         if let Some(f) = self
             .funcs
             .lock()

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::lane::LaneState;
 use crate::model::{Model, Row};
+use crate::prof::Phase;
 use crate::sampling::{cfg_mix, sample_head, sample_main, SamplingParams};
 use crate::ModelError;
 
@@ -139,6 +140,8 @@ impl<B: Backend> Model<B> {
         }
         let g = &self.geometry;
         let n_lanes = lanes.len();
+        crate::prof::round();
+        let span = crate::prof::span(Phase::MainLogits);
         // Main logits of both branches: one call when batched, else one per branch.
         let (mut logits, uncond_logits) = match guidance.as_deref_mut() {
             None => (self.main_logits(lanes)?, Vec::new()),
@@ -166,6 +169,8 @@ impl<B: Backend> Model<B> {
                 }
             }
         };
+        drop(span);
+        let span = crate::prof::span(Phase::SampleMain);
         if let Some(gd) = guidance.as_deref() {
             let mut j = 0;
             for (i, u) in gd.uncond.iter().enumerate() {
@@ -211,6 +216,7 @@ impl<B: Backend> Model<B> {
                 mains.push(tok);
             }
         }
+        drop(span);
         if active.is_empty() {
             return Ok(out);
         }
@@ -225,15 +231,24 @@ impl<B: Backend> Model<B> {
             }
         }
         let mut heads = Vec::new();
+        let span = crate::prof::span(Phase::Tower);
         let frames = self.tower_step(
             &mut sub,
             &mains,
             &mut |r, i, row| {
+                let _s = crate::prof::span(Phase::SampleHeads);
                 let s = &steps[active[i]];
                 sample_head(row, &s.params, s.seed, s.step, r) as u32
             },
-            Some(&mut heads),
+            // head logits are kept only for a trace
+            if trace.is_some() {
+                Some(&mut heads)
+            } else {
+                None
+            },
         )?;
+        drop(span);
+        let _span = crate::prof::span(Phase::Advance);
         // The unconditional branches of the lanes that produced a frame follow with that frame.
         let mut sub_u: Vec<&mut LaneState<B>> = Vec::new();
         let mut frames_u: Vec<Row> = Vec::new();

@@ -11,6 +11,7 @@ pub mod backend;
 pub mod generate;
 pub mod lane;
 pub mod model;
+pub mod prof;
 pub mod sampling;
 pub mod stored;
 

@@ -933,6 +933,14 @@ impl<B: Backend> Model<B> {
     }
 }
 
+impl<B: Backend> Drop for Model<B> {
+    fn drop(&mut self) {
+        if crate::prof::enabled() {
+            eprintln!("{}", crate::prof::report());
+        }
+    }
+}
+
 /// `down(silu(gate x) ⊙ up x)`.
 fn swiglu<B: Backend, W: std::borrow::Borrow<B::Weight>>(
     be: &B,
