@@ -48,14 +48,9 @@ fn run<B: Backend>(m: &Model<B>, prompt: &[Row], frames: &[Row]) -> Result<Trace
     let t1 = Instant::now();
     for f in frames {
         let forced = *f;
-        let mut pick = |r: usize, _lane: usize, _l: &[f32]| forced[2 + r] as u32;
+        let pick = |r: usize, _lane: usize, _l: &[f32]| forced[2 + r] as u32;
         let got = m
-            .tower_step(
-                &mut [&mut lane],
-                &[f[0] as u32],
-                &mut pick,
-                Some(&mut heads),
-            )
+            .tower_step(&mut [&mut lane], &[f[0] as u32], &pick, Some(&mut heads))
             .map_err(e)?;
         if got[0] != *f {
             return Err(format!("tower step rebuilt {:?}, expected {f:?}", got[0]));

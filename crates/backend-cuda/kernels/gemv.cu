@@ -6,11 +6,10 @@
 // LOWP: accumulators rounded to bf16 after each step.
 #define ROWS_MAX 8
 #define UNROLL 8
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16(
-    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
-    const unsigned int* __restrict__ row_ids, int n_out, int K, int rows) {
+__device__ __forceinline__ void gemv_bf16_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                               float* __restrict__ y, const unsigned int* __restrict__ row_ids,
+                                               int n_out, int K, int rows, long long warp) {
     int lane = threadIdx.x & 31;
-    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (warp >= n_out) return;
     long long wrow = row_ids ? (long long)row_ids[warp] : warp;
 #if PLANT == 1
@@ -63,4 +62,28 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16(
             if (lane == 0 && r0 + r < rows) y[(long long)(r0 + r) * n_out + warp] = s;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16(
+    const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y,
+    const unsigned int* __restrict__ row_ids, int n_out, int K, int rows) {
+    gemv_bf16_body(W, x, y, row_ids, n_out, K, rows, ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+}
+
+// Up to 8 BF16 GEMVs of one input x [rows, K] in one launch: weight j [n_out[j], K] writes
+// y[j] [rows, n_out[j]] from blocks start[j] .. start[j+1] (8 outputs per block). Each output is
+// the same arithmetic as gemv_bf16's, so the results equal separate launches bit for bit.
+struct Multi {
+    unsigned long long w[8];
+    unsigned long long y[8];
+    int n_out[8];
+    int start[9];
+    int count;
+};
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi(Multi m, const float* __restrict__ x, int K,
+                                                                  int rows) {
+    int j = 0;
+    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
+    long long warp = ((long long)(blockIdx.x - m.start[j]) * blockDim.x + threadIdx.x) >> 5;
+    gemv_bf16_body((const bf16_t*)m.w[j], x, (float*)m.y[j], nullptr, m.n_out[j], K, rows, warp);
 }

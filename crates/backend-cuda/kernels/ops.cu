@@ -111,6 +111,32 @@ extern "C" __global__ void rmsnorm_groups(const float* __restrict__ x, const flo
     }
 }
 
+// The residual add fused with the norm after it: sum = a + b (as elementwise op 0) and out =
+// rmsnorm_groups(sum), the same arithmetic in the same order as the two launches (bit for bit
+// at the same block size). One block per group. PLANT 1: ignores plus_one. LOWP: the sum and
+// the output rounded to bf16, as the two separate LOWP kernels do.
+extern "C" __global__ void add_rmsnorm_groups(const float* __restrict__ a, const float* __restrict__ b,
+                                              const float* __restrict__ w, float* __restrict__ sum,
+                                              float* __restrict__ out, int group, float eps, int plus_one) {
+    __shared__ float scratch[32];
+    long long off = (long long)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = lowp(a[off + i] + b[off + i]);
+        sum[off + i] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#if PLANT == 1
+    plus_one = 0;
+#endif
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        out[off + i] = lowp(sum[off + i] * inv * wv);
+    }
+}
+
 // ---------------------------------------------------------------- elementwise
 
 // op 0: a + b; op 1: silu(a) * b; op 2: a * sigmoid(b), b [rows, bcols] with bcols == cols or 1.

@@ -61,6 +61,19 @@ struct Tables {
     p: [u64; 8],
 }
 
+/// Most weights of one `linear_many` launch (gemv.cu `Multi`).
+const MULTI_MAX: usize = 8;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Multi {
+    w: [u64; MULTI_MAX],
+    y: [u64; MULTI_MAX],
+    n_out: [i32; MULTI_MAX],
+    start: [i32; MULTI_MAX + 1],
+    count: i32,
+}
+
 // SAFETY: plain integers in #[repr(C)] structs whose layout matches `PtrTab`, `KvTab` and
 // `Tables` in kernels/ops.cu (u64 and i64 arrays, no padding); they are passed by value.
 unsafe impl DeviceRepr for PtrTab {}
@@ -68,6 +81,8 @@ unsafe impl DeviceRepr for PtrTab {}
 unsafe impl DeviceRepr for KvTab {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Tables {}
+// SAFETY: as above (`Multi` in kernels/gemv.cu: u64 arrays then i32 arrays, 200 bytes).
+unsafe impl DeviceRepr for Multi {}
 
 fn dev(e: impl std::fmt::Display) -> BackendError {
     BackendError::Device(e.to_string())
@@ -438,7 +453,7 @@ impl Prof {
     fn report(&self) -> String {
         let m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let mut rows: Vec<_> = m.iter().collect();
-        rows.sort_by(|a, b| b.1 .1.cmp(&a.1 .1));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
         let total: u128 = rows.iter().map(|r| r.1 .1).sum();
         let mut out = format!(
             "cuda profile: host time in backend ops {:.1} ms; {} launches, {} allocations\n",
@@ -554,7 +569,9 @@ impl CudaBackend {
     }
 
     fn alloc(&self, bytes: usize) -> BResult<Mem> {
-        self.prof.allocs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.prof
+            .allocs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if bytes <= SMALL_MAX {
             let class = SmallPool::class(bytes);
             let ptr = match self.small.take(class) {
@@ -1775,6 +1792,80 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn add_rms_norm(
+        &self,
+        a: &CudaBuf,
+        b: &CudaBuf,
+        w: &CudaVector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<(CudaBuf, CudaBuf)> {
+        let _p = self.prof.guard("add_rms_norm");
+        same_shape("add_rms_norm", a, b)?;
+        if group == 0 || !a.cols.is_multiple_of(group) || w.len != group {
+            return Err(shape_err(
+                "add_rms_norm",
+                format!("{} cols, group {group}, weight {}", a.cols, w.len),
+            ));
+        }
+        let sum = self.buf(a.rows, a.cols)?;
+        let out = self.buf(a.rows, a.cols)?;
+        let groups = a.rows * (a.cols / group);
+        if groups == 0 {
+            return Ok((sum, out));
+        }
+        // the block size of `rms_norm`, so the reduction order (and the bits) are the same
+        let block = if group >= 1024 { 256 } else { 128 };
+        let (g32, p1) = (i32v("add_rms_norm", group)?, i32::from(plus_one));
+        go!(self, Source::Ops, "add_rmsnorm_groups", (u32v("add_rms_norm", groups)?, 1, 1), block, 0;
+            &a.ptr(), &b.ptr(), &w.mem.ptr, &sum.ptr(), &out.ptr(), &g32, &eps, &p1);
+        Ok((sum, out))
+    }
+
+    fn linear_many(&self, x: &CudaBuf, ws: &[&CudaWeight], rows: Rows) -> BResult<Vec<CudaBuf>> {
+        let op = "linear_many";
+        let k = x.cols;
+        let fits = !ws.is_empty()
+            && ws.len() <= MULTI_MAX
+            && k.is_multiple_of(8)
+            && ws
+                .iter()
+                .all(|w| matches!(w, CudaWeight::Bf16 { cols, .. } if *cols == k));
+        if !fits || x.rows == 0 {
+            return ws.iter().map(|w| self.linear(x, w, rows)).collect();
+        }
+        let _p = self.prof.guard("linear_many");
+        let mut m = Multi {
+            w: [0; MULTI_MAX],
+            y: [0; MULTI_MAX],
+            n_out: [0; MULTI_MAX],
+            start: [0; MULTI_MAX + 1],
+            count: ws.len() as i32,
+        };
+        let mut outs = Vec::with_capacity(ws.len());
+        let mut blocks = 0usize;
+        for (j, w) in ws.iter().enumerate() {
+            let CudaWeight::Bf16 { mem, rows: n, .. } = w else {
+                unreachable!("checked above: every weight is BF16");
+            };
+            let y = self.buf(x.rows, *n)?;
+            m.w[j] = mem.ptr;
+            m.y[j] = y.ptr();
+            m.n_out[j] = i32v(op, *n)?;
+            m.start[j] = i32v(op, blocks)?;
+            blocks += n.div_ceil(8);
+            outs.push(y);
+        }
+        for j in ws.len()..=MULTI_MAX {
+            m.start[j] = i32v(op, blocks)?;
+        }
+        let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
+        go!(self, Source::Gemv, "gemv_bf16_multi", (u32v(op, blocks)?, 1, 1), 256, 0;
+            &m, &x.ptr(), &k32, &r32);
+        Ok(outs)
+    }
+
     fn add(&self, a: &CudaBuf, b: &CudaBuf) -> BResult<CudaBuf> {
         let _p = self.prof.guard("add");
         same_shape("add", a, b)?;
@@ -2088,6 +2179,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<PtrTab>(), 8 * MAX_LANES);
         assert_eq!(std::mem::size_of::<KvTab>(), 24 * MAX_LANES);
         assert_eq!(std::mem::size_of::<Tables>(), 64);
+        // gemv.cu `Multi`: 8 + 8 u64, 8 + 9 + 1 i32
+        assert_eq!(std::mem::size_of::<Multi>(), 200);
+        assert_eq!(std::mem::offset_of!(Multi, n_out), 128);
+        assert_eq!(std::mem::offset_of!(Multi, count), 196);
     }
 
     #[test]

@@ -250,6 +250,8 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("gather_sum", ops::gather_sum),
     ("rmsnorm_groups_f32w", ops::rmsnorm_groups),
     ("elementwise", ops::elementwise),
+    ("add_rms_norm_fused", ops::add_rms_norm),
+    ("gemv_bf16_multi", ops::linear_many),
     ("rope_neox_interleaved", ops::rope),
     ("kv_append_bf16_f32", ops::kv_append),
     ("attn_generic_bf16_f32", ops::attn_generic),

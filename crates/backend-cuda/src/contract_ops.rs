@@ -180,6 +180,127 @@ pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// The residual add fused with the next norm: against FP64, and bit for bit the two ops.
+pub(super) fn add_rms_norm(c: &mut Ctx) -> Result<()> {
+    for (case, rows, cols, group) in [
+        ("3 x 2048, one group per row", 3, 2048, 2048),
+        ("5 x 256 in groups of 64", 5, 256, 64),
+    ] {
+        let a = c.rng.normals_f32(rows * cols, 2.0);
+        let b = c.rng.normals_f32(rows * cols, 2.0);
+        let w = c.rng.normals_f32(group, 0.1);
+        let sum: Vec<f64> = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| f64::from(x) + f64::from(y))
+            .collect();
+        let mut reference = sum.clone();
+        for g in sum.chunks(group) {
+            let ms = g.iter().map(|v| v * v).sum::<f64>() / group as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            reference.extend(
+                g.iter()
+                    .zip(&w)
+                    .map(|(v, wv)| v * inv * (1.0 + f64::from(*wv))),
+            );
+        }
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let (ad, bd, wd) = (
+                be.upload(&a, rows, cols)?,
+                be.upload(&b, rows, cols)?,
+                be.vector_f32(&w)?,
+            );
+            let (s, n) = be.add_rms_norm(&ad, &bd, &wd, group, 1e-6, true)?;
+            Ok([be.download(&s)?, be.download(&n)?].concat())
+        };
+        triple3(c, case, tol_f32(group), &reference, run, false)?;
+        let be = backend(c, Variant::Exact, false);
+        let (ad, bd, wd) = (
+            be.upload(&a, rows, cols)?,
+            be.upload(&b, rows, cols)?,
+            be.vector_f32(&w)?,
+        );
+        let s = be.add(&ad, &bd)?;
+        let two = [
+            be.download(&s)?,
+            be.download(&be.rms_norm(&s, &wd, group, 1e-6, true)?)?,
+        ]
+        .concat();
+        let same = bits_equal(&run(&be)?, &two);
+        c.push(
+            format!("{case}: bitwise = add then rms_norm"),
+            Kind::Check,
+            same,
+            format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+        );
+    }
+    Ok(())
+}
+
+/// Several BF16 linears of one input in one launch: against FP64, and bit for bit the
+/// separate linears.
+pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
+    // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a), 3 rows
+    let (rows, k) = (3, 2048);
+    let outs = [8192usize, 4096, 32, 32];
+    let x = c.rng.normals_f32(rows * k, 1.0);
+    let ws: Vec<Vec<u16>> = outs
+        .iter()
+        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
+        .collect();
+    let mut reference = Vec::new();
+    for (w, &n) in ws.iter().zip(&outs) {
+        for r in 0..rows {
+            for o in 0..n {
+                let row = &w[o * k..(o + 1) * k];
+                reference.push(
+                    row.iter()
+                        .zip(&x[r * k..(r + 1) * k])
+                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
+                        .sum::<f64>(),
+                );
+            }
+        }
+    }
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let xd = be.upload(&x, rows, k)?;
+        let wd = ws
+            .iter()
+            .zip(&outs)
+            .map(|(w, &n)| be.weight_bf16(n, k, w))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+        let ys = be.linear_many(&xd, &refs, Rows::Exact)?;
+        let mut out = Vec::new();
+        for y in &ys {
+            out.extend(be.download(y)?);
+        }
+        // and each alone, appended: the comparison below splits the two halves
+        for w in &wd {
+            out.extend(be.download(&be.linear(&xd, w, Rows::Exact)?)?);
+        }
+        Ok(out)
+    };
+    let case = "3 rows x 2048 into 8192 + 4096 + 32 + 32";
+    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+        .iter()
+        .map(|&v| run(&backend(c, v, false)))
+        .collect::<Result<_>>()?;
+    let half = reference.len();
+    let tol = tol_f32(k);
+    c.check(case, rel_l2(&got[0][..half], &reference), tol);
+    c.discriminate(case, rel_l2(&got[1][..half], &reference), tol);
+    c.control(case, rel_l2(&got[2][..half], &reference), tol);
+    let same = bits_equal(&got[0][..half], &got[0][half..]);
+    c.push(
+        format!("{case}: bitwise = separate linears"),
+        Kind::Check,
+        same,
+        format!("one launch {}", if same { "exact" } else { "CHANGES BITS" }),
+    );
+    Ok(())
+}
+
 pub(super) fn elementwise(c: &mut Ctx) -> Result<()> {
     let (rows, cols) = (6, 300);
     let a = c.rng.normals_f32(rows * cols, 2.0);

@@ -880,6 +880,51 @@ pub fn attention(
     Ok(())
 }
 
+// ---------------------------------------------------------------- flash-style causal prefill
+
+/// `attn_flash_{f32,bf16}` (ops.cu) over `t` rows per lane of `nh` heads of `hd` dims, caches of
+/// `cap` rows: one block per 32 rows of one head of one lane, Q and a K/V tile in shared memory.
+pub fn plan_flash(
+    t: usize,
+    nh: usize,
+    lanes: usize,
+    hd: usize,
+    cap: usize,
+    f32kv: bool,
+) -> Result<LaunchPlan> {
+    let kernel = if f32kv {
+        "attn_flash_f32"
+    } else {
+        "attn_flash_bf16"
+    };
+    need(
+        kernel,
+        hd.is_multiple_of(32) && hd > 0 && hd <= FLASH_MAX_HEAD_DIM,
+        || format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}"),
+    )?;
+    let floats = mul(
+        "flash shared memory",
+        &[FLASH_ROWS + 2 * FLASH_KEYS, hd + 4],
+    )? + FLASH_ROWS * (FLASH_KEYS + 1);
+    let dyn_smem = (floats * 4) as u64;
+    Ok(LaunchPlan {
+        kernel,
+        grid: [cdiv(t, FLASH_ROWS) as u64, nh as u64, lanes as u64],
+        block: 128,
+        smem: dyn_smem,
+        dyn_smem,
+        optin: true,
+        // ints: t, nh, hd, and the FQ * hd shared index
+        i32_max: [t, nh, hd, FLASH_ROWS * (hd + 4)]
+            .into_iter()
+            .max()
+            .unwrap_or(0) as u64,
+        // q/out rows (lanes * t) * nh * hd; cache kvh * cap * hd + key * hd
+        offset_max: mul("flash offsets", &[lanes, t, nh, hd])?.max(mul("flash cache", &[cap, hd])?)
+            as u64,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -937,49 +982,4 @@ mod tests {
         assert_eq!(bad.problems(&info).len(), 2);
         const { assert!(ATTN_SPLIT_SMEM <= 48 * 1024) };
     }
-}
-
-// ---------------------------------------------------------------- flash-style causal prefill
-
-/// `attn_flash_{f32,bf16}` (ops.cu) over `t` rows per lane of `nh` heads of `hd` dims, caches of
-/// `cap` rows: one block per 32 rows of one head of one lane, Q and a K/V tile in shared memory.
-pub fn plan_flash(
-    t: usize,
-    nh: usize,
-    lanes: usize,
-    hd: usize,
-    cap: usize,
-    f32kv: bool,
-) -> Result<LaunchPlan> {
-    let kernel = if f32kv {
-        "attn_flash_f32"
-    } else {
-        "attn_flash_bf16"
-    };
-    need(
-        kernel,
-        hd % 32 == 0 && hd > 0 && hd <= FLASH_MAX_HEAD_DIM,
-        || format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}"),
-    )?;
-    let floats = mul(
-        "flash shared memory",
-        &[FLASH_ROWS + 2 * FLASH_KEYS, hd + 4],
-    )? + FLASH_ROWS * (FLASH_KEYS + 1);
-    let dyn_smem = (floats * 4) as u64;
-    Ok(LaunchPlan {
-        kernel,
-        grid: [cdiv(t, FLASH_ROWS) as u64, nh as u64, lanes as u64],
-        block: 128,
-        smem: dyn_smem,
-        dyn_smem,
-        optin: true,
-        // ints: t, nh, hd, and the FQ * hd shared index
-        i32_max: [t, nh, hd, FLASH_ROWS * (hd + 4)]
-            .into_iter()
-            .max()
-            .unwrap_or(0) as u64,
-        // q/out rows (lanes * t) * nh * hd; cache kvh * cap * hd + key * hd
-        offset_max: mul("flash offsets", &[lanes, t, nh, hd])?.max(mul("flash cache", &[cap, hd])?)
-            as u64,
-    })
 }

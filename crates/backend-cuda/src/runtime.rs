@@ -298,7 +298,12 @@ impl Gpu {
     }
 
     /// The named kernel of a source variant, compiling (or reading the cache) on first use.
-    pub fn func(&self, source: Source, variant: Variant, name: &'static str) -> Result<CudaFunction> {
+    pub fn func(
+        &self,
+        source: Source,
+        variant: Variant,
+        name: &'static str,
+    ) -> Result<CudaFunction> {
         let key = (source, variant, name);
         if let Some(f) = self
             .funcs

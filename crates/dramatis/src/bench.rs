@@ -128,6 +128,118 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
     })
 }
 
+/// Issue 6's target: the engine's peak device memory within this many percent of the plan.
+const PLAN_TOLERANCE_PERCENT: u64 = 2;
+
+/// What the receipt says the device-memory figures are, and what they are not.
+const DEVICE_MEMORY_NOTE: &str = "device-wide cuMemGetInfo (total - free) on device 0, polled on \
+its own thread during the load and every decode run; peak_engine_bytes = peak_used_bytes - \
+baseline_used_bytes (the baseline, taken before the load, holds this process's CUDA context and \
+other processes); allocations shorter than the interval can be missed, so the peak is a lower \
+bound; planned_device_bytes includes ceilings that fill only under load (reference_cache, the \
+KV pool at every lane's full window: see planned_device_classes); the prefill section loads a \
+second model copy beside the engine and is sampled apart (prefill_peak_used_bytes), never \
+compared with the plan";
+
+/// Device memory over one bench: figures in bytes, all device-wide (every process counts).
+struct DeviceMemory {
+    /// In use before `Engine::load`.
+    baseline_used: u64,
+    /// The highest figure during the load and the decode runs.
+    peak: speech::DevicePeak,
+    /// The plan's device total (`None`: a plan without a device side).
+    planned: Option<u64>,
+    /// The plan's device byte classes, to say where a gap comes from.
+    planned_classes: Vec<(&'static str, u64)>,
+    /// The highest figure during the prefill section, when it ran.
+    prefill_peak: Option<speech::DevicePeak>,
+}
+
+impl DeviceMemory {
+    /// Bytes the engine added on the device at its peak (0 if others freed more than it took).
+    fn engine_bytes(&self) -> u64 {
+        self.peak.used_bytes.saturating_sub(self.baseline_used)
+    }
+
+    /// The engine's peak as a fraction of the plan; `None` without a (non-zero) plan.
+    fn over_plan(&self) -> Option<f64> {
+        let planned = self.planned.filter(|&p| p > 0)?;
+        Some(self.engine_bytes() as f64 / planned as f64)
+    }
+}
+
+/// Whether `engine` bytes lie within [`PLAN_TOLERANCE_PERCENT`] of `planned`, either side: above
+/// it the plan under-reserves (the device can run out after admission said yes), below it the
+/// plan refuses work that would fit. Integer arithmetic, so the boundary is exact. `None` when
+/// nothing is planned.
+fn within_plan(engine: u64, planned: u64) -> Option<bool> {
+    if planned == 0 {
+        return None;
+    }
+    let gap = u128::from(engine.abs_diff(planned));
+    Some(gap * 100 <= u128::from(planned) * u128::from(PLAN_TOLERANCE_PERCENT))
+}
+
+/// The receipt's `device_memory` object.
+fn device_memory_json(m: &DeviceMemory) -> serde_json::Value {
+    let classes: serde_json::Map<String, serde_json::Value> = m
+        .planned_classes
+        .iter()
+        .map(|&(class, bytes)| (class.to_string(), json!(bytes)))
+        .collect();
+    json!({
+        "baseline_used_bytes": m.baseline_used,
+        "peak_used_bytes": m.peak.used_bytes,
+        "peak_engine_bytes": m.engine_bytes(),
+        "planned_device_bytes": m.planned,
+        "peak_over_plan": m.over_plan(),
+        "within_2_percent": m.planned.and_then(|p| within_plan(m.engine_bytes(), p)),
+        "planned_device_classes": classes,
+        "samples": m.peak.samples,
+        "sample_interval_ms": m.peak.interval_ms,
+        "prefill_peak_used_bytes": m.prefill_peak.map(|p| p.used_bytes),
+        "note": DEVICE_MEMORY_NOTE,
+    })
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{} GiB", admission::Bytes(bytes).gib_string())
+}
+
+/// One line for the terminal: the engine's peak against the plan.
+fn device_memory_line(m: &DeviceMemory) -> String {
+    let measured = format!(
+        "device memory: peak {} engine ({} in use, {} before load)",
+        gib(m.engine_bytes()),
+        gib(m.peak.used_bytes),
+        gib(m.baseline_used)
+    );
+    match (m.planned, m.over_plan()) {
+        (Some(p), Some(r)) => {
+            let verdict = match within_plan(m.engine_bytes(), p) {
+                Some(true) => "within",
+                _ => "outside",
+            };
+            format!(
+                "{measured}, plan {} ({:.1}% of plan, {verdict} {PLAN_TOLERANCE_PERCENT}%)",
+                gib(p),
+                r * 100.0
+            )
+        }
+        _ => format!("{measured}, no device plan"),
+    }
+}
+
+/// The plan's device-side classes (empty on the CPU backend).
+fn planned_device_classes(eng: &Engine) -> Vec<(&'static str, u64)> {
+    eng.memory_plan()
+        .classes
+        .iter()
+        .filter(|c| c.memory == admission::Memory::Device)
+        .map(|c| (c.class, c.bytes.0))
+        .collect()
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     let max_lanes = a.lanes.iter().copied().max().unwrap_or(1).max(1);
     let opts = EngineOptions {
@@ -147,6 +259,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         context: Some(4096),
         ..Default::default()
     };
+    let cuda = matches!(a.backend, crate::cli::BackendArg::Cuda);
+    // Taken before the engine exists, so the engine's share is what the peak adds to it.
+    let baseline = if cuda {
+        speech::device_memory_used()
+    } else {
+        None
+    };
+    let sampler = baseline.and_then(|_| speech::DevicePeakSampler::start());
     let t_load = Instant::now();
     let eng = Engine::load(opts).map_err(|e| anyhow!("{e}"))?;
     let load_s = t_load.elapsed().as_secs_f64();
@@ -180,15 +300,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
             results.last().map(|v| v.to_string()).unwrap_or_default()
         );
     }
+    let decode_peak = sampler.map(speech::DevicePeakSampler::stop);
     // Prefill throughput: one lane, a prompt of n rows (then one frame), in 4096-row pieces.
     let mut prefill = Vec::new();
+    let prefill_sampler = if cuda && !a.prefill_rows.is_empty() {
+        speech::DevicePeakSampler::start()
+    } else {
+        None
+    };
     if !a.prefill_rows.is_empty() {
         let dir = match &a.model {
             Some(d) => d.clone(),
             None => speech::builtin::ensure_builtin().map_err(|e| anyhow!(e))?,
         };
         let ck = checkpoint::Checkpoint::open(&dir)?;
-        let cuda = matches!(a.backend, crate::cli::BackendArg::Cuda);
         for &n in &a.prefill_rows {
             // One run per length: each loads the model afresh (weights dominate the time otherwise).
             let r = crate::gpu::fill_window_on(&ck, cuda, n + 2, 4096)?;
@@ -197,6 +322,24 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprintln!("prefill {n} rows: {m:.3} s");
         }
     }
+    let prefill_peak = prefill_sampler.map(speech::DevicePeakSampler::stop);
+    let device_memory = match (baseline, decode_peak) {
+        (Some(baseline_used), Some(peak)) => Some(DeviceMemory {
+            baseline_used,
+            peak,
+            planned: eng.planned_device_bytes(),
+            planned_classes: planned_device_classes(&eng),
+            prefill_peak,
+        }),
+        _ => None,
+    };
+    let device_memory_field = match (&device_memory, cuda) {
+        (Some(m), _) => device_memory_json(m),
+        (None, false) => serde_json::Value::Null,
+        (None, true) => {
+            json!({"note": "not measured: the CUDA driver's memory figures could not be read"})
+        }
+    };
     let facts = eng.facts();
     let receipt = json!({
         "kind": "dramatis-bench",
@@ -215,6 +358,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
         "results": results,
         "prefill": prefill,
+        "device_memory": device_memory_field,
     });
     let text = serde_json::to_string_pretty(&receipt)?;
     match &a.out {
@@ -239,6 +383,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             r["real_time_factor_median"].as_f64().unwrap_or(0.0)
         );
     }
+    if let Some(m) = &device_memory {
+        println!("{}", device_memory_line(m));
+    }
     eng.shutdown();
     Ok(())
 }
@@ -258,4 +405,80 @@ fn machine() -> serde_json::Value {
         "os": std::env::consts::OS,
         "arch": std::env::consts::ARCH,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memory(baseline: u64, peak: u64, planned: Option<u64>) -> DeviceMemory {
+        DeviceMemory {
+            baseline_used: baseline,
+            peak: speech::DevicePeak {
+                used_bytes: peak,
+                samples: 40,
+                interval_ms: 5,
+            },
+            planned,
+            planned_classes: vec![("weights_backbone_bf16", 60_000), ("backbone_kv", 40_000)],
+            prefill_peak: None,
+        }
+    }
+
+    #[test]
+    fn two_percent_boundary_is_exact_on_both_sides() {
+        assert_eq!(within_plan(102_000, 100_000), Some(true));
+        assert_eq!(within_plan(102_001, 100_000), Some(false));
+        assert_eq!(within_plan(98_000, 100_000), Some(true));
+        assert_eq!(within_plan(97_999, 100_000), Some(false));
+        assert_eq!(within_plan(0, 0), None);
+        // No overflow at the top of the range.
+        assert_eq!(within_plan(u64::MAX, u64::MAX), Some(true));
+        assert_eq!(within_plan(0, u64::MAX), Some(false));
+    }
+
+    #[test]
+    fn receipt_field_subtracts_the_baseline_and_judges_against_the_plan() {
+        let v = device_memory_json(&memory(1_000, 103_000, Some(100_000)));
+        assert_eq!(v["baseline_used_bytes"], 1_000);
+        assert_eq!(v["peak_used_bytes"], 103_000);
+        assert_eq!(v["peak_engine_bytes"], 102_000);
+        assert_eq!(v["planned_device_bytes"], 100_000);
+        assert!((v["peak_over_plan"].as_f64().unwrap() - 1.02).abs() < 1e-12);
+        assert_eq!(v["within_2_percent"], true);
+        assert_eq!(v["planned_device_classes"]["backbone_kv"], 40_000);
+        assert_eq!(v["samples"], 40);
+        assert!(v["prefill_peak_used_bytes"].is_null());
+        assert!(v["note"].as_str().unwrap().contains("baseline"));
+
+        let over = device_memory_json(&memory(1_000, 103_001, Some(100_000)));
+        assert_eq!(over["within_2_percent"], false);
+        let under = device_memory_json(&memory(1_000, 98_999, Some(100_000)));
+        assert_eq!(under["peak_engine_bytes"], 97_999);
+        assert_eq!(under["within_2_percent"], false);
+    }
+
+    #[test]
+    fn receipt_field_without_a_plan_or_below_the_baseline() {
+        let v = device_memory_json(&memory(5_000, 4_000, None));
+        assert_eq!(v["peak_engine_bytes"], 0);
+        assert!(v["planned_device_bytes"].is_null());
+        assert!(v["peak_over_plan"].is_null());
+        assert!(v["within_2_percent"].is_null());
+        let mut m = memory(0, 10, Some(10));
+        m.prefill_peak = Some(m.peak);
+        assert_eq!(device_memory_json(&m)["prefill_peak_used_bytes"], 10);
+    }
+
+    #[test]
+    fn human_line_names_units_share_and_verdict() {
+        const GIB: u64 = 1 << 30;
+        let m = memory(4 * GIB, 42 * GIB, Some(40 * GIB));
+        assert_eq!(
+            device_memory_line(&m),
+            "device memory: peak 38.000 GiB engine (42.000 GiB in use, 4.000 GiB before load), \
+             plan 40.000 GiB (95.0% of plan, outside 2%)"
+        );
+        assert!(device_memory_line(&memory(0, 10, None)).ends_with("no device plan"));
+    }
 }

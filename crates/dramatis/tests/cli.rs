@@ -238,6 +238,25 @@ fn inspect_and_capabilities() {
 }
 
 #[test]
+fn cpu_bench_receipt_has_no_device_memory() {
+    let out = tmp("bench").join("bench.json");
+    let o = bin()
+        .args([
+            "bench", "--runs", "1", "--frames", "2", "--lanes", "1", "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(v["backend"], "cpu", "{v}");
+    assert_eq!(v["results"][0]["lanes"], 1, "{v}");
+    // The CPU plan has no device side: the field is present and null, not absent.
+    assert!(v.get("device_memory").is_some_and(|d| d.is_null()), "{v}");
+    assert!(!text(&o).contains("device memory:"), "{}", text(&o));
+}
+
+#[test]
 fn plan_boundaries() {
     let ok = bin()
         .args([

@@ -177,8 +177,33 @@ pub trait Backend: Send + Sync + Sized {
         eps: f32,
         plus_one: bool,
     ) -> BResult<Self::Buf>;
+    /// The residual add before a norm: `(s, rms_norm(s, ...))` with `s = a + b`. Bit for bit
+    /// [`Backend::add`] then [`Backend::rms_norm`]; a backend may fuse them (one launch).
+    fn add_rms_norm(
+        &self,
+        a: &Self::Buf,
+        b: &Self::Buf,
+        w: &Self::Vector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<(Self::Buf, Self::Buf)> {
+        let s = self.add(a, b)?;
+        let n = self.rms_norm(&s, w, group, eps, plus_one)?;
+        Ok((s, n))
+    }
     /// `y = x Wᵀ`: `[n, in] -> [n, out]`.
     fn linear(&self, x: &Self::Buf, w: &Self::Weight, rows: Rows) -> BResult<Self::Buf>;
+    /// Several linears of one input, `[x W_0ᵀ, x W_1ᵀ, …]`, each bit for bit its own
+    /// [`Backend::linear`]; a backend may run them in one launch.
+    fn linear_many(
+        &self,
+        x: &Self::Buf,
+        ws: &[&Self::Weight],
+        rows: Rows,
+    ) -> BResult<Vec<Self::Buf>> {
+        ws.iter().map(|w| self.linear(x, w, rows)).collect()
+    }
     fn add(&self, a: &Self::Buf, b: &Self::Buf) -> BResult<Self::Buf>;
     /// `silu(gate) ⊙ up`.
     fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf) -> BResult<Self::Buf>;

@@ -200,17 +200,27 @@ impl<B: Backend> Model<B> {
         }
         let mut out = vec![FrameOut::Eos; lanes.len()];
         let (mut active, mut mains) = (Vec::new(), Vec::new());
-        for (i, (l, s)) in lanes.iter().zip(steps).enumerate() {
+        // Each lane's draw depends on its own logits, history and counter: lanes draw in
+        // parallel when there are several.
+        let draw = |i: usize| {
             let c = sample_main(
                 &logits[i],
                 self.candidates(),
                 |t| g.is_semantic(i64::from(t)),
-                l.recent_main_tokens(),
-                &s.params,
-                s.seed,
-                s.step,
+                lanes[i].recent_main_tokens(),
+                &steps[i].params,
+                steps[i].seed,
+                steps[i].step,
             );
-            let tok = self.candidates()[c];
+            self.candidates()[c]
+        };
+        let toks: Vec<u32> = if n_lanes > 1 {
+            use rayon::prelude::*;
+            (0..n_lanes).into_par_iter().map(draw).collect()
+        } else {
+            (0..n_lanes).map(draw).collect()
+        };
+        for (i, tok) in toks.into_iter().enumerate() {
             if g.is_semantic(i64::from(tok)) {
                 active.push(i);
                 mains.push(tok);
@@ -235,7 +245,7 @@ impl<B: Backend> Model<B> {
         let frames = self.tower_step(
             &mut sub,
             &mains,
-            &mut |r, i, row| {
+            &|r, i, row| {
                 let _s = crate::prof::span(Phase::SampleHeads);
                 let s = &steps[active[i]];
                 sample_head(row, &s.params, s.seed, s.step, r) as u32

@@ -488,16 +488,24 @@ impl<B: Backend> Model<B> {
             Rows::Bulk => (0..n).map(|i| lanes[0].rows + i).collect(),
             Rows::Exact => lanes.iter().map(|l| l.rows).collect(),
         };
-        for layer in &self.layers {
-            let h = be.rms_norm(&x, &layer.input_norm, g.hidden, g.eps, true)?;
+        // Each residual add is fused with the norm that follows it: the post-mixer norm, then
+        // the next layer's input norm (the final norm after the last layer).
+        let first = self.layers.first().map_or(&self.norm, |l| &l.input_norm);
+        let mut h = be.rms_norm(&x, first, g.hidden, g.eps, true)?;
+        for (li, layer) in self.layers.iter().enumerate() {
             let m = match &layer.mixer {
                 Mixer::Gdn(s, w) => self.gdn(lanes, *s, w, &h, mode)?,
                 Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, &positions, mode)?,
             };
-            x = be.add(&x, &m)?;
-            let h = be.rms_norm(&x, &layer.post_norm, g.hidden, g.eps, true)?;
-            let y = self.moe(&layer.moe, &h, mode)?;
-            x = be.add(&x, &y)?;
+            let (x1, h1) = be.add_rms_norm(&x, &m, &layer.post_norm, g.hidden, g.eps, true)?;
+            let y = self.moe(&layer.moe, &h1, mode)?;
+            let next = self
+                .layers
+                .get(li + 1)
+                .map_or(&self.norm, |l| &l.input_norm);
+            let (x2, h2) = be.add_rms_norm(&x1, &y, next, g.hidden, g.eps, true)?;
+            x = x2;
+            h = h2;
             if let Some(t) = trace.as_deref_mut() {
                 t.push(be.download(&x)?);
             }
@@ -506,7 +514,7 @@ impl<B: Backend> Model<B> {
             Rows::Bulk => lanes[0].rows += n,
             Rows::Exact => lanes.iter_mut().for_each(|l| l.rows += 1),
         }
-        Ok(be.rms_norm(&x, &self.norm, g.hidden, g.eps, true)?)
+        Ok(h)
     }
 
     /// §4.3 Gated DeltaNet mixer: `[n, H] -> [n, H]`.
@@ -520,10 +528,8 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let d = &self.geometry.gdn;
-        let qkv = be.linear(x, &w.qkv, mode)?; // [n, C]
-        let z = be.linear(x, &w.z, mode)?; // [n, nv·dv]
-        let b = be.linear(x, &w.b, mode)?; // [n, nv]
-        let a = be.linear(x, &w.a, mode)?; // [n, nv]
+        // qkv [n, C], z [n, nv·dv], b and a [n, nv]
+        let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
         let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
         let o = match mode {
             Rows::Bulk => {
@@ -583,12 +589,10 @@ impl<B: Backend> Model<B> {
         let d = &self.geometry.attn;
         let (hq, hd) = (d.q_heads, d.head_dim);
         // q_proj rows are per head [q_h ; gate_h]: split each 2·hd block.
-        let qg = be.linear(x, &w.q, mode)?;
+        let [qg, k, v]: [B::Buf; 3] = linears(be, x, [&w.q, &w.k, &w.v], mode)?;
         debug_assert_eq!(be.shape(&qg).1, 2 * hq * hd);
         let q = be.cols_grouped(&qg, 2 * hd, 0, hd)?;
         let gate = be.cols_grouped(&qg, 2 * hd, hd, hd)?;
-        let k = be.linear(x, &w.k, mode)?;
-        let v = be.linear(x, &w.v, mode)?;
         let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.kv[slot]).collect();
         let o = self.gated_attention(
             &mut kvs,
@@ -609,11 +613,16 @@ impl<B: Backend> Model<B> {
     /// §4.5 MoE: routed experts (softmax, top-k, renormalise) plus the sigmoid-gated shared one.
     fn moe(&self, m: &Moe<B>, x: &B::Buf, mode: Rows) -> Result<B::Buf> {
         let be = &self.backend;
-        let logits = be.linear(x, &m.router, mode)?;
+        // router logits, the shared expert's gate and up, and its sigmoid gate [n, 1]
+        let [logits, g, u, sg]: [B::Buf; 4] = linears(
+            be,
+            x,
+            [&m.router, &m.shared.gate, &m.shared.up, &m.shared_gate],
+            mode,
+        )?;
         let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
         let routed = be.moe_experts(x, &route, &m.experts, mode)?;
-        let s = swiglu(be, x, &m.shared, mode)?;
-        let sg = be.linear(x, &m.shared_gate, mode)?; // [n, 1]
+        let s = be.linear(&be.silu_mul(&g, &u)?, &m.shared.down, mode)?;
         let s = be.sigmoid_mul(&s, &sg)?;
         Ok(be.add(&routed, &s)?)
     }
@@ -684,8 +693,14 @@ impl<B: Backend> Model<B> {
         let o = self.gated_attention(
             kvs, d, eps, q, gate, k, v, &w.q_norm, &w.k_norm, positions, mode,
         )?;
-        let r = be.add(&m, &be.linear(&o, &w.wo, mode)?)?;
-        let x = be.rms_norm(&r, &w.ffn_norm, dim, eps, true)?;
+        let (r, x) = be.add_rms_norm(
+            &m,
+            &be.linear(&o, &w.wo, mode)?,
+            &w.ffn_norm,
+            dim,
+            eps,
+            true,
+        )?;
         let f = swiglu(
             be,
             &x,
@@ -696,7 +711,7 @@ impl<B: Backend> Model<B> {
             },
             mode,
         )?;
-        Ok(be.rms_norm(&be.add(&r, &f)?, &w.out_norm, dim, eps, true)?)
+        Ok(be.add_rms_norm(&r, &f, &w.out_norm, dim, eps, true)?.1)
     }
 
     /// Teacher-forced tower over one lane's positions `lane.tower_rows ..`: `hidden[i]` and
@@ -864,7 +879,7 @@ impl<B: Backend> Model<B> {
         &self,
         lanes: &mut [&mut LaneState<B>],
         main: &[u32],
-        pick: &mut dyn FnMut(usize, usize, &[f32]) -> u32,
+        pick: &(dyn Fn(usize, usize, &[f32]) -> u32 + Sync),
         mut head_logits: Option<&mut Vec<Vec<f32>>>,
     ) -> Result<Vec<Row>> {
         if lanes.iter().any(|l| !l.has_tower()) {
@@ -901,8 +916,21 @@ impl<B: Backend> Model<B> {
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
                 let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
-                for (i, row) in l.chunks_exact(g.codebook).enumerate() {
-                    frames[i][2 + r] = i64::from(pick(r, i, row));
+                // each lane's draw depends on its own logits and counter only: draw in parallel
+                let codes: Vec<u32> = if n > 1 {
+                    use rayon::prelude::*;
+                    l.par_chunks_exact(g.codebook)
+                        .enumerate()
+                        .map(|(i, row)| pick(r, i, row))
+                        .collect()
+                } else {
+                    l.chunks_exact(g.codebook)
+                        .enumerate()
+                        .map(|(i, row)| pick(r, i, row))
+                        .collect()
+                };
+                for (i, (row, code)) in l.chunks_exact(g.codebook).zip(codes).enumerate() {
+                    frames[i][2 + r] = i64::from(code);
                     if let Some(hl) = head_logits.as_deref_mut() {
                         hl.push(row.to_vec());
                     }
@@ -941,6 +969,23 @@ impl<B: Backend> Drop for Model<B> {
     }
 }
 
+/// [`Backend::linear_many`] as a fixed-size array.
+fn linears<B: Backend, const N: usize>(
+    be: &B,
+    x: &B::Buf,
+    ws: [&B::Weight; N],
+    mode: Rows,
+) -> Result<[B::Buf; N]> {
+    be.linear_many(x, &ws, mode)?
+        .try_into()
+        .map_err(|v: Vec<B::Buf>| {
+            ModelError::Unsupported(format!(
+                "linear_many gave {} outputs for {N} weights",
+                v.len()
+            ))
+        })
+}
+
 /// `down(silu(gate x) ⊙ up x)`.
 fn swiglu<B: Backend, W: std::borrow::Borrow<B::Weight>>(
     be: &B,
@@ -948,7 +993,6 @@ fn swiglu<B: Backend, W: std::borrow::Borrow<B::Weight>>(
     e: &Expert<W>,
     mode: Rows,
 ) -> Result<B::Buf> {
-    let g = be.linear(x, e.gate.borrow(), mode)?;
-    let u = be.linear(x, e.up.borrow(), mode)?;
+    let [g, u]: [B::Buf; 2] = linears(be, x, [e.gate.borrow(), e.up.borrow()], mode)?;
     Ok(be.linear(&be.silu_mul(&g, &u)?, e.down.borrow(), mode)?)
 }

@@ -97,6 +97,31 @@ pub fn argmax(logits: &[f32]) -> usize {
     best
 }
 
+/// Indices of `v` by value descending (`f32::total_cmp`), equal values in index order: the
+/// order of a stable sort by value, found by sorting one u64 key per value (the value's
+/// total-order bits, inverted, above the index), which is several times faster than sorting
+/// indices through a comparator.
+pub fn rank_desc(v: &[f32]) -> Vec<usize> {
+    let mut keys: Vec<u64> = v
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let b = x.to_bits();
+            // unsigned keys in total_cmp order: negatives reversed below the positives
+            let ord = if b & 0x8000_0000 != 0 {
+                !b
+            } else {
+                b | 0x8000_0000
+            };
+            (u64::from(!ord) << 32) | i as u64
+        })
+        .collect();
+    keys.sort_unstable();
+    keys.into_iter()
+        .map(|k| (k & 0xffff_ffff) as usize)
+        .collect()
+}
+
 /// One draw from `logits` with uniform `u`: `logits / max(T, 1e-5)`, sorted descending (ties to
 /// the lower index), softmax over all, inclusive cumulative sum; rank 0 always kept, ranks
 /// ≥ top_k dropped (top_k > 0), top-p per `crossing`; renormalise and draw. T = 0 is argmax.
@@ -113,9 +138,7 @@ pub fn sample(
     }
     let t = temperature.max(1e-5);
     let scaled: Vec<f32> = logits.iter().map(|&l| l / t).collect();
-    let mut order: Vec<usize> = (0..scaled.len()).collect();
-    // Stable sort keeps equal logits in index order.
-    order.sort_by(|&a, &b| scaled[b].total_cmp(&scaled[a]));
+    let order = rank_desc(&scaled);
     let max = f64::from(scaled[order[0]]);
     let exps: Vec<f64> = order
         .iter()
@@ -228,6 +251,43 @@ pub fn sample_head(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rank_desc_is_the_stable_descending_sort() {
+        let mut state = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for n in [1usize, 2, 7, 300, 4097] {
+            // ties, signed zeros, infinities and NaNs of both signs, and ordinary values
+            let special = [
+                0.0f32,
+                -0.0,
+                1.5,
+                -1.5,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+            ];
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    let r = next();
+                    if r % 3 == 0 {
+                        special[(r >> 8) as usize % special.len()]
+                    } else {
+                        ((r >> 11) as f64 / (1u64 << 53) as f64 * 20.0 - 10.0) as f32
+                    }
+                })
+                .collect();
+            let mut want: Vec<usize> = (0..n).collect();
+            want.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+            assert_eq!(rank_desc(&v), want, "n = {n}");
+        }
+    }
 
     #[test]
     fn philox_known_answers() {

@@ -167,6 +167,8 @@ pub struct Engine {
     contract: WindowContract,
     /// Bytes one whole reply may hold (see `load`).
     whole_reply_budget: u64,
+    /// The memory plan start-up admitted, kept so receipts can set measured memory against it.
+    plan: admission::Plan,
     limits: Limits,
     lanes: usize,
     queue_cap: usize,
@@ -407,6 +409,7 @@ impl Engine {
             expert_format: ck.expert_format.name().to_string(),
             contract,
             whole_reply_budget,
+            plan,
             limits: opts.limits,
             lanes,
             queue_cap,
@@ -439,6 +442,19 @@ impl Engine {
     }
     pub fn contract(&self) -> &WindowContract {
         &self.contract
+    }
+
+    /// The memory plan start-up admitted (ADMISSION.md); `render_table` prints it.
+    pub fn memory_plan(&self) -> &admission::Plan {
+        &self.plan
+    }
+
+    /// Device bytes the plan accounts for (weights, KV pool, state, codec, staging); `None` on
+    /// the CPU backend, whose plan has no device side.
+    pub fn planned_device_bytes(&self) -> Option<u64> {
+        self.plan
+            .total(admission::Memory::Device)
+            .map(|t| t.needed.0)
     }
 
     pub fn facts(&self) -> SpeechFacts {
@@ -1081,97 +1097,146 @@ struct CodecJob {
     failed: bool,
 }
 
+/// Most frames one decoder call takes when a backlog is coalesced.
+const CODEC_MAX_CHUNK: usize = 64;
+
 /// Streams every job's frames through its own decoder state (so streamed PCM equals a whole
 /// decode), hashes the s16 samples and sends audio and final events in order.
+///
+/// When the thread falls behind (many lanes), the frames waiting for one job are decoded as one
+/// chunk: streamed decoding is bit-identical whatever the chunking, and one call over several
+/// frames costs far less than one call per frame. A job's messages keep their order.
 fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Receiver<CodecMsg>) {
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
     let rate = f64::from(rate);
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            CodecMsg::Start {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < 4096 {
+            match rx.try_recv() {
+                Ok(m) => batch.push(m),
+                Err(_) => break,
+            }
+        }
+        // frames waiting per job, in arrival order of the jobs
+        let mut pending: Vec<(u64, Vec<Vec<u32>>)> = Vec::new();
+        for msg in batch {
+            let key = match &msg {
+                CodecMsg::Frame { key, .. } => *key,
+                CodecMsg::Start { key, .. }
+                | CodecMsg::Finish { key, .. }
+                | CodecMsg::Fail { key, .. }
+                | CodecMsg::Drop { key } => *key,
+            };
+            if let CodecMsg::Frame { codes, .. } = msg {
+                match pending.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, f)) if f.len() < CODEC_MAX_CHUNK => f.push(codes),
+                    Some((_, f)) => {
+                        let full = std::mem::replace(f, vec![codes]);
+                        decode_frames(&mut jobs, key, full);
+                    }
+                    None => pending.push((key, vec![codes])),
+                }
+                continue;
+            }
+            // this job's earlier frames go first
+            if let Some(i) = pending.iter().position(|(k, _)| *k == key) {
+                let (_, frames) = pending.remove(i);
+                decode_frames(&mut jobs, key, frames);
+            }
+            codec_event(&mut jobs, &new_decoder, rate, msg);
+        }
+        for (key, frames) in pending {
+            decode_frames(&mut jobs, key, frames);
+        }
+    }
+}
+
+/// Decodes one job's consecutive frames (`[codebooks]` each) as one chunk and sends the audio.
+fn decode_frames(
+    jobs: &mut std::collections::HashMap<u64, CodecJob>,
+    key: u64,
+    frames: Vec<Vec<u32>>,
+) {
+    let Some(j) = jobs.get_mut(&key) else {
+        return;
+    };
+    if j.failed || frames.is_empty() {
+        return;
+    }
+    let pcm = Codes::from_frames(frames[0].len(), &frames)
+        .map_err(|e| e.to_string())
+        .and_then(|c| j.decoder.push(&c));
+    match pcm {
+        Ok(pcm) => {
+            if j.first_audio.is_none() {
+                j.first_audio = Some(j.submitted.elapsed().as_secs_f64());
+            }
+            j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
+            j.samples += pcm.len() as u64;
+            let _ = j.events.send(JobEvent::Audio(pcm));
+        }
+        Err(e) => {
+            j.failed = true;
+            let _ = j.events.send(JobEvent::Failed(format!("codec: {e}")));
+        }
+    }
+}
+
+/// A codec-thread message other than a frame.
+fn codec_event(
+    jobs: &mut std::collections::HashMap<u64, CodecJob>,
+    new_decoder: &DecoderFactory,
+    rate: f64,
+    msg: CodecMsg,
+) {
+    match msg {
+        CodecMsg::Start {
+            key,
+            events,
+            submitted,
+        } => {
+            let (decoder, failed): (Box<dyn StreamDecoder>, bool) = match new_decoder() {
+                Ok(d) => (d, false),
+                Err(e) => {
+                    let _ = events.send(JobEvent::Failed(format!("codec: {e}")));
+                    (Box::new(NoDecoder), true)
+                }
+            };
+            jobs.insert(
                 key,
-                events,
-                submitted,
-            } => {
-                let decoder = match new_decoder() {
-                    Ok(d) => d,
-                    Err(e) => {
-                        let _ = events.send(JobEvent::Failed(format!("codec: {e}")));
-                        jobs.insert(
-                            key,
-                            CodecJob {
-                                events,
-                                submitted,
-                                decoder: Box::new(NoDecoder),
-                                hasher: PcmHasher::new(),
-                                samples: 0,
-                                first_audio: None,
-                                failed: true,
-                            },
-                        );
-                        continue;
-                    }
-                };
-                jobs.insert(
-                    key,
-                    CodecJob {
-                        events,
-                        submitted,
-                        decoder,
-                        hasher: PcmHasher::new(),
-                        samples: 0,
-                        first_audio: None,
-                        failed: false,
-                    },
-                );
+                CodecJob {
+                    events,
+                    submitted,
+                    decoder,
+                    hasher: PcmHasher::new(),
+                    samples: 0,
+                    first_audio: None,
+                    failed,
+                },
+            );
+        }
+        CodecMsg::Frame { key, codes } => decode_frames(jobs, key, vec![codes]),
+        CodecMsg::Finish { key, mut summary } => {
+            let Some(j) = jobs.remove(&key) else { return };
+            if j.failed {
+                return;
             }
-            CodecMsg::Frame { key, codes } => {
-                let Some(j) = jobs.get_mut(&key) else {
-                    continue;
-                };
-                if j.failed {
-                    continue;
-                }
-                let pcm = Codes::new(codes.len(), 1, codes)
-                    .map_err(|e| e.to_string())
-                    .and_then(|c| j.decoder.push(&c));
-                match pcm {
-                    Ok(pcm) => {
-                        if j.first_audio.is_none() {
-                            j.first_audio = Some(j.submitted.elapsed().as_secs_f64());
-                        }
-                        j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
-                        j.samples += pcm.len() as u64;
-                        let _ = j.events.send(JobEvent::Audio(pcm));
-                    }
-                    Err(e) => {
-                        j.failed = true;
-                        let _ = j.events.send(JobEvent::Failed(format!("codec: {e}")));
-                    }
+            summary.samples = j.samples;
+            summary.audio_seconds = j.samples as f64 / rate;
+            summary.pcm_sha256 = j.hasher.finish();
+            summary.first_audio_seconds = j.first_audio;
+            summary.elapsed_seconds = j.submitted.elapsed().as_secs_f64();
+            let _ = j.events.send(JobEvent::Done(summary));
+        }
+        CodecMsg::Fail { key, message } => {
+            if let Some(j) = jobs.remove(&key) {
+                if !j.failed {
+                    let _ = j.events.send(JobEvent::Failed(message));
                 }
             }
-            CodecMsg::Finish { key, mut summary } => {
-                let Some(j) = jobs.remove(&key) else { continue };
-                if j.failed {
-                    continue;
-                }
-                summary.samples = j.samples;
-                summary.audio_seconds = j.samples as f64 / rate;
-                summary.pcm_sha256 = j.hasher.finish();
-                summary.first_audio_seconds = j.first_audio;
-                summary.elapsed_seconds = j.submitted.elapsed().as_secs_f64();
-                let _ = j.events.send(JobEvent::Done(summary));
-            }
-            CodecMsg::Fail { key, message } => {
-                if let Some(j) = jobs.remove(&key) {
-                    if !j.failed {
-                        let _ = j.events.send(JobEvent::Failed(message));
-                    }
-                }
-            }
-            CodecMsg::Drop { key } => {
-                jobs.remove(&key);
-            }
+        }
+        CodecMsg::Drop { key } => {
+            jobs.remove(&key);
         }
     }
 }
@@ -1588,5 +1653,110 @@ impl<B: Backend> Worker<B> {
             keep
         });
         ended
+    }
+}
+
+#[cfg(test)]
+mod codec_thread_tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// One sample per frame identifying it (`1000 · c0 + c1`), and a record of chunk sizes.
+    struct Fake(Arc<Mutex<Vec<usize>>>);
+
+    impl StreamDecoder for Fake {
+        fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String> {
+            self.0.lock().unwrap().push(codes.frames());
+            Ok((0..codes.frames())
+                .map(|f| (1000 * codes.get(0, f) + codes.get(1, f)) as f32)
+                .collect())
+        }
+    }
+
+    fn summary() -> JobSummary {
+        JobSummary {
+            seed: 0,
+            frames: 0,
+            samples: 0,
+            audio_seconds: 0.0,
+            pcm_sha256: String::new(),
+            capped_segments: 0,
+            segments: 1,
+            elapsed_seconds: 0.0,
+            first_audio_seconds: None,
+            cap: CapApplied::Default,
+            frame_cap: 0,
+            guided: false,
+        }
+    }
+
+    /// A backlog of two interleaved jobs is decoded in chunks, each job's audio in frame order,
+    /// its summary after all of its audio; a dropped job sends nothing after the drop.
+    #[test]
+    fn a_backlog_is_coalesced_in_order() {
+        let chunks = Arc::new(Mutex::new(Vec::new()));
+        let c2 = chunks.clone();
+        let factory: DecoderFactory =
+            Box::new(move || Ok(Box::new(Fake(c2.clone())) as Box<dyn StreamDecoder>));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut streams = Vec::new();
+        for key in 0..3u64 {
+            let (etx, erx) = mpsc::unbounded_channel();
+            tx.send(CodecMsg::Start {
+                key,
+                events: etx,
+                submitted: Instant::now(),
+            })
+            .unwrap();
+            streams.push(erx);
+        }
+        // 150 frames per job, interleaved (more than one chunk's worth)
+        for f in 0..150u32 {
+            for key in 0..3u64 {
+                let codes = vec![key as u32, f, 7, 7];
+                tx.send(CodecMsg::Frame { key, codes }).unwrap();
+            }
+            if f == 20 {
+                tx.send(CodecMsg::Drop { key: 2 }).unwrap();
+            }
+        }
+        for key in 0..2u64 {
+            tx.send(CodecMsg::Finish {
+                key,
+                summary: summary(),
+            })
+            .unwrap();
+        }
+        drop(tx);
+        codec_loop(factory, 44_100, rx);
+        for (key, erx) in streams.iter_mut().enumerate() {
+            let mut audio = Vec::new();
+            let mut done = None;
+            while let Ok(ev) = erx.try_recv() {
+                assert!(done.is_none(), "job {key}: an event after Done");
+                match ev {
+                    JobEvent::Audio(p) => audio.extend(p),
+                    JobEvent::Done(s) => done = Some(s),
+                    other => panic!("job {key}: unexpected {other:?}"),
+                }
+            }
+            let frames = if key == 2 { 21 } else { 150 };
+            let want: Vec<f32> = (0..frames).map(|f| (1000 * key + f) as f32).collect();
+            if key == 2 {
+                // frames before the drop may or may not have been decoded; none after it
+                assert!(audio.len() <= 21 && audio == want[..audio.len()]);
+                assert!(done.is_none());
+            } else {
+                assert_eq!(audio, want, "job {key}: audio in frame order");
+                let s = done.expect("a summary");
+                assert_eq!(s.samples, 150);
+            }
+        }
+        let sizes = chunks.lock().unwrap().clone();
+        assert!(sizes.iter().all(|&n| n <= CODEC_MAX_CHUNK), "{sizes:?}");
+        assert!(
+            sizes.iter().any(|&n| n > 1),
+            "the backlog was coalesced: {sizes:?}"
+        );
     }
 }

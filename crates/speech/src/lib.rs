@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod builtin;
+pub mod device_memory;
 pub mod engine;
 pub mod golden;
 pub mod pcm;
@@ -13,6 +14,7 @@ pub mod split;
 pub mod voices;
 
 pub use api::*;
+pub use device_memory::{device_memory_used, DevicePeak, DevicePeakSampler};
 pub use engine::{BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle};
 
 #[derive(Debug, thiserror::Error)]

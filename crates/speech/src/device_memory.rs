@@ -1,0 +1,109 @@
+//! Device memory in use, for receipts that set it against the memory plan (`dramatis bench`).
+//!
+//! A thin face over `backend_cuda::memwatch` so callers need no `cfg`: without the `cuda`
+//! feature, or without a driver, there is no figure (`None`) rather than an error to handle.
+
+/// Device-wide bytes in use on device 0 now (every process counts); `None` without the `cuda`
+/// feature or a usable driver.
+pub fn device_memory_used() -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    {
+        backend_cuda::memwatch::used_bytes().ok()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
+/// The highest device memory figure seen while a [`DevicePeakSampler`] ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePeak {
+    /// Device-wide bytes in use at the highest sample.
+    pub used_bytes: u64,
+    /// Samples taken; the peak is a lower bound (a spike between samples is missed).
+    pub samples: u64,
+    /// Milliseconds between samples.
+    pub interval_ms: u64,
+}
+
+/// Polls device memory on its own thread until stopped; see `backend_cuda::memwatch`.
+pub struct DevicePeakSampler {
+    #[cfg(feature = "cuda")]
+    inner: backend_cuda::memwatch::PeakSampler,
+    /// Keeps the CPU-only build's sampler unconstructible outside `start`.
+    #[cfg(not(feature = "cuda"))]
+    _none: (),
+}
+
+impl DevicePeakSampler {
+    /// Starts polling every few milliseconds; `None` without the `cuda` feature or a driver.
+    pub fn start() -> Option<Self> {
+        #[cfg(feature = "cuda")]
+        {
+            backend_cuda::memwatch::PeakSampler::start(backend_cuda::memwatch::DEFAULT_INTERVAL)
+                .ok()
+                .map(|inner| Self { inner })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
+        }
+    }
+
+    /// Stops polling and returns the peak.
+    pub fn stop(self) -> DevicePeak {
+        #[cfg(feature = "cuda")]
+        {
+            let peak = self.inner.stop();
+            let interval = backend_cuda::memwatch::DEFAULT_INTERVAL;
+            DevicePeak {
+                used_bytes: peak.used_bytes,
+                samples: peak.samples,
+                interval_ms: u64::try_from(interval.as_millis()).unwrap_or(u64::MAX),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            // `start` never returns a sampler in this build, so no caller reaches this.
+            DevicePeak {
+                used_bytes: 0,
+                samples: 0,
+                interval_ms: 0,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether this build and machine can read device memory: the `cuda` feature and a driver.
+    fn readable() -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            backend_cuda::driver_present()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// No driver (or no `cuda` feature): no figure and no sampler, and no panic from the driver
+    /// loader. With both: a positive figure and a sampler that samples.
+    #[test]
+    fn figures_exist_exactly_when_a_driver_can_be_read() {
+        if !readable() {
+            assert_eq!(device_memory_used(), None);
+            assert!(DevicePeakSampler::start().is_none());
+            return;
+        }
+        assert!(device_memory_used().is_some_and(|b| b > 0));
+        let peak = DevicePeakSampler::start()
+            .expect("a sampler with a driver present")
+            .stop();
+        assert!(peak.samples >= 1 && peak.used_bytes > 0, "{peak:?}");
+    }
+}
