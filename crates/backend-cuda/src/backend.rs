@@ -366,12 +366,18 @@ pub struct CudaOptions {
     /// From this many query rows of one lane on (a prefill), attention runs the tiled
     /// flash-style kernel (head dims a multiple of 32 up to 256).
     pub flash_min_rows: usize,
+    /// From this many rows of one lane (`Rows::Bulk`) on, BF16 linears run the tiled GEMM and
+    /// FP8 routed experts are grouped by expert (gemm.cu) instead of per-row GEMVs. Below a few
+    /// hundred rows the 64-row tiles are mostly empty (about 8 rows per expert at 256 rows)
+    /// and the GEMVs, which read the weights once per 8 rows, are faster (NOTES.md).
+    pub gemm_min_rows: usize,
 }
 
 impl CudaOptions {
     /// `DRAMATIS_CUDA_KV=f32|bf16` (default f32: BF16 K/V fails the fixture's 1e-3 logits
     /// tolerance and drifts at Drama 3 geometry, see NOTES.md), `DRAMATIS_CUDA_SPLIT_MIN`
-    /// (default 1024), `DRAMATIS_CUDA_FLASH_MIN` (default 2).
+    /// (default 1024), `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default
+    /// 512).
     pub fn from_env() -> Self {
         let kv_f32 = !std::env::var("DRAMATIS_CUDA_KV")
             .map(|v| v.eq_ignore_ascii_case("bf16"))
@@ -384,10 +390,15 @@ impl CudaOptions {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(2);
+        let gemm_min_rows = std::env::var("DRAMATIS_CUDA_GEMM_MIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(512);
         CudaOptions {
             kv_f32,
             split_min_keys,
             flash_min_rows,
+            gemm_min_rows,
         }
     }
 }
@@ -1041,6 +1052,67 @@ impl CudaBackend {
         }
         for c in caches.iter_mut() {
             c.len += t;
+        }
+        Ok(())
+    }
+
+    /// The routed FP8 experts of many rows grouped by expert (gemm.cu): slots (row, rank) are
+    /// counted and listed per expert on the device, each expert's rows run as 64-row tiles of a
+    /// GEMM (gate/up with SiLU-mul, then down), and each row sums its experts in rank order.
+    /// Rows go 4096 at a time, which bounds the two slot buffers (`[4096·k, I]`, `[4096·k, H]`).
+    #[allow(clippy::too_many_arguments)]
+    fn experts_grouped(
+        &self,
+        x: &CudaBuf,
+        route: &CudaRoute,
+        tab: u64,
+        e: usize,
+        i: usize,
+        h: usize,
+        y: &CudaBuf,
+    ) -> BResult<()> {
+        const CHUNK: usize = 4096;
+        let op = "moe_experts";
+        let k = route.k;
+        let (e32, i32_, h32, k32) = (i32v(op, e)?, i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
+        let ep = self.err_ptr()?;
+        // counts [E], offsets [E + 1], tiles [E + 1], cursor [E]
+        let ints = self.alloc(cmul(op, &[4 * e + 2, 4])?)?;
+        let counts = ints.ptr;
+        let offsets = counts + 4 * e as u64;
+        let tiles = offsets + 4 * (e as u64 + 1);
+        let cursor = tiles + 4 * (e as u64 + 1);
+        let max_slots = CHUNK.min(x.rows) * k;
+        let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
+        let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
+        let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
+        let mut r0 = 0;
+        while r0 < x.rows {
+            let rn = (x.rows - r0).min(CHUNK);
+            let slots = rn * k;
+            let s32 = i32v(op, slots)?;
+            let ids = route.ids.at(r0 * k * 4)?;
+            let wts = route.wts.at(r0 * k * 4)?;
+            let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
+            // SAFETY: `ints` holds 4E + 2 i32: counts [E] are zeroed here.
+            unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
+            let sg = (u32v(op, slots.div_ceil(256))?, 1, 1);
+            go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
+                &ids, &tab, &counts, &s32, &e32, &ep);
+            go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
+                &counts, &offsets, &tiles, &cursor, &e32);
+            go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
+                &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
+            // at most ceil(slots / 64) + min(E, slots) tiles; blocks past the count exit
+            let tile_bound = u32v(op, slots.div_ceil(64) + e.min(slots))?;
+            go!(self, Source::Gemm, "moe_group_gate_up", (u32v(op, i.div_ceil(64))?, tile_bound, 1), 256, 0;
+                &tab, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32, &e32);
+            go!(self, Source::Gemm, "moe_group_down", (u32v(op, h.div_ceil(64))?, tile_bound, 1), 256, 0;
+                &tab, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32, &e32);
+            let rows64 = i64v(op, rn)?;
+            go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
+                &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
+            r0 += rn;
         }
         Ok(())
     }
@@ -1766,6 +1838,23 @@ impl Backend for CudaBackend {
         let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, x.rows)?);
         let grid = (u32v(op, n_out.div_ceil(8))?, 1, 1);
         match w {
+            CudaWeight::Bf16 { mem, .. }
+                if _rows == Rows::Bulk
+                    && x.rows >= self.opts.gemm_min_rows
+                    && k.is_multiple_of(8) =>
+            {
+                let mut r0 = 0;
+                while r0 < x.rows {
+                    // grid.y is at most 65535 tiles of 64 rows
+                    let rn = (x.rows - r0).min(MAX_GRID_Y * 64);
+                    let (xp, yp) = (x.row_ptr(r0)?, out.row_ptr(r0)?);
+                    let rn32 = i32v(op, rn)?;
+                    let g = (u32v(op, n_out.div_ceil(64))?, u32v(op, rn.div_ceil(64))?, 1);
+                    go!(self, Source::Gemm, "gemm_bf16_tiled", g, 256, 0;
+                        &mem.ptr, &xp, &yp, &n32, &k32, &rn32);
+                    r0 += rn;
+                }
+            }
             CudaWeight::Bf16 { mem, .. } => {
                 if !k.is_multiple_of(8) {
                     return Err(shape_err(
@@ -1832,7 +1921,8 @@ impl Backend for CudaBackend {
             && ws
                 .iter()
                 .all(|w| matches!(w, CudaWeight::Bf16 { cols, .. } if *cols == k));
-        if !fits || x.rows == 0 {
+        let bulk = rows == Rows::Bulk && x.rows >= self.opts.gemm_min_rows;
+        if !fits || x.rows == 0 || bulk {
             return ws.iter().map(|w| self.linear(x, w, rows)).collect();
         }
         let _p = self.prof.guard("linear_many");
@@ -2149,6 +2239,10 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(y);
         }
+        if _rows == Rows::Bulk && !nvfp4 && n >= self.opts.gemm_min_rows {
+            self.experts_grouped(x, route, tab, experts.len(), i, h, &y)?;
+            return Ok(y);
+        }
         let hw = self.alloc(cmul(op, &[n, k, i, 4])?)?;
         let (i32_, h32, k32) = (i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
         let mut r0 = 0;
@@ -2200,6 +2294,7 @@ mod tests {
             kv_f32: false,
             split_min_keys: 1024,
             flash_min_rows: 2,
+            gemm_min_rows: 512,
         };
         assert!(!o.kv_f32 && o.split_min_keys == 1024);
     }

@@ -18,6 +18,7 @@ fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
             kv_f32,
             split_min_keys: usize::MAX,
             flash_min_rows: usize::MAX,
+            gemm_min_rows: usize::MAX,
         },
     )
 }
@@ -31,6 +32,21 @@ fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
             kv_f32,
             split_min_keys: usize::MAX,
             flash_min_rows: 2,
+            gemm_min_rows: usize::MAX,
+        },
+    )
+}
+
+/// A backend whose `Rows::Bulk` linears and FP8 experts take the tiled GEMMs from 2 rows on.
+fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
+    CudaBackend::with_gpu(
+        c.shared.clone(),
+        v,
+        CudaOptions {
+            kv_f32: true,
+            split_min_keys: usize::MAX,
+            flash_min_rows: usize::MAX,
+            gemm_min_rows: 2,
         },
     )
 }
@@ -1404,5 +1420,142 @@ pub(super) fn gemv_nvfp4(c: &mut Ctx) -> Result<()> {
             false,
         )?;
     }
+    Ok(())
+}
+
+/// The tiled BF16 GEMM of `Rows::Bulk` linears: against FP64, with row, output and depth tails.
+pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
+    for (rows, k, n) in [(100usize, 2048usize, 1000usize), (70, 200, 130)] {
+        let x = c.rng.normals_f32(rows * k, 1.0);
+        let w = c.rng.normals_bf16(n * k, 0.05);
+        let mut reference = Vec::with_capacity(rows * n);
+        for r in 0..rows {
+            for o in 0..n {
+                reference.push(
+                    w[o * k..(o + 1) * k]
+                        .iter()
+                        .zip(&x[r * k..(r + 1) * k])
+                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
+                        .sum::<f64>(),
+                );
+            }
+        }
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let wd = be.weight_bf16(n, k, &w)?;
+            Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
+        };
+        let case = format!("{rows} rows x {k} into {n}");
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .iter()
+            .map(|&v| run(&gemm_backend(c, v)))
+            .collect::<Result<_>>()?;
+        let tol = tol_f32(k);
+        c.check(&case, rel_l2(&got[0], &reference), tol);
+        c.discriminate(&case, rel_l2(&got[1], &reference), tol);
+        c.control(&case, rel_l2(&got[2], &reference), tol);
+    }
+    c.limit(
+        "4096 rows x 2048 into 8192",
+        crate::kernels::plan_gemm(4096, 2048, 8192),
+    );
+    Ok(())
+}
+
+/// The routed FP8 experts of many rows, grouped by expert: against FP64, with a pruned expert
+/// that no row names, and the same bits on a second run (the grouping's atomics order rows
+/// differently; each output is still one thread's fixed sum).
+pub(super) fn experts_grouped(c: &mut Ctx) -> Result<()> {
+    // a small table, and the Drama 3 layer (256 experts, top-8, I 512, H 2048) with mostly
+    // part-filled tiles
+    for (e, i, h, rows, k) in [(12, 256, 512, 150, 4), (256, 512, 2048, 64, 8)] {
+        experts_grouped_case(c, e, i, h, rows, k)?;
+    }
+    Ok(())
+}
+
+fn experts_grouped_case(
+    c: &mut Ctx,
+    e: usize,
+    i: usize,
+    h: usize,
+    rows: usize,
+    k: usize,
+) -> Result<()> {
+    let mats: Vec<[Fp8Mat; 3]> = (0..e)
+        .map(|_| {
+            [
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, h, i),
+            ]
+        })
+        .collect();
+    let x = c.rng.normals_f32(rows * h, 1.0);
+    let logits = c.rng.normals_f32(rows * e, 1.0);
+    // expert 5 is pruned: the keep mask routes around it
+    let keep: Vec<bool> = (0..e).map(|j| j != 5).collect();
+    let be0 = gemm_backend(c, Variant::Exact);
+    // one routing for every variant (the backends share the device), so that the planted and
+    // low-precision runs differ in the expert kernels only, not in the router's builds
+    let rt = be0.route(&be0.upload(&logits, rows, e)?, k, Some(&keep))?;
+    let route = be0.route_host(&rt)?;
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        let xr = f64s(&x[r * h..(r + 1) * h]);
+        let mut y = vec![0.0; h];
+        for (&id, &wt) in route.experts[r].iter().zip(&route.weights[r]) {
+            let m = &mats[id as usize];
+            let g = m[0].apply(&xr);
+            let u = m[1].apply(&xr);
+            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
+            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
+                *yy += f64::from(wt) * d;
+            }
+        }
+        reference.extend(y);
+    }
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let experts = mats
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                if j == 5 {
+                    return Ok(None);
+                }
+                Ok(Some(Expert {
+                    gate: m[0].upload(be)?,
+                    up: m[1].upload(be)?,
+                    down: m[2].upload(be)?,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let xd = be.upload(&x, rows, h)?;
+        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Bulk)?)?)
+    };
+    let case = format!("{rows} rows, top-{k} of {e} experts (one pruned), I {i}, H {h}");
+    let case = case.as_str();
+    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+        .iter()
+        .map(|&v| run(&gemm_backend(c, v)))
+        .collect::<Result<_>>()?;
+    let tol = tol_f32(h * k);
+    c.check(case, rel_l2(&got[0], &reference), tol);
+    c.discriminate(case, rel_l2(&got[1], &reference), tol);
+    c.control(case, rel_l2(&got[2], &reference), tol);
+    let again = run(&be0)?;
+    let same = bits_equal(&again, &got[0]);
+    c.push(
+        format!("{rows} rows, {e} experts: a second run gives the same bits"),
+        Kind::Check,
+        same,
+        format!(
+            "grouping {}",
+            if same {
+                "deterministic"
+            } else {
+                "NOT deterministic"
+            }
+        ),
+    );
     Ok(())
 }

@@ -925,6 +925,23 @@ pub fn plan_flash(
     })
 }
 
+// ---------------------------------------------------------------- tiled GEMM
+
+/// `gemm_bf16_tiled` (gemm.cu): `rows` x `k` activations into `n` outputs, 64 x 64 tiles.
+pub fn plan_gemm(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gemm_bf16_tiled",
+        grid: [cdiv(n, 64) as u64, cdiv(rows, 64) as u64, 1],
+        block: 256,
+        // two [32][68] f32 tiles
+        smem: 2 * 32 * 68 * 4,
+        dyn_smem: 0,
+        optin: false,
+        i32_max: [rows, k, n].into_iter().max().unwrap_or(0) as u64,
+        offset_max: mul("gemm offsets", &[rows, k])?.max(mul("gemm offsets", &[rows, n])?) as u64,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,16 +20,18 @@ pub enum Source {
     Gdn,
     Attention,
     Ops,
+    Gemm,
 }
 
 impl Source {
-    pub const ALL: [Source; 6] = [
+    pub const ALL: [Source; 7] = [
         Source::Norm,
         Source::Gemv,
         Source::Moe,
         Source::Gdn,
         Source::Attention,
         Source::Ops,
+        Source::Gemm,
     ];
 
     pub fn name(self) -> &'static str {
@@ -40,6 +42,7 @@ impl Source {
             Source::Gdn => "gdn.cu",
             Source::Attention => "attention.cu",
             Source::Ops => "ops.cu",
+            Source::Gemm => "gemm.cu",
         }
     }
 
@@ -51,6 +54,7 @@ impl Source {
             Source::Gdn => include_str!("../kernels/gdn.cu"),
             Source::Attention => include_str!("../kernels/attention.cu"),
             Source::Ops => include_str!("../kernels/ops.cu"),
+            Source::Gemm => include_str!("../kernels/gemm.cu"),
         }
     }
 

@@ -1,0 +1,329 @@
+// Tiled GEMMs for many rows of one lane (the prefill, `Rows::Bulk`): a dense BF16-weight GEMM and
+// the routed FP8 experts grouped by expert, so each weight tile is read once per 64 rows instead
+// of once per row. f32 activations and accumulation; every output element is one thread's fmaf
+// chain over k in ascending order, so it does not depend on the rows beside it or on the order in
+// which rows were grouped (the grouping uses atomics).
+//
+// Tile: BM = 64 rows x BN = 64 outputs, BK = 32 deep; 256 threads, each 4 rows x 4 outputs.
+// Shared memory holds the X and W tiles transposed ([k][m] and [k][n], f32).
+// PLANT 1: the last 32-deep k tile is skipped (dense), the combine weights go in reverse rank
+// order (experts). LOWP: X tile values rounded to bf16.
+
+#define GM 64
+#define GN 64
+#define GK 32
+#define GPAD 4
+
+__device__ __forceinline__ float gemm_lowp(float v) {
+#ifdef LOWP
+    return round_bf16(v);
+#else
+    return v;
+#endif
+}
+
+// Eight consecutive x values of row `row` at k (zeros past the tile's rows or K).
+__device__ __forceinline__ void load_x8(const float* __restrict__ xr, bool ok, int k, int K, float* v) {
+    if (ok && k < K) {
+        float4 a = *(const float4*)(xr + k), b = *(const float4*)(xr + k + 4);
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+}
+
+// acc[i][j] += Xs[kk][ty*4+i] * Ws[kk][tx*4+j] over the 32-deep tile.
+__device__ __forceinline__ void tile_fma(const float (*Xs)[GM + GPAD], const float (*Ws)[GN + GPAD], int tx, int ty,
+                                         float acc[4][4]) {
+#pragma unroll 8
+    for (int kk = 0; kk < GK; ++kk) {
+        float4 a = *(const float4*)&Xs[kk][ty * 4];
+        float4 b = *(const float4*)&Ws[kk][tx * 4];
+        float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+}
+
+// y[r, n] = sum_k x[r, k] W[n, k]. W bf16 [N, K], x [rows, K], K a multiple of 8.
+// Grid (ceil(N / 64), ceil(rows / 64)), block 256.
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tiled(const bf16_t* __restrict__ W,
+                                                                  const float* __restrict__ x,
+                                                                  float* __restrict__ y, int N, int K,
+                                                                  int rows) {
+    __shared__ __align__(16) float Xs[GK][GM + GPAD];
+    __shared__ __align__(16) float Ws[GK][GN + GPAD];
+    int t = threadIdx.x, tx = t & 15, ty = t >> 4;
+    long long m0 = (long long)blockIdx.y * GM;
+    int n0 = blockIdx.x * GN;
+    int lr = t >> 2, lk = (t & 3) * 8;  // loader: row / output lr, k offset lk
+    long long xrow = m0 + lr;
+    const float* xr = x + xrow * K;
+    bool xok = xrow < rows;
+    int wn = n0 + lr;
+    const bf16_t* wr = W + (long long)wn * K;
+    bool wok = wn < N;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    int kend = K;
+#if PLANT == 1
+    kend = K > GK ? K - GK : K;
+#endif
+    for (int k0 = 0; k0 < kend; k0 += GK) {
+        float xv[8];
+        load_x8(xr, xok, k0 + lk, kend, xv);
+        float wv[8];
+        if (wok && k0 + lk < kend) {
+            uint4 u = ld_stream(wr + k0 + lk);
+            float2 a = bf16x2_to_f32(u.x), b = bf16x2_to_f32(u.y), c = bf16x2_to_f32(u.z), d = bf16x2_to_f32(u.w);
+            wv[0] = a.x; wv[1] = a.y; wv[2] = b.x; wv[3] = b.y; wv[4] = c.x; wv[5] = c.y; wv[6] = d.x; wv[7] = d.y;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) wv[i] = 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Ws[lk + i][lr] = wv[i];
+        }
+        __syncthreads();
+        tile_fma(Xs, Ws, tx, ty, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        long long r = m0 + ty * 4 + i;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int n = n0 + tx * 4 + j;
+            if (n < N) y[r * N + n] = acc[i][j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------- routed experts, grouped
+
+// Expert table: tab[6 e + {0..5}] = gate, up, down (fp8 e4m3) and their f32 128x128 block scales;
+// gate/up [I, H], down [H, I]. A slot s = row * k + j is routed to e = ids[s].
+
+// counts[e] += 1 per slot; a slot naming a pruned or out-of-range expert sets bit 1 of *err.
+extern "C" __global__ void moe_group_count(const unsigned int* __restrict__ ids, const unsigned long long* __restrict__ tab,
+                                           int* __restrict__ counts, int slots, int E, int* __restrict__ err) {
+    int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= slots) return;
+    long long e = ids[s];
+    if (e < 0 || e >= E || tab[6 * e] == 0ull) {
+        if (err) atomicOr(err, 2);
+        return;
+    }
+    atomicAdd(&counts[e], 1);
+}
+
+// One block: offsets[e] = sum of counts before e, tiles[e] = sum of ceil(counts / 64) before e
+// (tiles[E] = the total), cursor[e] = 0. E <= 1024.
+extern "C" __global__ void moe_group_scan(const int* __restrict__ counts, int* __restrict__ offsets,
+                                          int* __restrict__ tiles, int* __restrict__ cursor, int E) {
+    if (threadIdx.x == 0) {
+        int o = 0, tl = 0;
+        for (int e = 0; e < E; ++e) {
+            offsets[e] = o;
+            tiles[e] = tl;
+            o += counts[e];
+            tl += (counts[e] + GM - 1) / GM;
+        }
+        offsets[E] = o;
+        tiles[E] = tl;
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cursor[e] = 0;
+}
+
+// order[offsets[e] + c] = s for the slots of expert e (in no particular order within e).
+extern "C" __global__ void moe_group_fill(const unsigned int* __restrict__ ids, const unsigned long long* __restrict__ tab,
+                                          const int* __restrict__ offsets, int* __restrict__ cursor,
+                                          int* __restrict__ order, int slots, int E) {
+    int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= slots) return;
+    long long e = ids[s];
+    if (e < 0 || e >= E || tab[6 * e] == 0ull) return;
+    int p = offsets[e] + atomicAdd(&cursor[e], 1);
+    order[p] = s;
+}
+
+// The expert of tile `b` (tiles[e] <= b < tiles[e+1]), or -1 past the last tile.
+__device__ __forceinline__ int tile_expert(const int* __restrict__ tiles, int E, int b) {
+    if (b >= tiles[E]) return -1;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tiles[mid] <= b) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Eight e4m3 weights of row `r` at k, times the row's 128x128 block scale.
+__device__ __forceinline__ void load_w8_fp8(const fp8_t* __restrict__ w, const float* __restrict__ sc, int rows_w,
+                                            int K, int r, int k, float* v) {
+    if (r < rows_w && k < K) {
+        uint2 u = *(const uint2*)(w + (long long)r * K + k);
+        float s = sc[(long long)(r >> 7) * ((K + 127) >> 7) + (k >> 7)];
+        unsigned short p[4] = {(unsigned short)(u.x & 0xffff), (unsigned short)(u.x >> 16),
+                               (unsigned short)(u.y & 0xffff), (unsigned short)(u.y >> 16)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = fp8x2_to_f32(p[i]);
+            v[2 * i] = f.x * s;
+            v[2 * i + 1] = f.y * s;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+}
+
+// hbuf[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]) for the slots of each expert tile.
+// Grid (ceil(I / 64), an upper bound on the tile count), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_group_gate_up(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ x, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ hbuf, int I, int H, int k,
+    int E) {
+    __shared__ __align__(16) float Xs[GK][GM + GPAD];
+    __shared__ __align__(16) float Gs[GK][GN + GPAD];
+    __shared__ __align__(16) float Us[GK][GN + GPAD];
+    __shared__ int e_sh;
+    int t = threadIdx.x, tx = t & 15, ty = t >> 4;
+    if (t == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    int e = e_sh;
+    if (e < 0) return;
+    int first = offsets[e] + (blockIdx.y - tiles[e]) * GM;
+    int count = offsets[e + 1] - first;
+    if (count > GM) count = GM;
+    const fp8_t* gate = (const fp8_t*)tab[6 * e];
+    const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
+    const float* gs = (const float*)tab[6 * e + 3];
+    const float* us = (const float*)tab[6 * e + 4];
+    int n0 = blockIdx.x * GN;
+    int lr = t >> 2, lk = (t & 3) * 8;
+    bool xok = lr < count;
+    const float* xr = x + (long long)(xok ? order[first + lr] / k : 0) * H;
+    float ga[4][4], ua[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ga[i][j] = ua[i][j] = 0.0f;
+    for (int k0 = 0; k0 < H; k0 += GK) {
+        float xv[8], gv[8], uv[8];
+        load_x8(xr, xok, k0 + lk, H, xv);
+        load_w8_fp8(gate, gs, I, H, n0 + lr, k0 + lk, gv);
+        load_w8_fp8(up, us, I, H, n0 + lr, k0 + lk, uv);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Gs[lk + i][lr] = gv[i];
+            Us[lk + i][lr] = uv[i];
+        }
+        __syncthreads();
+        tile_fma(Xs, Gs, tx, ty, ga);
+        tile_fma(Xs, Us, tx, ty, ua);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int m = ty * 4 + i;
+        if (m >= count) continue;
+        long long s = order[first + m];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int n = n0 + tx * 4 + j;
+            if (n < I) hbuf[s * I + n] = silu(ga[i][j]) * ua[i][j];
+        }
+    }
+}
+
+// obuf[s, h] = down_e . hbuf[s] for the slots of each expert tile. Grid (ceil(H / 64), tile bound).
+extern "C" __global__ void __launch_bounds__(256) moe_group_down(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ hbuf, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ obuf, int I, int H, int E) {
+    __shared__ __align__(16) float Xs[GK][GM + GPAD];
+    __shared__ __align__(16) float Ws[GK][GN + GPAD];
+    __shared__ int e_sh;
+    int t = threadIdx.x, tx = t & 15, ty = t >> 4;
+    if (t == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    int e = e_sh;
+    if (e < 0) return;
+    int first = offsets[e] + (blockIdx.y - tiles[e]) * GM;
+    int count = offsets[e + 1] - first;
+    if (count > GM) count = GM;
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const float* ds = (const float*)tab[6 * e + 5];
+    int n0 = blockIdx.x * GN;
+    int lr = t >> 2, lk = (t & 3) * 8;
+    bool xok = lr < count;
+    const float* xr = hbuf + (long long)(xok ? order[first + lr] : 0) * I;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < I; k0 += GK) {
+        float xv[8], wv[8];
+        load_x8(xr, xok, k0 + lk, I, xv);
+        load_w8_fp8(down, ds, H, I, n0 + lr, k0 + lk, wv);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Ws[lk + i][lr] = wv[i];
+        }
+        __syncthreads();
+        tile_fma(Xs, Ws, tx, ty, acc);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        int m = ty * 4 + i;
+        if (m >= count) continue;
+        long long s = order[first + m];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            int n = n0 + tx * 4 + j;
+            if (n < H) obuf[s * H + n] = acc[i][j];
+        }
+    }
+}
+
+// y[row, h] = sum_j wts[row, j] * obuf[row * k + j, h], j = 0..k-1 in rank order; NaN where a
+// slot names an expert without weights (reported through the error flag by moe_group_count).
+extern "C" __global__ void moe_group_combine(const unsigned int* __restrict__ ids, const unsigned long long* __restrict__ tab,
+                                             const float* __restrict__ wts, const float* __restrict__ obuf,
+                                             float* __restrict__ y, long long rows, int H, int k, int E) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * H;
+         i += (long long)gridDim.x * blockDim.x) {
+        long long row = i / H;
+        int h = (int)(i % H);
+        float acc = 0.0f;
+        for (int jj = 0; jj < k; ++jj) {
+#if PLANT == 1
+            int j = k - 1 - jj;
+            float w = wts[row * k + jj];
+#else
+            int j = jj;
+            float w = wts[row * k + j];
+#endif
+            long long e = ids[row * k + j];
+            if (e < 0 || e >= E || tab[6 * e] == 0ull) {
+                acc = __int_as_float(0x7fc00000);
+                break;
+            }
+            acc = fmaf(w, obuf[(row * k + j) * H + h], acc);
+        }
+        y[i] = acc;
+    }
+}
