@@ -161,6 +161,24 @@ extern "C" __global__ void elementwise(const float* __restrict__ a, const float*
     }
 }
 
+// out = a + x * sigmoid(g), g [rows, gcols] with gcols == cols or 1: elementwise op 2 then op 0
+// in one launch, bit for bit (round-to-nearest intrinsics keep the compiler from contracting
+// the product and the sum into one fma, which the two launches cannot do).
+// PLANT 1: sigmoid(-g). LOWP: the product and the sum rounded to bf16, as the two LOWP launches.
+extern "C" __global__ void add_sigmoid_mul(const float* __restrict__ a, const float* __restrict__ x,
+                                           const float* __restrict__ g, float* __restrict__ out, long long n,
+                                           int cols, int gcols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float gv = gcols == cols ? g[i] : g[(i / cols) * gcols];
+#if PLANT == 1
+        gv = -gv;
+#endif
+        float t = lowp(__fmul_rn(x[i], sigmoidf(gv)));
+        out[i] = lowp(__fadd_rn(a[i], t));
+    }
+}
+
 // ---------------------------------------------------------------- rotary embedding
 
 // Rotary embedding of the first `rot` dims of each `hd` head of row r at position pos[r];

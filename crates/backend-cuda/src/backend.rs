@@ -1956,6 +1956,30 @@ impl Backend for CudaBackend {
         Ok(outs)
     }
 
+    fn add_sigmoid_mul(&self, a: &CudaBuf, x: &CudaBuf, gate: &CudaBuf) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("add_sigmoid_mul");
+        same_shape("add_sigmoid_mul", a, x)?;
+        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
+            return Err(shape_err(
+                "add_sigmoid_mul",
+                format!(
+                    "x [{}, {}], gate [{}, {}]",
+                    x.rows, x.cols, gate.rows, gate.cols
+                ),
+            ));
+        }
+        let out = self.buf(a.rows, a.cols)?;
+        let n = a.rows * a.cols;
+        if n == 0 {
+            return Ok(out);
+        }
+        let op = "add_sigmoid_mul";
+        let (nn, cols, gcols) = (i64v(op, n)?, i32v(op, a.cols)?, i32v(op, gate.cols)?);
+        go!(self, Source::Ops, "add_sigmoid_mul", stride_grid(n), 256, 0;
+            &a.ptr(), &x.ptr(), &gate.ptr(), &out.ptr(), &nn, &cols, &gcols);
+        Ok(out)
+    }
+
     fn add(&self, a: &CudaBuf, b: &CudaBuf) -> BResult<CudaBuf> {
         let _p = self.prof.guard("add");
         same_shape("add", a, b)?;

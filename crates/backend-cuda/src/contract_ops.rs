@@ -253,6 +253,48 @@ pub(super) fn add_rms_norm(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// The MoE output `routed + shared · sigmoid(gate)` in one launch: against FP64 (a per-row
+/// gate and a full one), and bit for bit `sigmoid_mul` then `add`.
+pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
+    for (case, rows, cols, gcols) in [
+        ("4 x 2048, gate [4, 1]", 4, 2048, 1),
+        ("3 x 300, gate [3, 300]", 3, 300, 300),
+    ] {
+        let a = c.rng.normals_f32(rows * cols, 1.0);
+        let x = c.rng.normals_f32(rows * cols, 1.0);
+        let g = c.rng.normals_f32(rows * gcols, 2.0);
+        let reference: Vec<f64> = (0..rows * cols)
+            .map(|i| {
+                let gv = f64::from(g[if gcols == 1 { i / cols } else { i }]);
+                f64::from(a[i]) + f64::from(x[i]) * sigmoid(gv)
+            })
+            .collect();
+        let up = |be: &CudaBackend| -> Result<[crate::backend::CudaBuf; 3]> {
+            Ok([
+                be.upload(&a, rows, cols)?,
+                be.upload(&x, rows, cols)?,
+                be.upload(&g, rows, gcols)?,
+            ])
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let [ad, xd, gd] = up(be)?;
+            Ok(be.download(&be.add_sigmoid_mul(&ad, &xd, &gd)?)?)
+        };
+        triple3(c, case, tol_f32(4), &reference, run, false)?;
+        let be = backend(c, Variant::Exact, false);
+        let [ad, xd, gd] = up(&be)?;
+        let two = be.download(&be.add(&ad, &be.sigmoid_mul(&xd, &gd)?)?)?;
+        let same = bits_equal(&run(&be)?, &two);
+        c.push(
+            format!("{case}: bitwise = sigmoid_mul then add"),
+            Kind::Check,
+            same,
+            format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+        );
+    }
+    Ok(())
+}
+
 /// Several BF16 linears of one input in one launch: against FP64, and bit for bit the
 /// separate linears.
 pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {

@@ -205,6 +205,16 @@ pub trait Backend: Send + Sync + Sized {
         ws.iter().map(|w| self.linear(x, w, rows)).collect()
     }
     fn add(&self, a: &Self::Buf, b: &Self::Buf) -> BResult<Self::Buf>;
+    /// `add(a, sigmoid_mul(x, gate))`, bit for bit (`gate` `[n, cols]` or `[n, 1]`); a backend
+    /// may fuse it.
+    fn add_sigmoid_mul(
+        &self,
+        a: &Self::Buf,
+        x: &Self::Buf,
+        gate: &Self::Buf,
+    ) -> BResult<Self::Buf> {
+        self.add(a, &self.sigmoid_mul(x, gate)?)
+    }
     /// `silu(gate) ⊙ up`.
     fn silu_mul(&self, gate: &Self::Buf, up: &Self::Buf) -> BResult<Self::Buf>;
     /// `x ⊙ sigmoid(gate)`; `gate` is `[n, cols]` or `[n, 1]` (broadcast per row).

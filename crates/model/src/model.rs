@@ -623,8 +623,7 @@ impl<B: Backend> Model<B> {
         let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
         let routed = be.moe_experts(x, &route, &m.experts, mode)?;
         let s = be.linear(&be.silu_mul(&g, &u)?, &m.shared.down, mode)?;
-        let s = be.sigmoid_mul(&s, &sg)?;
-        Ok(be.add(&routed, &s)?)
+        Ok(be.add_sigmoid_mul(&routed, &s, &sg)?)
     }
 
     /// §4.6 main head over the candidate rows only: `[n, H] -> [n, candidates]`.

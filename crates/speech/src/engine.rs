@@ -284,6 +284,11 @@ impl Engine {
         geom.codec.frame_length = codec.frame_length() as u64;
         geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
         geom.codec.workspace_bytes_per_lane = codec.decoder_workspace_bytes(1) as u64;
+        // The codec's weights as stored (f32 in codec.pth): an upper bound on what the codec
+        // keeps resident, on the host (CPU codec) or the device (GPU decoder).
+        geom.codec.weight_bytes = std::fs::metadata(dir.join("codec.pth"))
+            .map(|m| m.len())
+            .unwrap_or(0);
         let kv = kv_dtype(opts.backend == BackendChoice::Cuda);
         let kv_bytes = kv.bytes();
         let per_row = geom
