@@ -427,16 +427,50 @@ pub struct CudaBackend {
 #[derive(Default)]
 struct Prof {
     on: bool,
-    ops: Mutex<std::collections::HashMap<&'static str, (u64, u128)>>,
+    /// op -> (calls, host ns, device ns)
+    ops: Mutex<std::collections::HashMap<&'static str, (u64, u128, u128)>>,
     launches: std::sync::atomic::AtomicU64,
     allocs: std::sync::atomic::AtomicU64,
+    /// With `DRAMATIS_CUDA_PROFILE=gpu`: events around each op on the backend's stream.
+    timer: Option<GpuTimer>,
 }
 
-/// Records one op's host time on drop (nothing when profiling is off).
+/// Device time per op from events recorded before and after it on the stream; pairs are read
+/// (after a wait for the newest) every few thousand ops, so profiling stays bounded in memory.
+struct GpuTimer {
+    stream: Arc<cudarc::driver::CudaStream>,
+    pending: Mutex<Vec<(&'static str, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+}
+
+impl GpuTimer {
+    fn event(&self) -> Option<cudarc::driver::CudaEvent> {
+        let ev = self
+            .stream
+            .context()
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .ok()?;
+        ev.record(&self.stream).ok()?;
+        Some(ev)
+    }
+
+    /// Adds every pending pair's elapsed time to `ops` (waits for the newest event).
+    fn drain(&self, ops: &mut std::collections::HashMap<&'static str, (u64, u128, u128)>) {
+        let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|p| p.into_inner()));
+        for (op, a, b) in pending {
+            if let Ok(ms) = a.elapsed_ms(&b) {
+                ops.entry(op).or_insert((0, 0, 0)).2 += (f64::from(ms) * 1e6) as u128;
+            }
+        }
+    }
+}
+
+/// Records one op's host time (and device time, when timed) on drop; nothing when profiling is
+/// off.
 struct ProfGuard<'a> {
     prof: &'a Prof,
     op: &'static str,
     t0: Option<std::time::Instant>,
+    ev0: Option<cudarc::driver::CudaEvent>,
 }
 
 impl Drop for ProfGuard<'_> {
@@ -444,40 +478,76 @@ impl Drop for ProfGuard<'_> {
         if let Some(t0) = self.t0 {
             let ns = t0.elapsed().as_nanos();
             let mut m = self.prof.ops.lock().unwrap_or_else(|p| p.into_inner());
-            let e = m.entry(self.op).or_insert((0, 0));
+            let e = m.entry(self.op).or_insert((0, 0, 0));
             e.0 += 1;
             e.1 += ns;
+            if let (Some(timer), Some(a)) = (&self.prof.timer, self.ev0.take()) {
+                if let Some(b) = timer.event() {
+                    let full = {
+                        let mut p = timer.pending.lock().unwrap_or_else(|p| p.into_inner());
+                        p.push((self.op, a, b));
+                        p.len() >= 4096
+                    };
+                    if full {
+                        timer.drain(&mut m);
+                    }
+                }
+            }
         }
     }
 }
 
 impl Prof {
+    fn new(stream: &Arc<cudarc::driver::CudaStream>) -> Self {
+        let v = std::env::var("DRAMATIS_CUDA_PROFILE").ok();
+        Prof {
+            on: v.is_some(),
+            timer: v
+                .filter(|v| v.eq_ignore_ascii_case("gpu"))
+                .map(|_| GpuTimer {
+                    stream: stream.clone(),
+                    pending: Mutex::new(Vec::new()),
+                }),
+            ..Default::default()
+        }
+    }
+
     fn guard(&self, op: &'static str) -> ProfGuard<'_> {
         ProfGuard {
             prof: self,
             op,
             t0: self.on.then(std::time::Instant::now),
+            ev0: self.timer.as_ref().and_then(|t| t.event()),
         }
     }
 
-    /// The table: op, calls, total host ms, µs per call; then launches and allocations.
+    /// The table: op, calls, host ms, µs per call, device ms and µs per call when timed; then
+    /// launches and allocations.
     fn report(&self) -> String {
-        let m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = &self.timer {
+            t.drain(&mut m);
+        }
         let mut rows: Vec<_> = m.iter().collect();
-        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1));
-        let total: u128 = rows.iter().map(|r| r.1 .1).sum();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1 .1.max(r.1 .2)));
+        let host: u128 = rows.iter().map(|r| r.1 .1).sum();
+        let device: u128 = rows.iter().map(|r| r.1 .2).sum();
         let mut out = format!(
-            "cuda profile: host time in backend ops {:.1} ms; {} launches, {} allocations\n",
-            total as f64 / 1e6,
+            "cuda profile: host time in backend ops {:.1} ms, device time {:.1} ms; {} launches, {} allocations\n",
+            host as f64 / 1e6,
+            device as f64 / 1e6,
             self.launches.load(std::sync::atomic::Ordering::Relaxed),
             self.allocs.load(std::sync::atomic::Ordering::Relaxed)
         );
-        out.push_str("op                  calls      host ms   us/call\n");
-        for (op, (n, ns)) in rows {
+        out.push_str("op                  calls      host ms   us/call    device ms   us/call\n");
+        for (op, (n, ns, dns)) in rows {
+            let n = (*n).max(1) as f64;
             out.push_str(&format!(
-                "{op:<18} {n:>7} {:>12.1} {:>9.2}\n",
+                "{op:<18} {n:>7} {:>12.1} {:>9.2} {:>12.1} {:>9.2}\n",
                 *ns as f64 / 1e6,
-                *ns as f64 / 1e3 / (*n).max(1) as f64
+                *ns as f64 / 1e3 / n,
+                *dns as f64 / 1e6,
+                *dns as f64 / 1e3 / n
             ));
         }
         out
@@ -523,6 +593,7 @@ impl CudaBackend {
     /// low-precision and planted builds).
     pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, opts: CudaOptions) -> Self {
         keep_pool_memory(&gpu);
+        let prof = Prof::new(&gpu.stream);
         let mut be = CudaBackend {
             gpu,
             variant,
@@ -532,10 +603,7 @@ impl CudaBackend {
             expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
             small: Arc::new(SmallPool::new()),
-            prof: Prof {
-                on: std::env::var_os("DRAMATIS_CUDA_PROFILE").is_some(),
-                ..Default::default()
-            },
+            prof,
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
