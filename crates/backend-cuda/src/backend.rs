@@ -439,7 +439,13 @@ struct Prof {
 /// (after a wait for the newest) every few thousand ops, so profiling stays bounded in memory.
 struct GpuTimer {
     stream: Arc<cudarc::driver::CudaStream>,
-    pending: Mutex<Vec<(&'static str, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    pending: Mutex<
+        Vec<(
+            &'static str,
+            cudarc::driver::CudaEvent,
+            cudarc::driver::CudaEvent,
+        )>,
+    >,
 }
 
 impl GpuTimer {

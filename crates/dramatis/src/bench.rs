@@ -105,7 +105,7 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
     let mut secs = 0.0;
     for mut h in handles {
         loop {
-            match h.events.blocking_recv() {
+            match h.blocking_recv() {
                 Some(JobEvent::Done(s)) => {
                     total += s.frames;
                     secs += s.audio_seconds;

@@ -134,6 +134,10 @@ enum Cmd {
         /// Reference prefill cache budget in GiB.
         #[arg(long, default_value_t = 1.0)]
         prompt_cache_gib: f64,
+        /// Seconds of decoded audio a streaming client may leave unread before its job pauses
+        /// (resuming as it reads): bounds memory per request; nothing is dropped.
+        #[arg(long, default_value_t = speech::DEFAULT_MAX_UNREAD_AUDIO_SECONDS)]
+        max_unread_audio_seconds: f64,
         /// Bearer key(s) required on every route but /health.
         #[arg(long = "api-key")]
         api_keys: Vec<String>,
@@ -258,12 +262,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
             parallel,
             queue,
             prompt_cache_gib,
+            max_unread_audio_seconds,
             api_keys,
         } => {
             let mut opts = engine_options(&engine)?;
             opts.parallel = parallel;
             opts.queue = queue;
             opts.prompt_cache_gib = prompt_cache_gib;
+            opts.max_unread_audio_seconds = max_unread_audio_seconds;
             let eng = Engine::load(opts).map_err(|e| anyhow!("start-up failed: {e}"))?;
             let rt = tokio::runtime::Runtime::new()?;
             let so = server::ServeOptions {
@@ -453,7 +459,7 @@ fn say(a: SayArgs) -> Result<ExitCode> {
     );
     let mut pcm: Vec<f32> = Vec::new();
     let summary = loop {
-        match h.events.blocking_recv() {
+        match h.blocking_recv() {
             Some(JobEvent::Started { frame_cap, .. }) => bar.set_length(frame_cap),
             Some(JobEvent::Audio(chunk)) => {
                 pcm.extend_from_slice(&chunk);

@@ -30,7 +30,7 @@ struct Job {
 
 impl Job {
     async fn next(&mut self) -> Option<JobEvent> {
-        let event = self.handle.events.recv().await;
+        let event = self.handle.recv().await;
         match &event {
             Some(JobEvent::Audio(_)) if !self.audio_seen => {
                 self.audio_seen = true;

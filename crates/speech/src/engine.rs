@@ -51,6 +51,10 @@ pub struct EngineOptions {
     /// Host memory budget override (GiB); default `MemAvailable`.
     pub host_gib: Option<f64>,
     pub backend: BackendChoice,
+    /// Decoded audio a job may hold that its caller has not read yet (seconds): beyond it the
+    /// job's lane sits out frame rounds until the caller reads (a slow streaming client slows
+    /// its own job; the engine's memory stays bounded and nothing is dropped).
+    pub max_unread_audio_seconds: f64,
 }
 
 /// Which compute backend runs the model.
@@ -74,9 +78,14 @@ impl Default for EngineOptions {
             limits: Limits::default(),
             host_gib: None,
             backend: BackendChoice::Cpu,
+            max_unread_audio_seconds: DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
         }
     }
 }
+
+/// Default of [`EngineOptions::max_unread_audio_seconds`]: 30 s is about 5.3 MB of f32 PCM at
+/// 44.1 kHz per job, and well ahead of any caller that plays the stream as it arrives.
+pub const DEFAULT_MAX_UNREAD_AUDIO_SECONDS: f64 = 30.0;
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct EngineStats {
@@ -113,19 +122,55 @@ struct Job {
     frame_cap: u64,
     events: mpsc::UnboundedSender<JobEvent>,
     cancel: Arc<AtomicBool>,
+    /// Samples sent to the caller and not yet received by it.
+    unread: Arc<AtomicU64>,
     submitted: Instant,
 }
 
-/// The caller's side of a running job. Dropping it cancels the job at its next frame.
+/// The caller's side of a running job. Dropping it cancels the job at its next frame. Events
+/// are read through [`JobHandle::recv`] or [`JobHandle::blocking_recv`], which count the audio
+/// read so that a caller that falls behind pauses its own job instead of piling up audio.
 pub struct JobHandle {
-    pub events: mpsc::UnboundedReceiver<JobEvent>,
+    events: mpsc::UnboundedReceiver<JobEvent>,
     seed: u64,
     cancel: Arc<AtomicBool>,
+    unread: Arc<AtomicU64>,
 }
 
 impl JobHandle {
     pub fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// The job's next event (`None` once the engine has dropped the job's sender).
+    pub async fn recv(&mut self) -> Option<JobEvent> {
+        let ev = self.events.recv().await;
+        self.read(&ev);
+        ev
+    }
+
+    /// As [`JobHandle::recv`], blocking the thread (not for use inside an async runtime).
+    pub fn blocking_recv(&mut self) -> Option<JobEvent> {
+        let ev = self.events.blocking_recv();
+        self.read(&ev);
+        ev
+    }
+
+    /// Samples decoded for this job and not read yet.
+    pub fn unread_samples(&self) -> u64 {
+        self.unread.load(Ordering::SeqCst)
+    }
+
+    fn read(&self, ev: &Option<JobEvent>) {
+        if let Some(JobEvent::Audio(a)) = ev {
+            let n = a.len() as u64;
+            // never below zero, whatever the order of the two sides
+            let _ = self
+                .unread
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+                    Some(u.saturating_sub(n))
+                });
+        }
     }
     pub fn cancel(&self) {
         self.cancel.store(true, Ordering::SeqCst);
@@ -134,7 +179,7 @@ impl JobHandle {
     /// Blocks until the job ends, collecting its PCM (for `say` and tests).
     pub fn wait(mut self) -> Result<(Vec<f32>, JobSummary), String> {
         let mut pcm = Vec::new();
-        while let Some(ev) = self.events.blocking_recv() {
+        while let Some(ev) = self.blocking_recv() {
             match ev {
                 JobEvent::Started { .. } => {}
                 JobEvent::Audio(a) => pcm.extend_from_slice(&a),
@@ -231,6 +276,12 @@ impl Engine {
         if !(g.is_finite() && (0.0..=10.0).contains(&g)) {
             return Err(SpeechError::Engine(format!(
                 "--cfg-gamma must be a finite number in [0, 10], got {g}"
+            )));
+        }
+        let u = opts.max_unread_audio_seconds;
+        if !(u.is_finite() && u > 0.0) {
+            return Err(SpeechError::Engine(format!(
+                "max unread audio must be a positive number of seconds, got {u}"
             )));
         }
         for (flag, v) in [
@@ -392,6 +443,10 @@ impl Engine {
             lanes,
             shared: Arc::clone(&shared),
             frames_total: Arc::clone(&frames_total),
+            // at least one frame, so a tiny limit still lets every job advance
+            max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
+                as u64)
+                .max(codec.frame_length() as u64),
         };
         let (handle, backend_name) = match opts.backend {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
@@ -565,6 +620,7 @@ impl Engine {
         let job_parts = self.prepare(&req)?;
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
+        let unread = Arc::new(AtomicU64::new(0));
         let seed = job_parts.seed;
         let job = Job {
             seed,
@@ -578,6 +634,7 @@ impl Engine {
             prefix: job_parts.prefix,
             events: tx,
             cancel: Arc::clone(&cancel),
+            unread: Arc::clone(&unread),
             submitted: Instant::now(),
         };
         {
@@ -618,6 +675,7 @@ impl Engine {
             events: rx,
             seed,
             cancel,
+            unread,
         })
     }
 
@@ -1071,6 +1129,7 @@ enum CodecMsg {
     Start {
         key: u64,
         events: mpsc::UnboundedSender<JobEvent>,
+        unread: Arc<AtomicU64>,
         submitted: Instant,
     },
     Frame {
@@ -1094,6 +1153,7 @@ enum CodecMsg {
 
 struct CodecJob {
     events: mpsc::UnboundedSender<JobEvent>,
+    unread: Arc<AtomicU64>,
     submitted: Instant,
     decoder: Box<dyn StreamDecoder>,
     hasher: PcmHasher,
@@ -1178,6 +1238,7 @@ fn decode_frames(
             }
             j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
             j.samples += pcm.len() as u64;
+            j.unread.fetch_add(pcm.len() as u64, Ordering::SeqCst);
             let _ = j.events.send(JobEvent::Audio(pcm));
         }
         Err(e) => {
@@ -1198,6 +1259,7 @@ fn codec_event(
         CodecMsg::Start {
             key,
             events,
+            unread,
             submitted,
         } => {
             let (decoder, failed): (Box<dyn StreamDecoder>, bool) = match new_decoder() {
@@ -1211,6 +1273,7 @@ fn codec_event(
                 key,
                 CodecJob {
                     events,
+                    unread,
                     submitted,
                     decoder,
                     hasher: PcmHasher::new(),
@@ -1285,6 +1348,7 @@ struct WorkerCtx {
     lanes: usize,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    max_unread_samples: u64,
 }
 
 /// Loads the model on `backend` and starts the frame-round thread.
@@ -1321,6 +1385,7 @@ fn spawn_worker<B: Backend + 'static>(
         lanes: ctx.lanes,
         shared: ctx.shared,
         frames_total: ctx.frames_total,
+        max_unread_samples: ctx.max_unread_samples,
     };
     let h = std::thread::Builder::new()
         .name("dramatis-frames".into())
@@ -1363,6 +1428,8 @@ struct Worker<B: Backend> {
     lanes: usize,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    /// [`EngineOptions::max_unread_audio_seconds`] in samples.
+    max_unread_samples: u64,
 }
 
 impl<B: Backend> Worker<B> {
@@ -1439,7 +1506,19 @@ impl<B: Backend> Worker<B> {
             if active.is_empty() {
                 continue;
             }
-            let ended = self.round(&mut active);
+            // Lanes whose callers have fallen behind sit this round out (a lane's frames do not
+            // depend on the lanes beside it, so pausing one changes none of its bits).
+            let (mut ready, paused): (Vec<_>, Vec<_>) = active
+                .drain(..)
+                .partition(|a| a.job.unread.load(Ordering::SeqCst) <= self.max_unread_samples);
+            if ready.is_empty() {
+                active = paused;
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                continue;
+            }
+            let ended = self.round(&mut ready);
+            active = ready;
+            active.extend(paused);
             // Finished lanes (and their KV rows) are free before a caller sees their last event.
             let (m, _) = &*self.shared;
             m.lock().unwrap_or_else(|e| e.into_inner()).busy = active.len();
@@ -1475,6 +1554,7 @@ impl<B: Backend> Worker<B> {
         let _ = self.codec_tx.send(CodecMsg::Start {
             key: a.key,
             events: a.job.events.clone(),
+            unread: a.job.unread.clone(),
             submitted: a.job.submitted,
         });
         let _ = a.job.events.send(JobEvent::Started {
@@ -1710,6 +1790,7 @@ mod codec_thread_tests {
             tx.send(CodecMsg::Start {
                 key,
                 events: etx,
+                unread: Arc::new(AtomicU64::new(0)),
                 submitted: Instant::now(),
             })
             .unwrap();

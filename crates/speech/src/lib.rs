@@ -15,7 +15,10 @@ pub mod voices;
 
 pub use api::*;
 pub use device_memory::{device_memory_used, DevicePeak, DevicePeakSampler};
-pub use engine::{BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle};
+pub use engine::{
+    BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle,
+    DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpeechError {

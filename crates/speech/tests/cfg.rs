@@ -168,7 +168,7 @@ fn request_gammas_replay_and_sequences_match() {
             ..Default::default()
         })
         .unwrap();
-    while let Some(ev) = h.events.blocking_recv() {
+    while let Some(ev) = h.blocking_recv() {
         if matches!(ev, speech::JobEvent::Audio(_) | speech::JobEvent::Done(_)) {
             break;
         }

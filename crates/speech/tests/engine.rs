@@ -85,7 +85,7 @@ fn cancellation_leaves_the_next_request_unchanged() {
         .unwrap();
     // Wait for the first audio, then walk away.
     loop {
-        match h.events.blocking_recv() {
+        match h.blocking_recv() {
             Some(JobEvent::Audio(_)) => break,
             Some(JobEvent::Done(_)) | None => break,
             _ => {}
@@ -267,4 +267,57 @@ fn whole_replies_are_checked_against_host_memory() {
     r.whole_reply = false;
     let h = e.submit(r).unwrap();
     h.cancel();
+}
+
+/// A caller that stops reading pauses its own job once a set amount of audio waits unread, and
+/// the job resumes, unchanged, as the caller reads; a lane beside it keeps going meanwhile.
+#[test]
+fn a_caller_that_stops_reading_pauses_its_job_only() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let e = Engine::load(EngineOptions {
+        parallel: 2,
+        queue: Some(4),
+        context: Some(2048),
+        voices_dir: Some(cache.join("voices")),
+        max_unread_audio_seconds: 0.05,
+        ..Default::default()
+    })
+    .unwrap();
+    let frame = e.codec().frame_length() as u64;
+    let limit = (0.05 * f64::from(e.codec().sample_rate())) as u64;
+    let text = "A slow reader asks for a long answer and then looks away for a while.";
+    let eager = e.submit(req(text, 21, 300)).unwrap().wait().unwrap().1;
+    let mut slow = e.submit(req(text, 21, 300)).unwrap();
+    // the other lane finishes while the slow one is paused
+    let other = e.submit(req("Meanwhile, another caller.", 4, 40)).unwrap();
+    let mut peak = 0;
+    for _ in 0..30 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        peak = peak.max(slow.unread_samples());
+    }
+    let (_, other_done) = other.wait().unwrap();
+    // The codec may finish the frames already generated when the limit is crossed (a chunk or
+    // two); without the pause, 1.5 s of generation leaves far more audio unread.
+    assert!(
+        peak <= limit + 16 * frame,
+        "unread audio reached {peak} samples; the limit is {limit} (+ 16 frames of {frame})"
+    );
+    let mut pcm = 0u64;
+    let done = loop {
+        match slow.blocking_recv() {
+            Some(JobEvent::Audio(a)) => pcm += a.len() as u64,
+            Some(JobEvent::Done(s)) => break s,
+            Some(JobEvent::Failed(m)) => panic!("the slow job failed: {m}"),
+            Some(_) => {}
+            None => panic!("the engine dropped the slow job"),
+        }
+    };
+    assert_eq!(pcm, done.samples);
+    assert_eq!(
+        done.pcm_sha256, eager.pcm_sha256,
+        "pausing changed the audio"
+    );
+    assert!(other_done.frames > 0);
+    assert_eq!(slow.unread_samples(), 0);
 }
