@@ -11,10 +11,11 @@ pub fn capabilities() -> Value {
         "backends": {
             "cpu": {"compiled": true, "activations": "f32", "kv": "f32"},
             "cuda": {"compiled": cfg!(feature = "cuda"), "engine": cfg!(feature = "cuda"), "kv": "f32 (DRAMATIS_CUDA_KV=bf16 opt-in)",
-                     "evidence": ["bench/cuda-kernels-2026-11-29.json", "bench/cuda-drama3-parity-2026-11-29.json",
-                                  "bench/cuda-drama3-2026-11-29.json", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "evidence": ["bench/cuda-contract-2026-11-29-session-end.log", "bench/cuda-drama3-parity-2026-11-29-session-end.json",
+                                  "bench/cuda-drama3-lanes-prefill-2026-11-29-final.json", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "prefill": "tiled causal attention (flash-style); tiled GEMM and experts grouped by expert from 512 rows",
                      "codec": "GPU streaming decoder (bench/cuda-codec-2026-11-29.json)",
-                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tiled flash prefill", "codec encoder on the GPU"]},
+                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tensor-core prefill GEMMs", "codec encoder on the GPU"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
@@ -38,9 +39,13 @@ pub fn capabilities() -> Value {
                 {"backend": "cpu", "checkpoint": "builtin tiny", "rows": 8192, "evidence": "bench/window-cpu-tiny-8192.json"},
                 {"backend": "cpu", "checkpoint": "builtin tiny", "rows": 32768, "evidence": "bench/window-cpu-tiny-32768.json"},
                 {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 8192, "evidence": "bench/window-cuda-tiny-8192.json"},
-                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 65536, "evidence": "bench/window-cuda-tiny-65536.json"}
+                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 65536, "evidence": "bench/window-cuda-tiny-65536.json"},
+                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 131072, "evidence": "bench/window-cuda-tiny-131072.json"},
+                {"backend": "cuda", "checkpoint": "builtin tiny", "rows": 262144, "evidence": "bench/window-cuda-tiny-262144.json"}
             ],
-            "not_qualified": [131072, 262144]
+            "not_qualified": [{"backend": "cuda", "checkpoint": "Drama 3 geometry", "rows": 262144,
+                               "note": "admitted; the longest Drama 3 prefill measured is 32768 rows (bench/cuda-drama3-lanes-prefill-2026-11-29-final.json)"},
+                              {"backend": "cpu", "rows": [131072, 262144], "note": "admitted; CPU attention prefill is O(C^2) without tiling"}]
         },
         "features": {
             "classifier_free_guidance": {"backends": ["cpu", "cuda (same generic frame round; tests run on the CPU)"], "evidence": "crates/speech/tests/cfg.rs"},
@@ -49,7 +54,7 @@ pub fn capabilities() -> Value {
             "deterministic_replay": "counter-based Philox4x32-10 keyed by (seed, stream, step)"
         },
         "flags": ["--cfg-gamma", "--cfg-batched", "--cfg-force-guided", "--cfg-allow-request-gamma",
-                  "--context", "--parallel", "--queue", "--prompt-cache-gib", "--api-key",
+                  "--context", "--parallel", "--queue", "--prompt-cache-gib", "--max-unread-audio-seconds", "--api-key",
                   "--device-gib", "--host-gib"]
     })
 }

@@ -219,6 +219,32 @@ fn inspect_and_capabilities() {
     assert!(o.status.success());
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["backends"]["cpu"]["compiled"], true);
+    // every receipt the capabilities cite is in the repository
+    fn receipts(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::String(s) => {
+                for (i, _) in s.match_indices("bench/") {
+                    let p: String = s[i..]
+                        .chars()
+                        .take_while(|c| !c.is_whitespace() && !"),;".contains(*c))
+                        .collect();
+                    out.push(p);
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|x| receipts(x, out)),
+            serde_json::Value::Object(m) => m.values().for_each(|x| receipts(x, out)),
+            _ => {}
+        }
+    }
+    let mut cited = Vec::new();
+    receipts(&v, &mut cited);
+    assert!(cited.len() >= 10, "{cited:?}");
+    for p in cited {
+        assert!(
+            root().join(&p).is_file(),
+            "capabilities cite {p}, which is not in the repository"
+        );
+    }
     let o = bin().arg("--version").output().unwrap();
     assert!(String::from_utf8_lossy(&o.stdout).starts_with("dramatis "));
     for sub in [

@@ -289,7 +289,11 @@ fn a_caller_that_stops_reading_pauses_its_job_only() {
     // (the random-weight checkpoint ends this one after 81 frames, 3.8 s of audio)
     let text = "A long request that will be cancelled early.";
     let eager = e.submit(req(text, 3, 300)).unwrap().wait().unwrap().1;
-    assert!(eager.frames >= 40, "too short to tell: {} frames", eager.frames);
+    assert!(
+        eager.frames >= 40,
+        "too short to tell: {} frames",
+        eager.frames
+    );
     let mut slow = e.submit(req(text, 3, 300)).unwrap();
     // the other lane finishes while the slow one is paused
     let other = e.submit(req("Meanwhile, another caller.", 4, 40)).unwrap();
