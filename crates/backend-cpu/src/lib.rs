@@ -11,6 +11,7 @@ pub mod linear;
 
 use checkpoint::{Checkpoint, DType, TensorView};
 use model::backend::BResult;
+use model::check;
 use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 use rayon::prelude::*;
 
@@ -34,6 +35,9 @@ impl CpuBuf {
     fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.cols..(i + 1) * self.cols]
     }
+    fn shape(&self) -> check::Shape {
+        (self.rows, self.cols)
+    }
 }
 
 /// A small tensor, flattened to f32.
@@ -53,13 +57,7 @@ fn shape_err(op: &'static str, why: String) -> BackendError {
 }
 
 fn same_shape(op: &'static str, a: &CpuBuf, b: &CpuBuf) -> BResult<()> {
-    if a.rows != b.rows || a.cols != b.cols {
-        return Err(shape_err(
-            op,
-            format!("[{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols),
-        ));
-    }
-    Ok(())
+    check::same_shape(op, a.shape(), b.shape())
 }
 
 fn mapped(ck: &Checkpoint, v: &TensorView<'_>) -> Bytes {
@@ -346,12 +344,7 @@ impl Backend for CpuBackend {
         eps: f32,
         plus_one: bool,
     ) -> BResult<CpuBuf> {
-        if group == 0 || !x.cols.is_multiple_of(group) || w.0.len() != group {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{} cols, group {group}, weight {}", x.cols, w.0.len()),
-            ));
-        }
+        check::rms_norm("rms_norm", x.shape(), group, w.0.len())?;
         let wp: Vec<f32> =
             w.0.iter()
                 .map(|v| if plus_one { 1.0 + v } else { *v })
@@ -372,12 +365,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &CpuBuf, w: &CpuWeight, rows: Rows) -> BResult<CpuBuf> {
-        if x.cols != w.cols {
-            return Err(shape_err(
-                "linear",
-                format!("input has {} cols, weight [{}, {}]", x.cols, w.rows, w.cols),
-            ));
-        }
+        check::linear(x.shape(), (w.rows, w.cols))?;
         let y = match rows {
             Rows::Exact => linear::linear_exact(&x.data, x.rows, w),
             Rows::Bulk => linear::linear_bulk(&x.data, x.rows, w),
@@ -403,15 +391,7 @@ impl Backend for CpuBackend {
     }
 
     fn sigmoid_mul(&self, x: &CpuBuf, gate: &CpuBuf) -> BResult<CpuBuf> {
-        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
-            return Err(shape_err(
-                "sigmoid_mul",
-                format!(
-                    "x [{}, {}], gate [{}, {}]",
-                    x.rows, x.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
+        check::gate("sigmoid_mul", x.shape(), gate.shape())?;
         let mut d = x.data.clone();
         for (r, row) in d.chunks_mut(x.cols.max(1)).enumerate() {
             let g = gate.row(r);
@@ -431,22 +411,7 @@ impl Backend for CpuBackend {
         style: Rope,
         positions: &[usize],
     ) -> BResult<CpuBuf> {
-        if positions.len() != x.rows
-            || head_dim == 0
-            || !x.cols.is_multiple_of(head_dim)
-            || rot_dims > head_dim
-            || !rot_dims.is_multiple_of(2)
-        {
-            return Err(shape_err(
-                "rope",
-                format!(
-                    "[{}, {}] with {} positions, head_dim {head_dim}, rot {rot_dims}",
-                    x.rows,
-                    x.cols,
-                    positions.len()
-                ),
-            ));
-        }
+        check::rope(x.shape(), positions.len(), head_dim, rot_dims)?;
         let mut d = x.data.clone();
         attn::rope(&mut d, x.cols, head_dim, rot_dims, theta, style, positions);
         Ok(CpuBuf::new(x.rows, x.cols, d))
@@ -480,12 +445,7 @@ impl Backend for CpuBackend {
         d: &AttnDims,
         caches: &mut [&mut CpuKv],
     ) -> BResult<CpuBuf> {
-        if caches.len() != q.rows {
-            return Err(shape_err(
-                "attn_step",
-                format!("{} rows for {} lanes", q.rows, caches.len()),
-            ));
-        }
+        check::lanes("attn_step", q.rows, caches.len())?;
         for (i, c) in caches.iter_mut().enumerate() {
             check_attn(q, k, v, d, c.width)?;
             c.append(k.row(i), v.row(i), 1)?;
@@ -522,12 +482,7 @@ impl Backend for CpuBackend {
         states: &mut [&mut CpuGdn],
     ) -> BResult<CpuBuf> {
         check_conv(x, w, d)?;
-        if states.len() != x.rows {
-            return Err(shape_err(
-                "gdn_conv_step",
-                format!("{} rows for {} lanes", x.rows, states.len()),
-            ));
-        }
+        check::lanes("gdn_conv_step", x.rows, states.len())?;
         let mut out = Vec::with_capacity(x.data.len());
         for (i, s) in states.iter_mut().enumerate() {
             out.extend(gdn::conv(x.row(i), 1, &w.0, d, s));
@@ -572,12 +527,7 @@ impl Backend for CpuBackend {
         states: &mut [&mut CpuGdn],
     ) -> BResult<CpuBuf> {
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
-        if states.len() != qkv.rows {
-            return Err(shape_err(
-                "gdn_step",
-                format!("{} rows for {} lanes", qkv.rows, states.len()),
-            ));
-        }
+        check::lanes("gdn_step", qkv.rows, states.len())?;
         let outs: Vec<Vec<f32>> = states
             .par_iter_mut()
             .enumerate()
@@ -599,17 +549,7 @@ impl Backend for CpuBackend {
     }
 
     fn route(&self, logits: &CpuBuf, k: usize, keep: Option<&[bool]>) -> BResult<Route> {
-        let e = logits.cols;
-        let kept = keep.map_or(e, |m| m.iter().filter(|&&b| b).count());
-        if k == 0 || k > kept || keep.is_some_and(|m| m.len() != e) {
-            return Err(shape_err(
-                "route",
-                format!(
-                    "top-{k} of {e} experts, {kept} kept (keep mask {:?} long)",
-                    keep.map(<[bool]>::len)
-                ),
-            ));
-        }
+        let kept = check::route(logits.cols, k, keep)?;
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
         for r in 0..logits.rows {
             let (ids, w) = route_row(logits.row(r), k, keep).ok_or_else(|| {
@@ -745,41 +685,11 @@ pub fn route_row(logits: &[f32], k: usize, keep: Option<&[bool]>) -> Option<(Vec
 }
 
 fn check_attn(q: &CpuBuf, k: &CpuBuf, v: &CpuBuf, d: &AttnDims, width: usize) -> BResult<()> {
-    let kvw = d.kv_heads * d.head_dim;
-    if q.cols != d.q_heads * d.head_dim
-        || k.cols != kvw
-        || v.cols != kvw
-        || width != kvw
-        || k.rows != q.rows
-        || v.rows != q.rows
-        || d.kv_heads == 0
-        || !d.q_heads.is_multiple_of(d.kv_heads)
-    {
-        return Err(shape_err(
-            "attention",
-            format!(
-                "q [{}, {}], k [{}, {}], v [{}, {}], cache width {width} for {d:?}",
-                q.rows, q.cols, k.rows, k.cols, v.rows, v.cols
-            ),
-        ));
-    }
-    Ok(())
+    check::attn(q.shape(), k.shape(), v.shape(), d, width)
 }
 
 fn check_conv(x: &CpuBuf, w: &CpuVector, d: &GdnDims) -> BResult<()> {
-    if x.cols != d.channels() || w.0.len() != d.channels() * d.conv_kernel || d.conv_kernel == 0 {
-        return Err(shape_err(
-            "gdn_conv",
-            format!(
-                "x has {} cols, taps {}, for {} channels x {} taps",
-                x.cols,
-                w.0.len(),
-                d.channels(),
-                d.conv_kernel
-            ),
-        ));
-    }
-    Ok(())
+    check::conv(x.shape(), w.0.len(), d)
 }
 
 fn check_gdn(
@@ -790,24 +700,5 @@ fn check_gdn(
     dt: &CpuVector,
     d: &GdnDims,
 ) -> BResult<()> {
-    let nv = d.v_heads;
-    if qkv.cols != d.channels()
-        || b.cols != nv
-        || a.cols != nv
-        || b.rows != qkv.rows
-        || a.rows != qkv.rows
-        || a_log.0.len() != nv
-        || dt.0.len() != nv
-        || d.k_heads == 0
-        || !nv.is_multiple_of(d.k_heads)
-    {
-        return Err(shape_err(
-            "gated delta rule",
-            format!(
-                "qkv [{}, {}], b [{}, {}], a [{}, {}] for {d:?}",
-                qkv.rows, qkv.cols, b.rows, b.cols, a.rows, a.cols
-            ),
-        ));
-    }
-    Ok(())
+    check::gdn(qkv.shape(), b.shape(), a.shape(), a_log.0.len(), dt.0.len(), d)
 }

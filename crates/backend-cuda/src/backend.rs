@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use checkpoint::{Checkpoint, DType};
 use cudarc::driver::{result as cu, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use model::backend::BResult;
+use model::check;
 use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 
 use crate::error::CudaError;
@@ -224,6 +225,9 @@ pub struct CudaBuf {
 impl CudaBuf {
     fn ptr(&self) -> u64 {
         self.mem.ptr
+    }
+    fn shape(&self) -> check::Shape {
+        (self.rows, self.cols)
     }
     /// Address of row `r`.
     fn row_ptr(&self, r: usize) -> BResult<u64> {
@@ -1442,34 +1446,24 @@ fn matrix_shape(name: &str, shape: &[usize]) -> BResult<(usize, usize)> {
 }
 
 fn same_shape(op: &'static str, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
-    if a.rows != b.rows || a.cols != b.cols {
-        return Err(shape_err(
-            op,
-            format!("[{}, {}] vs [{}, {}]", a.rows, a.cols, b.rows, b.cols),
-        ));
-    }
-    Ok(())
+    check::same_shape(op, a.shape(), b.shape())
 }
 
 fn check_attn(q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, d: &AttnDims, kv: &CudaKv) -> BResult<()> {
-    let kvw = d.kv_heads * d.head_dim;
-    if q.cols != d.q_heads * d.head_dim
-        || k.cols != kvw
-        || v.cols != kvw
-        || kv.kv_heads * kv.head_dim != kvw
-        || kv.head_dim != d.head_dim
-        || k.rows != q.rows
-        || v.rows != q.rows
-        || d.kv_heads == 0
-        || !d.q_heads.is_multiple_of(d.kv_heads)
-        || d.head_dim == 0
-        || d.head_dim > GENERIC_MAX_HD
-    {
+    check::attn(
+        q.shape(),
+        k.shape(),
+        v.shape(),
+        d,
+        kv.kv_heads * kv.head_dim,
+    )?;
+    // the kernels' own bounds: the cache's head layout, and the generic kernel's head dim
+    if kv.head_dim != d.head_dim || d.head_dim == 0 || d.head_dim > GENERIC_MAX_HD {
         return Err(shape_err(
             "attention",
             format!(
-                "q [{}, {}], k [{}, {}], v [{}, {}], cache {}x{} for {d:?}",
-                q.rows, q.cols, k.rows, k.cols, v.rows, v.cols, kv.kv_heads, kv.head_dim
+                "head dim {} with a cache of {} x {} (the kernels take 1..={GENERIC_MAX_HD})",
+                d.head_dim, kv.kv_heads, kv.head_dim
             ),
         ));
     }
@@ -1477,19 +1471,7 @@ fn check_attn(q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, d: &AttnDims, kv: &CudaKv) 
 }
 
 fn check_conv(x: &CudaBuf, w: &CudaVector, d: &GdnDims) -> BResult<()> {
-    if x.cols != d.channels() || w.len != d.channels() * d.conv_kernel || d.conv_kernel == 0 {
-        return Err(shape_err(
-            "gdn_conv",
-            format!(
-                "x has {} cols, taps {}, for {} channels x {} taps",
-                x.cols,
-                w.len,
-                d.channels(),
-                d.conv_kernel
-            ),
-        ));
-    }
-    Ok(())
+    check::conv(x.shape(), w.len, d)
 }
 
 fn check_gdn(
@@ -1500,25 +1482,12 @@ fn check_gdn(
     dt: &CudaVector,
     d: &GdnDims,
 ) -> BResult<()> {
-    let nv = d.v_heads;
-    if qkv.cols != d.channels()
-        || b.cols != nv
-        || a.cols != nv
-        || b.rows != qkv.rows
-        || a.rows != qkv.rows
-        || a_log.len != nv
-        || dt.len != nv
-        || d.k_heads == 0
-        || !nv.is_multiple_of(d.k_heads)
-        || d.v_dim == 0
-        || d.v_dim > 1024
-    {
+    check::gdn(qkv.shape(), b.shape(), a.shape(), a_log.len, dt.len, d)?;
+    // the recurrence kernel's block holds one value head
+    if d.v_dim == 0 || d.v_dim > 1024 {
         return Err(shape_err(
             "gated delta rule",
-            format!(
-                "qkv [{}, {}], b [{}, {}], a [{}, {}] for {d:?}",
-                qkv.rows, qkv.cols, b.rows, b.cols, a.rows, a.cols
-            ),
+            format!("value head dim {} (the kernel takes 1..=1024)", d.v_dim),
         ));
     }
     Ok(())
@@ -1877,12 +1846,7 @@ impl Backend for CudaBackend {
         plus_one: bool,
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("rms_norm");
-        if group == 0 || !x.cols.is_multiple_of(group) || w.len != group {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{} cols, group {group}, weight {}", x.cols, w.len),
-            ));
-        }
+        check::rms_norm("rms_norm", x.shape(), group, w.len)?;
         let out = self.buf(x.rows, x.cols)?;
         let groups = x.rows * (x.cols / group);
         if groups == 0 {
@@ -1899,12 +1863,7 @@ impl Backend for CudaBackend {
         let _p = self.prof.guard("linear");
         let op = "linear";
         let (n_out, k) = (w.rows(), w.cols());
-        if x.cols != k {
-            return Err(shape_err(
-                op,
-                format!("input has {} cols, weight [{n_out}, {k}]", x.cols),
-            ));
-        }
+        check::linear(x.shape(), (n_out, k))?;
         let out = self.buf(x.rows, n_out)?;
         if x.rows == 0 || n_out == 0 {
             return Ok(out);
@@ -1966,12 +1925,7 @@ impl Backend for CudaBackend {
     ) -> BResult<(CudaBuf, CudaBuf)> {
         let _p = self.prof.guard("add_rms_norm");
         same_shape("add_rms_norm", a, b)?;
-        if group == 0 || !a.cols.is_multiple_of(group) || w.len != group {
-            return Err(shape_err(
-                "add_rms_norm",
-                format!("{} cols, group {group}, weight {}", a.cols, w.len),
-            ));
-        }
+        check::rms_norm("add_rms_norm", a.shape(), group, w.len)?;
         let sum = self.buf(a.rows, a.cols)?;
         let out = self.buf(a.rows, a.cols)?;
         let groups = a.rows * (a.cols / group);
@@ -2033,15 +1987,7 @@ impl Backend for CudaBackend {
     fn add_sigmoid_mul(&self, a: &CudaBuf, x: &CudaBuf, gate: &CudaBuf) -> BResult<CudaBuf> {
         let _p = self.prof.guard("add_sigmoid_mul");
         same_shape("add_sigmoid_mul", a, x)?;
-        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
-            return Err(shape_err(
-                "add_sigmoid_mul",
-                format!(
-                    "x [{}, {}], gate [{}, {}]",
-                    x.rows, x.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
+        check::gate("add_sigmoid_mul", x.shape(), gate.shape())?;
         let out = self.buf(a.rows, a.cols)?;
         let n = a.rows * a.cols;
         if n == 0 {
@@ -2068,15 +2014,7 @@ impl Backend for CudaBackend {
 
     fn sigmoid_mul(&self, x: &CudaBuf, gate: &CudaBuf) -> BResult<CudaBuf> {
         let _p = self.prof.guard("sigmoid_mul");
-        if gate.rows != x.rows || (gate.cols != x.cols && gate.cols != 1) {
-            return Err(shape_err(
-                "sigmoid_mul",
-                format!(
-                    "x [{}, {}], gate [{}, {}]",
-                    x.rows, x.cols, gate.rows, gate.cols
-                ),
-            ));
-        }
+        check::gate("sigmoid_mul", x.shape(), gate.shape())?;
         self.elementwise(x, gate, 2)
     }
 
@@ -2090,22 +2028,7 @@ impl Backend for CudaBackend {
         positions: &[usize],
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("rope");
-        if positions.len() != x.rows
-            || head_dim == 0
-            || !x.cols.is_multiple_of(head_dim)
-            || rot_dims > head_dim
-            || !rot_dims.is_multiple_of(2)
-        {
-            return Err(shape_err(
-                "rope",
-                format!(
-                    "[{}, {}] with {} positions, head_dim {head_dim}, rot {rot_dims}",
-                    x.rows,
-                    x.cols,
-                    positions.len()
-                ),
-            ));
-        }
+        check::rope(x.shape(), positions.len(), head_dim, rot_dims)?;
         let out = self.buf(x.rows, x.cols)?;
         if x.rows == 0 || x.cols == 0 {
             return Ok(out);
@@ -2153,12 +2076,7 @@ impl Backend for CudaBackend {
         caches: &mut [&mut CudaKv],
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("attn_step");
-        if caches.len() != q.rows {
-            return Err(shape_err(
-                "attn_step",
-                format!("{} rows for {} lanes", q.rows, caches.len()),
-            ));
-        }
+        check::lanes("attn_step", q.rows, caches.len())?;
         for c in caches.iter() {
             check_attn(q, k, v, d, c)?;
         }
@@ -2194,12 +2112,7 @@ impl Backend for CudaBackend {
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("gdn_conv_step");
         check_conv(x, w, d)?;
-        if states.len() != x.rows {
-            return Err(shape_err(
-                "gdn_conv_step",
-                format!("{} rows for {} lanes", x.rows, states.len()),
-            ));
-        }
+        check::lanes("gdn_conv_step", x.rows, states.len())?;
         let u = self.buf(x.rows, x.cols)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
             self.conv(x, w, d, chunk, 1, ci * MAX_LANES, &u)?;
@@ -2237,12 +2150,7 @@ impl Backend for CudaBackend {
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("gdn_step");
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
-        if states.len() != qkv.rows {
-            return Err(shape_err(
-                "gdn_step",
-                format!("{} rows for {} lanes", qkv.rows, states.len()),
-            ));
-        }
+        check::lanes("gdn_step", qkv.rows, states.len())?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
             self.delta(qkv, b, a, a_log, dt_bias, d, chunk, 1, ci * MAX_LANES, &o)?;
@@ -2253,16 +2161,7 @@ impl Backend for CudaBackend {
     fn route(&self, logits: &CudaBuf, k: usize, keep: Option<&[bool]>) -> BResult<CudaRoute> {
         let _p = self.prof.guard("route");
         let e = logits.cols;
-        let kept = keep.map_or(e, |m| m.iter().filter(|&&b| b).count());
-        if k == 0 || k > e || keep.is_some_and(|m| m.len() != e) || k > kept {
-            return Err(shape_err(
-                "route",
-                format!(
-                    "top-{k} of {e} experts ({kept} kept; keep mask {:?} long)",
-                    keep.map(<[bool]>::len)
-                ),
-            ));
-        }
+        check::route(e, k, keep)?;
         let n = logits.rows;
         let ids = self.alloc(cmul("route", &[n, k, 4])?)?;
         let wts = self.alloc(cmul("route", &[n, k, 4])?)?;

@@ -581,13 +581,31 @@ fn attn_ref(
     out
 }
 
-pub(super) fn attn_generic(c: &mut Ctx) -> Result<()> {
-    for (nh, nkv, hd, past, t, f32kv) in [
-        (4, 2, 32, 150, 6, false),
-        (16, 2, 256, 300, 4, false),
-        (4, 2, 32, 150, 6, true),
-    ] {
-        let d = dims(nh, nkv, hd);
+/// Random causal-prefill inputs (`past` rows, then `t` checked rows) and their FP64 outputs,
+/// with K/V rounded as the cache stores them.
+struct PrefillCase {
+    d: AttnDims,
+    past: usize,
+    q0: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    reference: Vec<f64>,
+    name: String,
+    tol: f64,
+}
+
+impl PrefillCase {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        c: &mut Ctx,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        past: usize,
+        t: usize,
+        f32kv: bool,
+    ) -> Self {
         let n = past + t;
         let q0 = c.rng.normals_f32(past * nh * hd, 1.0);
         let q = c.rng.normals_f32(t * nh * hd, 1.0);
@@ -599,27 +617,39 @@ pub(super) fn attn_generic(c: &mut Ctx) -> Result<()> {
                 .collect()
         };
         let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, past, t);
-        let case = format!(
-            "{} cache, {nh}/{nkv} heads x {hd}, {t} rows after {past}",
-            if f32kv { "f32" } else { "bf16" }
-        );
-        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-            let mut kv = be.kv_new(n + 2, nkv, hd)?;
-            let w = nkv * hd;
-            let (q0d, k0d, v0d) = (
-                be.upload(&q0, past, nh * hd)?,
-                be.upload(&k[..past * w], past, w)?,
-                be.upload(&v[..past * w], past, w)?,
-            );
-            be.attn_prefill(&q0d, &k0d, &v0d, &d, &mut kv)?;
-            let (qd, kd, vd) = (
-                be.upload(&q, t, nh * hd)?,
-                be.upload(&k[past * w..], t, w)?,
-                be.upload(&v[past * w..], t, w)?,
-            );
-            Ok(be.download(&be.attn_prefill(&qd, &kd, &vd, &d, &mut kv)?)?)
-        };
-        triple3(c, &case, tol_f32(hd + n), &reference, run, f32kv)?;
+        PrefillCase {
+            d: dims(nh, nkv, hd),
+            past,
+            name: format!(
+                "{} cache, {nh}/{nkv} heads x {hd}, {t} rows after {past}",
+                if f32kv { "f32" } else { "bf16" }
+            ),
+            tol: tol_f32(hd + n),
+            q0,
+            q,
+            k,
+            v,
+            reference,
+        }
+    }
+
+    /// The checked rows' outputs on `be`, in a cache with a few rows to spare.
+    fn run(&self, be: &CudaBackend) -> Result<Vec<f32>> {
+        let cap = self.past + self.q.len() / (self.d.q_heads * self.d.head_dim) + 3;
+        flash_run(
+            be, &self.d, cap, self.past, &self.q0, &self.q, &self.k, &self.v,
+        )
+    }
+}
+
+pub(super) fn attn_generic(c: &mut Ctx) -> Result<()> {
+    for (nh, nkv, hd, past, t, f32kv) in [
+        (4, 2, 32, 150, 6, false),
+        (16, 2, 256, 300, 4, false),
+        (4, 2, 32, 150, 6, true),
+    ] {
+        let pc = PrefillCase::new(c, nh, nkv, hd, past, t, f32kv);
+        triple3(c, &pc.name, pc.tol, &pc.reference, |be| pc.run(be), f32kv)?;
     }
     // batched decode: 3 lanes of different lengths, each row bitwise equal to its solo step
     let (nh, nkv, hd) = (16, 2, 256);
@@ -757,41 +787,14 @@ pub(super) fn attn_flash(c: &mut Ctx) -> Result<()> {
         (16, 2, 256, 300, 33, false),
         (4, 2, 64, 17, 96, false),
     ] {
-        let d = dims(nh, nkv, hd);
-        let n = past + t;
-        let q0 = c.rng.normals_f32(past * nh * hd, 1.0);
-        let q = c.rng.normals_f32(t * nh * hd, 1.0);
-        let k = c.rng.normals_f32(n * nkv * hd, 1.0);
-        let v = c.rng.normals_f32(n * nkv * hd, 1.0);
-        let store = |x: &[f32]| -> Vec<f32> {
-            x.iter()
-                .map(|&y| if f32kv { y } else { round_bf16(y) })
-                .collect()
-        };
-        let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, past, t);
-        let case = format!(
-            "{} cache, {nh}/{nkv} heads x {hd}, {t} rows after {past}",
-            if f32kv { "f32" } else { "bf16" }
-        );
+        let pc = PrefillCase::new(c, nh, nkv, hd, past, t, f32kv);
         let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
             .iter()
-            .map(|&var| {
-                flash_run(
-                    &flash_backend(c, var, f32kv),
-                    &d,
-                    n + 3,
-                    past,
-                    &q0,
-                    &q,
-                    &k,
-                    &v,
-                )
-            })
+            .map(|&var| pc.run(&flash_backend(c, var, f32kv)))
             .collect::<Result<_>>()?;
-        let tol = tol_f32(hd + n);
-        c.check(&case, rel_l2(&got[0], &reference), tol);
-        c.discriminate(&case, rel_l2(&got[1], &reference), tol);
-        c.control(&case, rel_l2(&got[2], &reference), tol);
+        c.check(&pc.name, rel_l2(&got[0], &pc.reference), pc.tol);
+        c.discriminate(&pc.name, rel_l2(&got[1], &pc.reference), pc.tol);
+        c.control(&pc.name, rel_l2(&got[2], &pc.reference), pc.tol);
     }
 
     // Long range at C = 262144 (tiny geometry): 64 checked rows after 262080. Row 5 head 0's

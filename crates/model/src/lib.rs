@@ -8,6 +8,7 @@
 //! [`FrameOut::Eos`] or the frame cap.
 
 pub mod backend;
+pub mod check;
 pub mod generate;
 pub mod lane;
 pub mod model;
