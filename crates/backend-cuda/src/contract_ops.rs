@@ -1123,6 +1123,26 @@ impl Fp8Mat {
     }
 }
 
+/// FP64 routed experts: row r sums `w · down(silu(gate x) ⊙ up x)` over its routing.
+fn experts_reference(mats: &[[Fp8Mat; 3]], x: &[f32], h: usize, route: &model::Route) -> Vec<f64> {
+    let mut reference = Vec::new();
+    for (r, (ids, wts)) in route.experts.iter().zip(&route.weights).enumerate() {
+        let xr = f64s(&x[r * h..(r + 1) * h]);
+        let mut y = vec![0.0; h];
+        for (&id, &wt) in ids.iter().zip(wts) {
+            let m = &mats[id as usize];
+            let g = m[0].apply(&xr);
+            let u = m[1].apply(&xr);
+            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
+            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
+                *yy += f64::from(wt) * d;
+            }
+        }
+        reference.extend(y);
+    }
+    reference
+}
+
 pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
     let (e, i, h, rows, k) = (12, 256, 512, 5, 4);
     let mats: Vec<[Fp8Mat; 3]> = (0..e)
@@ -1139,21 +1159,7 @@ pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
     // the routing comes from the device router (checked on its own); the reference uses it
     let be0 = backend(c, Variant::Exact, false);
     let route = be0.route_host(&be0.route(&be0.upload(&logits, rows, e)?, k, None)?)?;
-    let mut reference = Vec::new();
-    for r in 0..rows {
-        let xr = f64s(&x[r * h..(r + 1) * h]);
-        let mut y = vec![0.0; h];
-        for (&id, &wt) in route.experts[r].iter().zip(&route.weights[r]) {
-            let m = &mats[id as usize];
-            let g = m[0].apply(&xr);
-            let u = m[1].apply(&xr);
-            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
-            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
-                *yy += f64::from(wt) * d;
-            }
-        }
-        reference.extend(y);
-    }
+    let reference = experts_reference(&mats, &x, h, &route);
     let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
         let experts = mats
             .iter()
@@ -1544,21 +1550,7 @@ fn experts_grouped_case(
     // low-precision runs differ in the expert kernels only, not in the router's builds
     let rt = be0.route(&be0.upload(&logits, rows, e)?, k, Some(&keep))?;
     let route = be0.route_host(&rt)?;
-    let mut reference = Vec::new();
-    for r in 0..rows {
-        let xr = f64s(&x[r * h..(r + 1) * h]);
-        let mut y = vec![0.0; h];
-        for (&id, &wt) in route.experts[r].iter().zip(&route.weights[r]) {
-            let m = &mats[id as usize];
-            let g = m[0].apply(&xr);
-            let u = m[1].apply(&xr);
-            let hv: Vec<f64> = g.iter().zip(&u).map(|(a, b)| silu(*a) * b).collect();
-            for (yy, d) in y.iter_mut().zip(m[2].apply(&hv)) {
-                *yy += f64::from(wt) * d;
-            }
-        }
-        reference.extend(y);
-    }
+    let reference = experts_reference(&mats, &x, h, &route);
     let run = |be: &CudaBackend| -> Result<Vec<f32>> {
         let experts = mats
             .iter()
