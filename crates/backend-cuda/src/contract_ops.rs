@@ -59,6 +59,17 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// A fused op checked bit for bit against the ops it replaces (`case` names both).
+fn same_bits(c: &mut Ctx, case: String, fused: &[f32], separate: &[f32]) {
+    let same = bits_equal(fused, separate);
+    c.push(
+        case,
+        Kind::Check,
+        same,
+        format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+    );
+}
+
 /// Exact data movement: the tolerance is zero.
 pub(super) fn buffer_moves(c: &mut Ctx) -> Result<()> {
     let (rows, cols) = (5, 48);
@@ -242,12 +253,12 @@ pub(super) fn add_rms_norm(c: &mut Ctx) -> Result<()> {
             be.download(&be.rms_norm(&s, &wd, group, 1e-6, true)?)?,
         ]
         .concat();
-        let same = bits_equal(&run(&be)?, &two);
-        c.push(
+        let fused = run(&be)?;
+        same_bits(
+            c,
             format!("{case}: bitwise = add then rms_norm"),
-            Kind::Check,
-            same,
-            format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+            &fused,
+            &two,
         );
     }
     Ok(())
@@ -284,12 +295,12 @@ pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
         let be = backend(c, Variant::Exact, false);
         let [ad, xd, gd] = up(&be)?;
         let two = be.download(&be.add(&ad, &be.sigmoid_mul(&xd, &gd)?)?)?;
-        let same = bits_equal(&run(&be)?, &two);
-        c.push(
+        let fused = run(&be)?;
+        same_bits(
+            c,
             format!("{case}: bitwise = sigmoid_mul then add"),
-            Kind::Check,
-            same,
-            format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+            &fused,
+            &two,
         );
     }
     Ok(())
@@ -349,12 +360,11 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
     c.check(case, rel_l2(&got[0][..half], &reference), tol);
     c.discriminate(case, rel_l2(&got[1][..half], &reference), tol);
     c.control(case, rel_l2(&got[2][..half], &reference), tol);
-    let same = bits_equal(&got[0][..half], &got[0][half..]);
-    c.push(
+    same_bits(
+        c,
         format!("{case}: bitwise = separate linears"),
-        Kind::Check,
-        same,
-        format!("one launch {}", if same { "exact" } else { "CHANGES BITS" }),
+        &got[0][..half],
+        &got[0][half..],
     );
     Ok(())
 }
