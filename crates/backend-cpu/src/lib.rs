@@ -700,5 +700,12 @@ fn check_gdn(
     dt: &CpuVector,
     d: &GdnDims,
 ) -> BResult<()> {
-    check::gdn(qkv.shape(), b.shape(), a.shape(), a_log.0.len(), dt.0.len(), d)
+    check::gdn(
+        qkv.shape(),
+        b.shape(),
+        a.shape(),
+        a_log.0.len(),
+        dt.0.len(),
+        d,
+    )
 }

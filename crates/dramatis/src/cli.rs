@@ -138,6 +138,10 @@ enum Cmd {
         /// (resuming as it reads): bounds memory per request; nothing is dropped.
         #[arg(long, default_value_t = speech::DEFAULT_MAX_UNREAD_AUDIO_SECONDS)]
         max_unread_audio_seconds: f64,
+        /// Seconds a job may stay paused for a client that reads nothing before it is stopped
+        /// (the client gets an error naming the figures; its lane is freed).
+        #[arg(long, default_value_t = speech::DEFAULT_MAX_PAUSE_SECONDS)]
+        max_pause_seconds: f64,
         /// Bearer key(s) required on every route but /health.
         #[arg(long = "api-key")]
         api_keys: Vec<String>,
@@ -263,6 +267,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             queue,
             prompt_cache_gib,
             max_unread_audio_seconds,
+            max_pause_seconds,
             api_keys,
         } => {
             let mut opts = engine_options(&engine)?;
@@ -270,6 +275,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             opts.queue = queue;
             opts.prompt_cache_gib = prompt_cache_gib;
             opts.max_unread_audio_seconds = max_unread_audio_seconds;
+            opts.max_pause_seconds = max_pause_seconds;
             let eng = Engine::load(opts).map_err(|e| anyhow!("start-up failed: {e}"))?;
             let rt = tokio::runtime::Runtime::new()?;
             let so = server::ServeOptions {

@@ -116,7 +116,14 @@ pub fn conv(x: Shape, taps: usize, d: &GdnDims) -> BResult<()> {
 }
 
 /// The gated delta rule's inputs: conv output, `b`, `a` and the per-head vectors.
-pub fn gdn(qkv: Shape, b: Shape, a: Shape, a_log: usize, dt_bias: usize, d: &GdnDims) -> BResult<()> {
+pub fn gdn(
+    qkv: Shape,
+    b: Shape,
+    a: Shape,
+    a_log: usize,
+    dt_bias: usize,
+    d: &GdnDims,
+) -> BResult<()> {
     let nv = d.v_heads;
     if qkv.1 != d.channels()
         || b.1 != nv
@@ -168,13 +175,22 @@ mod tests {
         assert!(same_shape("add", (2, 3), (2, 3)).is_ok());
         assert!(is_shape_err(same_shape("add", (2, 3), (3, 2)), "add"));
         assert!(rms_norm("rms_norm", (2, 128), 64, 64).is_ok());
-        assert!(is_shape_err(rms_norm("rms_norm", (2, 100), 64, 64), "rms_norm"));
-        assert!(is_shape_err(rms_norm("rms_norm", (2, 128), 0, 0), "rms_norm"));
+        assert!(is_shape_err(
+            rms_norm("rms_norm", (2, 100), 64, 64),
+            "rms_norm"
+        ));
+        assert!(is_shape_err(
+            rms_norm("rms_norm", (2, 128), 0, 0),
+            "rms_norm"
+        ));
         assert!(linear((4, 16), (8, 16)).is_ok());
         assert!(is_shape_err(linear((4, 16), (16, 8)), "linear"));
         assert!(gate("sigmoid_mul", (3, 8), (3, 1)).is_ok());
         assert!(gate("sigmoid_mul", (3, 8), (3, 8)).is_ok());
-        assert!(is_shape_err(gate("sigmoid_mul", (3, 8), (3, 2)), "sigmoid_mul"));
+        assert!(is_shape_err(
+            gate("sigmoid_mul", (3, 8), (3, 2)),
+            "sigmoid_mul"
+        ));
         assert!(rope((2, 64), 2, 32, 8).is_ok());
         assert!(is_shape_err(rope((2, 64), 1, 32, 8), "rope"));
         assert!(is_shape_err(rope((2, 64), 2, 32, 7), "rope"));
@@ -187,8 +203,14 @@ mod tests {
             rope: Rope::Neox,
         };
         assert!(attn((3, 32), (3, 16), (3, 16), &d, 16).is_ok());
-        assert!(is_shape_err(attn((3, 32), (3, 16), (2, 16), &d, 16), "attention"));
-        assert!(is_shape_err(attn((3, 32), (3, 16), (3, 16), &d, 8), "attention"));
+        assert!(is_shape_err(
+            attn((3, 32), (3, 16), (2, 16), &d, 16),
+            "attention"
+        ));
+        assert!(is_shape_err(
+            attn((3, 32), (3, 16), (3, 16), &d, 8),
+            "attention"
+        ));
         assert!(lanes("attn_step", 3, 3).is_ok());
         assert!(is_shape_err(lanes("attn_step", 3, 2), "attn_step"));
         let g = GdnDims {
@@ -202,10 +224,16 @@ mod tests {
         assert!(conv((1, c), c * 4, &g).is_ok());
         assert!(is_shape_err(conv((1, c), c * 3, &g), "gdn_conv"));
         assert!(gdn((2, c), (2, 4), (2, 4), 4, 4, &g).is_ok());
-        assert!(is_shape_err(gdn((2, c), (2, 4), (1, 4), 4, 4, &g), "gated delta rule"));
+        assert!(is_shape_err(
+            gdn((2, c), (2, 4), (1, 4), 4, 4, &g),
+            "gated delta rule"
+        ));
         assert_eq!(route(8, 2, None).unwrap(), 8);
         assert_eq!(route(4, 2, Some(&[true, false, true, true])).unwrap(), 3);
-        assert!(is_shape_err(route(4, 4, Some(&[true, false, true, true])), "route"));
+        assert!(is_shape_err(
+            route(4, 4, Some(&[true, false, true, true])),
+            "route"
+        ));
         assert!(is_shape_err(route(4, 0, None), "route"));
         assert!(is_shape_err(route(4, 1, Some(&[true])), "route"));
     }

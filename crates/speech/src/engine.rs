@@ -55,6 +55,10 @@ pub struct EngineOptions {
     /// job's lane sits out frame rounds until the caller reads (a slow streaming client slows
     /// its own job; the engine's memory stays bounded and nothing is dropped).
     pub max_unread_audio_seconds: f64,
+    /// How long a job may stay paused for a caller that reads nothing before it is stopped
+    /// (its caller then gets a `Failed` event naming the figures), so a stalled client cannot
+    /// hold a lane and its KV rows for ever.
+    pub max_pause_seconds: f64,
 }
 
 /// Which compute backend runs the model.
@@ -79,6 +83,7 @@ impl Default for EngineOptions {
             host_gib: None,
             backend: BackendChoice::Cpu,
             max_unread_audio_seconds: DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
+            max_pause_seconds: DEFAULT_MAX_PAUSE_SECONDS,
         }
     }
 }
@@ -86,6 +91,9 @@ impl Default for EngineOptions {
 /// Default of [`EngineOptions::max_unread_audio_seconds`]: 30 s is about 5.3 MB of f32 PCM at
 /// 44.1 kHz per job, and well ahead of any caller that plays the stream as it arrives.
 pub const DEFAULT_MAX_UNREAD_AUDIO_SECONDS: f64 = 30.0;
+
+/// Default of [`EngineOptions::max_pause_seconds`].
+pub const DEFAULT_MAX_PAUSE_SECONDS: f64 = 120.0;
 
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct EngineStats {
@@ -122,7 +130,8 @@ struct Job {
     frame_cap: u64,
     events: mpsc::UnboundedSender<JobEvent>,
     cancel: Arc<AtomicBool>,
-    /// Samples sent to the caller and not yet received by it.
+    /// Samples of the frames made for this job (decoded or not) that its caller has not yet
+    /// received.
     unread: Arc<AtomicU64>,
     submitted: Instant,
 }
@@ -156,7 +165,8 @@ impl JobHandle {
         ev
     }
 
-    /// Samples decoded for this job and not read yet.
+    /// Samples of this job's frames generated so far and not read yet (decoded or waiting for
+    /// the codec).
     pub fn unread_samples(&self) -> u64 {
         self.unread.load(Ordering::SeqCst)
     }
@@ -278,11 +288,15 @@ impl Engine {
                 "--cfg-gamma must be a finite number in [0, 10], got {g}"
             )));
         }
-        let u = opts.max_unread_audio_seconds;
-        if !(u.is_finite() && u > 0.0) {
-            return Err(SpeechError::Engine(format!(
-                "max unread audio must be a positive number of seconds, got {u}"
-            )));
+        for (what, v) in [
+            ("max unread audio", opts.max_unread_audio_seconds),
+            ("max pause", opts.max_pause_seconds),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v < 1e9) {
+                return Err(SpeechError::Engine(format!(
+                    "{what} must be a positive number of seconds below 1e9, got {v}"
+                )));
+            }
         }
         for (flag, v) in [
             ("--host-gib", opts.host_gib),
@@ -447,6 +461,7 @@ impl Engine {
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
                 .max(codec.frame_length() as u64),
+            max_pause: std::time::Duration::from_secs_f64(opts.max_pause_seconds),
         };
         let (handle, backend_name) = match opts.backend {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
@@ -1129,7 +1144,6 @@ enum CodecMsg {
     Start {
         key: u64,
         events: mpsc::UnboundedSender<JobEvent>,
-        unread: Arc<AtomicU64>,
         submitted: Instant,
     },
     Frame {
@@ -1153,7 +1167,6 @@ enum CodecMsg {
 
 struct CodecJob {
     events: mpsc::UnboundedSender<JobEvent>,
-    unread: Arc<AtomicU64>,
     submitted: Instant,
     decoder: Box<dyn StreamDecoder>,
     hasher: PcmHasher,
@@ -1238,7 +1251,6 @@ fn decode_frames(
             }
             j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
             j.samples += pcm.len() as u64;
-            j.unread.fetch_add(pcm.len() as u64, Ordering::SeqCst);
             let _ = j.events.send(JobEvent::Audio(pcm));
         }
         Err(e) => {
@@ -1259,7 +1271,6 @@ fn codec_event(
         CodecMsg::Start {
             key,
             events,
-            unread,
             submitted,
         } => {
             let (decoder, failed): (Box<dyn StreamDecoder>, bool) = match new_decoder() {
@@ -1273,7 +1284,6 @@ fn codec_event(
                 key,
                 CodecJob {
                     events,
-                    unread,
                     submitted,
                     decoder,
                     hasher: PcmHasher::new(),
@@ -1332,6 +1342,8 @@ struct Active<B: Backend> {
     capped: u32,
     /// This job's key on the codec thread.
     key: u64,
+    /// Since when the job has sat out rounds for a caller that does not read.
+    paused_since: Option<Instant>,
 }
 
 /// Everything the worker needs besides the model.
@@ -1349,6 +1361,7 @@ struct WorkerCtx {
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
     max_unread_samples: u64,
+    max_pause: std::time::Duration,
 }
 
 /// Loads the model on `backend` and starts the frame-round thread.
@@ -1386,6 +1399,9 @@ fn spawn_worker<B: Backend + 'static>(
         shared: ctx.shared,
         frames_total: ctx.frames_total,
         max_unread_samples: ctx.max_unread_samples,
+        max_pause: ctx.max_pause,
+        sample_rate: f64::from(rate),
+        frame_length: ctx.codec.frame_length() as u64,
     };
     let h = std::thread::Builder::new()
         .name("dramatis-frames".into())
@@ -1430,6 +1446,11 @@ struct Worker<B: Backend> {
     frames_total: Arc<AtomicU64>,
     /// [`EngineOptions::max_unread_audio_seconds`] in samples.
     max_unread_samples: u64,
+    /// [`EngineOptions::max_pause_seconds`].
+    max_pause: std::time::Duration,
+    sample_rate: f64,
+    /// PCM samples per frame.
+    frame_length: u64,
 }
 
 impl<B: Backend> Worker<B> {
@@ -1507,10 +1528,33 @@ impl<B: Backend> Worker<B> {
                 continue;
             }
             // Lanes whose callers have fallen behind sit this round out (a lane's frames do not
-            // depend on the lanes beside it, so pausing one changes none of its bits).
-            let (mut ready, paused): (Vec<_>, Vec<_>) = active
-                .drain(..)
-                .partition(|a| a.job.unread.load(Ordering::SeqCst) <= self.max_unread_samples);
+            // depend on the lanes beside it, so pausing one changes none of its bits). A caller
+            // that reads nothing for `max_pause` loses its job, so it cannot hold a lane forever.
+            let now = Instant::now();
+            let mut paused = Vec::new();
+            let mut ready = Vec::new();
+            for mut a in active.drain(..) {
+                if a.job.unread.load(Ordering::SeqCst) <= self.max_unread_samples {
+                    a.paused_since = None;
+                    ready.push(a);
+                    continue;
+                }
+                let since = *a.paused_since.get_or_insert(now);
+                if now.duration_since(since) > self.max_pause {
+                    let _ = self.codec_tx.send(CodecMsg::Fail {
+                        key: a.key,
+                        message: format!(
+                            "stopped: the caller read no audio for {:.0} s with {:.1} s of audio \
+                             unread (limit {:.1} s)",
+                            self.max_pause.as_secs_f64(),
+                            a.job.unread.load(Ordering::SeqCst) as f64 / self.sample_rate,
+                            self.max_unread_samples as f64 / self.sample_rate
+                        ),
+                    });
+                    continue;
+                }
+                paused.push(a);
+            }
             if ready.is_empty() {
                 active = paused;
                 std::thread::sleep(std::time::Duration::from_millis(2));
@@ -1548,13 +1592,13 @@ impl<B: Backend> Worker<B> {
             step: 0,
             capped: 0,
             key: self.next_key.get(),
+            paused_since: None,
             job,
         };
         self.next_key.set(a.key + 1);
         let _ = self.codec_tx.send(CodecMsg::Start {
             key: a.key,
             events: a.job.events.clone(),
-            unread: a.job.unread.clone(),
             submitted: a.job.submitted,
         });
         let _ = a.job.events.send(JobEvent::Started {
@@ -1687,6 +1731,9 @@ impl<B: Backend> Worker<B> {
                     self.frames_total.fetch_add(1, Ordering::Relaxed);
                     let codes: Vec<u32> = f[1..].iter().map(|&c| c.max(0) as u32).collect();
                     // Decoded on the codec thread, overlapped with the next frame round.
+                    // counted as unread from the moment it is made, so the pause does not
+                    // depend on how far the codec thread lags
+                    a.job.unread.fetch_add(self.frame_length, Ordering::SeqCst);
                     let _ = self.codec_tx.send(CodecMsg::Frame { key: a.key, codes });
                     let cap = a.job.segments[a.segment].1.frames.0;
                     if a.seg_frames >= cap {
@@ -1790,7 +1837,6 @@ mod codec_thread_tests {
             tx.send(CodecMsg::Start {
                 key,
                 events: etx,
-                unread: Arc::new(AtomicU64::new(0)),
                 submitted: Instant::now(),
             })
             .unwrap();

@@ -17,7 +17,7 @@ pub use api::*;
 pub use device_memory::{device_memory_used, DevicePeak, DevicePeakSampler};
 pub use engine::{
     BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle,
-    DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
+    DEFAULT_MAX_PAUSE_SECONDS, DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
 };
 
 #[derive(Debug, thiserror::Error)]

@@ -303,11 +303,12 @@ fn a_caller_that_stops_reading_pauses_its_job_only() {
         peak = peak.max(slow.unread_samples());
     }
     let (_, other_done) = other.wait().unwrap();
-    // The codec may finish the frames already generated when the limit is crossed (a chunk or
-    // two); without the pause, 1.5 s of generation leaves far more audio unread.
+    // Frames count as unread from the moment they are made, so a lane under the limit makes at
+    // most one more frame before it pauses; without the pause, 1.5 s of generation leaves far
+    // more audio unread.
     assert!(
-        peak <= limit + 16 * frame,
-        "unread audio reached {peak} samples; the limit is {limit} (+ 16 frames of {frame})"
+        peak <= limit + frame,
+        "unread audio reached {peak} samples; the limit is {limit} (+ one frame of {frame})"
     );
     let mut pcm = 0u64;
     let done = loop {
@@ -326,4 +327,46 @@ fn a_caller_that_stops_reading_pauses_its_job_only() {
     );
     assert!(other_done.frames > 0);
     assert_eq!(slow.unread_samples(), 0);
+}
+
+/// A caller that reads nothing for longer than the pause limit loses its job, with an error that
+/// names the figures, and its lane serves the next request.
+#[test]
+fn a_caller_that_never_reads_is_stopped_and_its_lane_freed() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    let e = Engine::load(EngineOptions {
+        parallel: 1,
+        queue: Some(4),
+        context: Some(2048),
+        voices_dir: Some(cache.join("voices")),
+        max_unread_audio_seconds: 0.05,
+        max_pause_seconds: 0.3,
+        ..Default::default()
+    })
+    .unwrap();
+    let text = "A long request that will be cancelled early.";
+    let mut stalled = e.submit(req(text, 3, 300)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let failure = loop {
+        match stalled.blocking_recv() {
+            Some(JobEvent::Failed(m)) => break m,
+            Some(JobEvent::Done(s)) => panic!("the stalled job finished ({} frames)", s.frames),
+            Some(_) => {}
+            None => panic!("no failure event"),
+        }
+    };
+    assert!(
+        failure.contains("read no audio for 0 s") || failure.contains("read no audio for"),
+        "{failure}"
+    );
+    assert!(failure.contains("unread"), "{failure}");
+    // the one lane is free again
+    let (_, next) = e
+        .submit(req("Meanwhile, another caller.", 4, 40))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(next.frames > 0);
+    assert_eq!(e.stats().lanes_busy, 0);
 }
