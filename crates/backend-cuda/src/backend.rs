@@ -344,11 +344,10 @@ struct ExpertTable {
     dev: Mem,
 }
 
-/// Identifies one expert list without reading all of it: its address and length, how many
-/// experts are kept, and the allocation ids of the first kept gate and the last kept down.
-/// Allocation ids are never reused, so a list freed and rebuilt at the same address gets a new
-/// key.
-type ExpertKey = (usize, usize, usize, u64, u64);
+/// Identifies one expert list by the allocation ids of every expert's gate, up and down (0 for
+/// a pruned expert). Allocation ids are never reused, so a list rebuilt from other weights,
+/// even at the same address, gets another key.
+type ExpertKey = Vec<u64>;
 
 /// A layer's expert table on the device: its address, I, H, and whether the experts are NVFP4.
 #[derive(Clone, Copy)]
@@ -899,29 +898,26 @@ impl CudaBackend {
 
     /// The device table of one layer's experts, found by [`ExpertKey`] or built.
     fn expert_table(&self, experts: &[Option<Expert<CudaWeight>>]) -> BResult<TableRef> {
-        let kept = experts.iter().filter(|e| e.is_some()).count();
-        let first = experts.iter().flatten().next().map(|e| e.gate.id());
-        let last = experts.iter().rev().flatten().next().map(|e| e.down.id());
-        let key = first
-            .zip(last)
-            .map(|(f, l)| (experts.as_ptr() as usize, experts.len(), kept, f, l));
-        if let Some(k) = key {
-            if let Some(t) = self
-                .expert_keys
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&k)
-            {
-                return Ok(*t);
-            }
+        let key: ExpertKey = experts
+            .iter()
+            .flat_map(|e| match e {
+                Some(e) => [e.gate.id(), e.up.id(), e.down.id()],
+                None => [0; 3],
+            })
+            .collect();
+        if let Some(t) = self
+            .expert_keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+        {
+            return Ok(*t);
         }
         let t = self.build_expert_table(experts)?;
-        if let Some(k) = key {
-            self.expert_keys
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(k, t);
-        }
+        self.expert_keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, t);
         Ok(t)
     }
 
@@ -1217,6 +1213,9 @@ impl CudaBackend {
             .gpu
             .func(Source::Ops, self.variant, p.kernel)
             .map_err(dev)?;
+        self.prof
+            .launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let smem = i32v("attention", p.dyn_smem as usize)?;
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -1977,6 +1976,10 @@ impl Backend for CudaBackend {
         }
         for j in ws.len()..=MULTI_MAX {
             m.start[j] = i32v(op, blocks)?;
+        }
+        if blocks == 0 {
+            // every weight has zero outputs: nothing to launch
+            return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
         go!(self, Source::Gemv, "gemv_bf16_multi", (u32v(op, blocks)?, 1, 1), 256, 0;

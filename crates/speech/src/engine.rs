@@ -462,6 +462,7 @@ impl Engine {
                 as u64)
                 .max(codec.frame_length() as u64),
             max_pause: std::time::Duration::from_secs_f64(opts.max_pause_seconds),
+            prefill_chunk: usize::try_from(req.prefill_chunk_rows.0).unwrap_or(usize::MAX),
         };
         let (handle, backend_name) = match opts.backend {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
@@ -1175,7 +1176,9 @@ struct CodecJob {
     failed: bool,
 }
 
-/// Most frames one decoder call takes when a backlog is coalesced.
+/// Most frames one decoder call takes when a backlog is coalesced. The engine caps it further
+/// at its lane count: the plan reserves one frame of decoder workspace per lane, and the codec
+/// thread decodes one chunk at a time, so a chunk of `lanes` frames stays inside it.
 const CODEC_MAX_CHUNK: usize = 64;
 
 /// Streams every job's frames through its own decoder state (so streamed PCM equals a whole
@@ -1184,7 +1187,13 @@ const CODEC_MAX_CHUNK: usize = 64;
 /// When the thread falls behind (many lanes), the frames waiting for one job are decoded as one
 /// chunk: streamed decoding is bit-identical whatever the chunking, and one call over several
 /// frames costs far less than one call per frame. A job's messages keep their order.
-fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Receiver<CodecMsg>) {
+fn codec_loop(
+    new_decoder: DecoderFactory,
+    rate: u32,
+    max_chunk: usize,
+    rx: std::sync::mpsc::Receiver<CodecMsg>,
+) {
+    let max_chunk = max_chunk.clamp(1, CODEC_MAX_CHUNK);
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
     let rate = f64::from(rate);
     while let Ok(first) = rx.recv() {
@@ -1207,7 +1216,7 @@ fn codec_loop(new_decoder: DecoderFactory, rate: u32, rx: std::sync::mpsc::Recei
             };
             if let CodecMsg::Frame { codes, .. } = msg {
                 match pending.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, f)) if f.len() < CODEC_MAX_CHUNK => f.push(codes),
+                    Some((_, f)) if f.len() < max_chunk => f.push(codes),
                     Some((_, f)) => {
                         let full = std::mem::replace(f, vec![codes]);
                         decode_frames(&mut jobs, key, full);
@@ -1362,6 +1371,7 @@ struct WorkerCtx {
     frames_total: Arc<AtomicU64>,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
+    prefill_chunk: usize,
 }
 
 /// Loads the model on `backend` and starts the frame-round thread.
@@ -1375,9 +1385,10 @@ fn spawn_worker<B: Backend + 'static>(
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
+    let lanes = ctx.lanes;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(factory, rate, codec_rx))
+        .spawn(move || codec_loop(factory, rate, lanes, codec_rx))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -1402,6 +1413,7 @@ fn spawn_worker<B: Backend + 'static>(
         max_pause: ctx.max_pause,
         sample_rate: f64::from(rate),
         frame_length: ctx.codec.frame_length() as u64,
+        prefill_chunk: ctx.prefill_chunk,
     };
     let h = std::thread::Builder::new()
         .name("dramatis-frames".into())
@@ -1451,6 +1463,8 @@ struct Worker<B: Backend> {
     sample_rate: f64,
     /// PCM samples per frame.
     frame_length: u64,
+    /// Prompt rows per prefill call (the plan's prefill chunk).
+    prefill_chunk: usize,
 }
 
 impl<B: Backend> Worker<B> {
@@ -1614,6 +1628,16 @@ impl<B: Backend> Worker<B> {
         Ok(a)
     }
 
+    /// A prompt's rows in chunks of the plan's prefill chunk (`PlanRequest::prefill_chunk_rows`),
+    /// so a long prompt's prefill uses the scratch the plan reserved. Chunks restart at each call,
+    /// so a prefix restored from the cache continues exactly as a prefilled one would.
+    fn prefill(&self, lane: &mut LaneState<B>, rows: &[model::Row]) -> Result<(), String> {
+        for chunk in rows.chunks(self.prefill_chunk.max(1)) {
+            self.model.prefill(lane, chunk).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
     fn prefill_segment(&self, a: &mut Active<B>) -> Result<(), String> {
         if a.segment > 0 {
             a.lane = self
@@ -1639,22 +1663,16 @@ impl<B: Backend> Worker<B> {
                         .map_err(|e| e.to_string())?
                 }
                 None => {
-                    self.model
-                        .prefill(&mut a.lane, &rows[..p])
-                        .map_err(|e| e.to_string())?;
+                    self.prefill(&mut a.lane, &rows[..p])?;
                     if let Ok(copy) = a.lane.fork(&self.model, p) {
                         cache.insert(key, copy, p);
                     }
                 }
             }
             drop(cache);
-            self.model
-                .prefill(&mut a.lane, &rows[p..])
-                .map_err(|e| e.to_string())?;
+            self.prefill(&mut a.lane, &rows[p..])?;
         } else {
-            self.model
-                .prefill(&mut a.lane, &rows)
-                .map_err(|e| e.to_string())?;
+            self.prefill(&mut a.lane, &rows)?;
         }
         if let Some((_, un)) = &a.job.guidance {
             let seg = &a.job.segments[a.segment];
@@ -1664,9 +1682,7 @@ impl<B: Backend> Worker<B> {
                 .model
                 .new_backbone_lane(cap)
                 .map_err(|e| e.to_string())?;
-            self.model
-                .prefill(&mut lane, &urows)
-                .map_err(|e| e.to_string())?;
+            self.prefill(&mut lane, &urows)?;
             a.uncond = Some(lane);
         }
         a.seg_frames = 0;
@@ -1860,7 +1876,7 @@ mod codec_thread_tests {
             .unwrap();
         }
         drop(tx);
-        codec_loop(factory, 44_100, rx);
+        codec_loop(factory, 44_100, CODEC_MAX_CHUNK, rx);
         for (key, erx) in streams.iter_mut().enumerate() {
             let mut audio = Vec::new();
             let mut done = None;

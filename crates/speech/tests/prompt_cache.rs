@@ -58,3 +58,25 @@ fn hit_equals_miss_and_changed_references_miss() {
     assert_eq!(e.stats().prompt_cache_misses, 2);
     assert_ne!(other, want);
 }
+
+/// A reference longer than one prefill chunk (512 rows): the prefix is prefilled in chunks from
+/// its start and the text from the end of the prefix, so a hit still equals a miss.
+#[test]
+fn a_reference_longer_than_a_prefill_chunk_hits_like_it_misses() {
+    let long = |shift: i64| {
+        let mut r = req(shift, "Only one sentence here.");
+        let codes: Vec<Vec<i64>> = (0..600)
+            .map(|f| (0..10).map(|c| (f * 7 + c * 3 + shift) % 16).collect())
+            .collect();
+        r.references[0].audio = ReferenceAudio::Codes(codes);
+        r
+    };
+    let want = hash(&engine(0.0), long(0));
+    let e = engine(1.0);
+    let miss = hash(&e, long(0));
+    let hit = hash(&e, long(0));
+    let s = e.stats();
+    assert_eq!((s.prompt_cache_misses, s.prompt_cache_hits), (1, 1));
+    assert_eq!(miss, want);
+    assert_eq!(hit, want);
+}
