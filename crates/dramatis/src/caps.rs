@@ -54,7 +54,7 @@ pub fn capabilities() -> Value {
             "deterministic_replay": "counter-based Philox4x32-10 keyed by (seed, stream, step)"
         },
         "flags": ["--cfg-gamma", "--cfg-batched", "--cfg-force-guided", "--cfg-allow-request-gamma",
-                  "--context", "--parallel", "--queue", "--prompt-cache-gib", "--max-unread-audio-seconds", "--api-key",
+                  "--context", "--parallel", "--queue", "--prompt-cache-gib", "--max-unread-audio-seconds", "--max-pause-seconds", "--api-key",
                   "--device-gib", "--host-gib"]
     })
 }
