@@ -5,7 +5,7 @@
 use model::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
 
 use super::{tol_f32, Ctx, Kind};
-use crate::backend::{CudaBackend, CudaOptions};
+use crate::backend::{CudaBackend, CudaBuf, CudaOptions, CudaVector};
 use crate::error::Result;
 use crate::reference::{bf16, fp8_e4m3, rel_l2, sigmoid, silu};
 use crate::runtime::Variant;
@@ -231,22 +231,21 @@ pub(super) fn add_rms_norm(c: &mut Ctx) -> Result<()> {
                     .map(|(v, wv)| v * inv * (1.0 + f64::from(*wv))),
             );
         }
-        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-            let (ad, bd, wd) = (
+        let up = |be: &CudaBackend| -> Result<(CudaBuf, CudaBuf, CudaVector)> {
+            Ok((
                 be.upload(&a, rows, cols)?,
                 be.upload(&b, rows, cols)?,
                 be.vector_f32(&w)?,
-            );
+            ))
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let (ad, bd, wd) = up(be)?;
             let (s, n) = be.add_rms_norm(&ad, &bd, &wd, group, 1e-6, true)?;
             Ok([be.download(&s)?, be.download(&n)?].concat())
         };
         triple3(c, case, tol_f32(group), &reference, run, false)?;
         let be = backend(c, Variant::Exact, false);
-        let (ad, bd, wd) = (
-            be.upload(&a, rows, cols)?,
-            be.upload(&b, rows, cols)?,
-            be.vector_f32(&w)?,
-        );
+        let (ad, bd, wd) = up(&be)?;
         let s = be.add(&ad, &bd)?;
         let two = [
             be.download(&s)?,
@@ -280,7 +279,7 @@ pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
                 f64::from(a[i]) + f64::from(x[i]) * sigmoid(gv)
             })
             .collect();
-        let up = |be: &CudaBackend| -> Result<[crate::backend::CudaBuf; 3]> {
+        let up = |be: &CudaBackend| -> Result<[CudaBuf; 3]> {
             Ok([
                 be.upload(&a, rows, cols)?,
                 be.upload(&x, rows, cols)?,
