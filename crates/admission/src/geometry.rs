@@ -605,6 +605,15 @@ impl ModelGeometry {
                 heads_q,                    // attention output
                 self.num_experts,           // router logits
                 product(&[add(self.num_experts_per_tok, 1, S)?, 2, moe_width], S)?, // expert gate/up
+                // experts grouped by expert (CUDA prefill): per routed slot its gate/up output,
+                // its down output and its place in the expert's list
+                product(
+                    &[
+                        self.num_experts_per_tok,
+                        sum(&[self.moe_intermediate_size, h, 1], S)?,
+                    ],
+                    S,
+                )?,
                 mul(3, self.tower_dim, S)?, // tower residual, normed, eh input half
                 mul(self.tower_dim, 2, S)?, // eh_proj input
                 add(mul(2, t_q, S)?, mul(2, t_kv, S)?, S)?, // tower wqkv
