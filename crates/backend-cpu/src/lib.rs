@@ -68,16 +68,6 @@ fn mapped(ck: &Checkpoint, v: &TensorView<'_>) -> Bytes {
     }
 }
 
-fn matrix_shape(name: &str, v: &TensorView<'_>) -> BResult<(usize, usize)> {
-    match v.shape() {
-        [r, c] => Ok((*r, *c)),
-        s => Err(BackendError::Weight {
-            name: name.into(),
-            why: format!("expected a 2-D matrix, found shape {s:?}"),
-        }),
-    }
-}
-
 /// An NVFP4 matrix of `rows` x `cols` values, its scales kept on the mmap (checks in
 /// `model::stored`).
 fn nvfp4_format(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> BResult<Format> {
@@ -192,7 +182,7 @@ impl Backend for CpuBackend {
 
     fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<CpuWeight> {
         let v = ck.tensor(name)?;
-        let (rows, mut cols) = matrix_shape(name, &v)?;
+        let (rows, mut cols) = model::stored::matrix_shape(name, v.shape())?;
         let format = match v.dtype() {
             DType::BF16 => Format::Bf16,
             DType::F32 => Format::F32,
@@ -234,25 +224,7 @@ impl Backend for CpuBackend {
     }
 
     fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<CpuWeight> {
-        let v = ck.tensor(name)?;
-        let (n, cols) = matrix_shape(name, &v)?;
-        if v.dtype() != DType::BF16 {
-            return Err(BackendError::Weight {
-                name: name.into(),
-                why: format!("row gathering needs BF16, found {}", v.dtype()),
-            });
-        }
-        let mut out = Vec::with_capacity(rows.len() * cols * 2);
-        for &r in rows {
-            let r = r as usize;
-            if r >= n {
-                return Err(BackendError::Weight {
-                    name: name.into(),
-                    why: format!("row {r} is outside its {n} rows"),
-                });
-            }
-            out.extend_from_slice(&v.bytes[r * cols * 2..(r + 1) * cols * 2]);
-        }
+        let (out, cols) = model::stored::bf16_rows(ck, name, rows)?;
         Ok(CpuWeight {
             bytes: Bytes::Owned(out),
             format: Format::Bf16,

@@ -1434,16 +1434,6 @@ fn keep_pool_memory(gpu: &Gpu) {
     }
 }
 
-fn matrix_shape(name: &str, shape: &[usize]) -> BResult<(usize, usize)> {
-    match shape {
-        [r, c] => Ok((*r, *c)),
-        s => Err(BackendError::Weight {
-            name: name.into(),
-            why: format!("expected a 2-D matrix, found shape {s:?}"),
-        }),
-    }
-}
-
 fn same_shape(op: &'static str, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
     check::same_shape(op, a.shape(), b.shape())
 }
@@ -1632,7 +1622,7 @@ impl Backend for CudaBackend {
 
     fn weight(&self, ck: &Checkpoint, name: &str) -> BResult<CudaWeight> {
         let v = ck.tensor(name)?;
-        let (rows, cols) = matrix_shape(name, v.shape())?;
+        let (rows, cols) = model::stored::matrix_shape(name, v.shape())?;
         match v.dtype() {
             DType::BF16 => Ok(CudaWeight::Bf16 {
                 mem: self.htod(v.bytes)?,
@@ -1674,25 +1664,7 @@ impl Backend for CudaBackend {
     }
 
     fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<CudaWeight> {
-        let v = ck.tensor(name)?;
-        let (n, cols) = matrix_shape(name, v.shape())?;
-        if v.dtype() != DType::BF16 {
-            return Err(BackendError::Weight {
-                name: name.into(),
-                why: format!("row gathering needs BF16, found {}", v.dtype()),
-            });
-        }
-        let mut out = Vec::with_capacity(rows.len() * cols * 2);
-        for &r in rows {
-            let r = r as usize;
-            if r >= n {
-                return Err(BackendError::Weight {
-                    name: name.into(),
-                    why: format!("row {r} is outside its {n} rows"),
-                });
-            }
-            out.extend_from_slice(&v.bytes[r * cols * 2..(r + 1) * cols * 2]);
-        }
+        let (out, cols) = model::stored::bf16_rows(ck, name, rows)?;
         Ok(CudaWeight::Bf16 {
             mem: self.htod(&out)?,
             rows: rows.len(),

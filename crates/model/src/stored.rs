@@ -8,6 +8,42 @@ use crate::backend::{BResult, BackendError};
 /// Values per NVFP4 scale group.
 pub const NVFP4_GROUP: usize = 16;
 
+/// `(rows, cols)` of a stored 2-D matrix, or the tensor named with the shape it has.
+pub fn matrix_shape(name: &str, shape: &[usize]) -> BResult<(usize, usize)> {
+    match shape {
+        [r, c] => Ok((*r, *c)),
+        s => Err(BackendError::Weight {
+            name: name.into(),
+            why: format!("expected a 2-D matrix, found shape {s:?}"),
+        }),
+    }
+}
+
+/// The listed rows of BF16 matrix `name`, in that order, as stored bytes (the
+/// candidate-restricted lm_head); returns the bytes and the column count.
+pub fn bf16_rows(ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<(Vec<u8>, usize)> {
+    let v = ck.tensor(name)?;
+    let (n, cols) = matrix_shape(name, v.shape())?;
+    if v.dtype() != DType::BF16 {
+        return Err(BackendError::Weight {
+            name: name.into(),
+            why: format!("row gathering needs BF16, found {}", v.dtype()),
+        });
+    }
+    let mut out = Vec::with_capacity(rows.len() * cols * 2);
+    for &r in rows {
+        let r = r as usize;
+        if r >= n {
+            return Err(BackendError::Weight {
+                name: name.into(),
+                why: format!("row {r} is outside its {n} rows"),
+            });
+        }
+        out.extend_from_slice(&v.bytes[r * cols * 2..(r + 1) * cols * 2]);
+    }
+    Ok((out, cols))
+}
+
 /// The parts of an NVFP4 matrix `<stem>.weight` (U8 `[rows, cols/2]`, two E2M1 codes per byte,
 /// low nibble = even column): `<stem>.weight_scale` F8_E4M3 `[rows, cols/16]` and
 /// `<stem>.weight_scale_2`, one F32. Value = (e2m1 × e4m3) × global.
