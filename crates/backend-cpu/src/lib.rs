@@ -91,12 +91,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CpuBuf> {
-        if rows.checked_mul(cols) != Some(data.len()) {
-            return Err(shape_err(
-                "upload",
-                format!("{} values for [{rows}, {cols}]", data.len()),
-            ));
-        }
+        check::upload(data.len(), rows, cols)?;
         Ok(CpuBuf::new(rows, cols, data.to_vec()))
     }
 
@@ -113,16 +108,7 @@ impl Backend for CpuBackend {
     }
 
     fn cols_grouped(&self, x: &CpuBuf, group: usize, offset: usize, len: usize) -> BResult<CpuBuf> {
-        if group == 0 || !x.cols.is_multiple_of(group) || offset + len > group {
-            return Err(shape_err(
-                "cols_grouped",
-                format!(
-                    "cols {offset}..{} of groups of {group} in a {}-col matrix",
-                    offset + len,
-                    x.cols
-                ),
-            ));
-        }
+        check::cols_grouped(x.shape(), group, offset, len)?;
         let groups = x.cols / group;
         let mut d = Vec::with_capacity(x.rows * groups * len);
         for r in 0..x.rows {
@@ -135,12 +121,7 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, x: &CpuBuf, start: usize, len: usize) -> BResult<CpuBuf> {
-        if start + len > x.rows {
-            return Err(shape_err(
-                "rows",
-                format!("rows {start}..{} of {}", start + len, x.rows),
-            ));
-        }
+        check::rows(x.shape(), start, len)?;
         Ok(CpuBuf::new(
             len,
             x.cols,
@@ -149,12 +130,7 @@ impl Backend for CpuBackend {
     }
 
     fn concat_cols(&self, a: &CpuBuf, b: &CpuBuf) -> BResult<CpuBuf> {
-        if a.rows != b.rows {
-            return Err(shape_err(
-                "concat_cols",
-                format!("{} rows vs {}", a.rows, b.rows),
-            ));
-        }
+        check::concat_cols(a.shape(), b.shape())?;
         let mut d = Vec::with_capacity(a.rows * (a.cols + b.cols));
         for r in 0..a.rows {
             d.extend_from_slice(a.row(r));
@@ -168,12 +144,7 @@ impl Backend for CpuBackend {
         let mut d = Vec::new();
         let mut rows = 0;
         for p in parts {
-            if p.cols != cols {
-                return Err(shape_err(
-                    "concat_rows",
-                    format!("{} cols vs {cols}", p.cols),
-                ));
-            }
+            check::concat_rows(cols, p.shape())?;
             d.extend_from_slice(&p.data);
             rows += p.rows;
         }

@@ -1496,12 +1496,7 @@ impl Backend for CudaBackend {
 
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaBuf> {
         let _p = self.prof.guard("upload");
-        if rows.checked_mul(cols) != Some(data.len()) {
-            return Err(shape_err(
-                "upload",
-                format!("{} values for [{rows}, {cols}]", data.len()),
-            ));
-        }
+        check::upload(data.len(), rows, cols)?;
         Ok(CudaBuf {
             rows,
             cols,
@@ -1531,16 +1526,7 @@ impl Backend for CudaBackend {
         len: usize,
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("cols_grouped");
-        if group == 0 || !x.cols.is_multiple_of(group) || offset + len > group {
-            return Err(shape_err(
-                "cols_grouped",
-                format!(
-                    "cols {offset}..{} of groups of {group} in a {}-col matrix",
-                    offset + len,
-                    x.cols
-                ),
-            ));
-        }
+        check::cols_grouped(x.shape(), group, offset, len)?;
         let groups = x.cols / group;
         let out = self.buf(x.rows, groups * len)?;
         let total = x.rows * groups * len;
@@ -1563,12 +1549,7 @@ impl Backend for CudaBackend {
 
     fn rows(&self, x: &CudaBuf, start: usize, len: usize) -> BResult<CudaBuf> {
         let _p = self.prof.guard("rows");
-        if start + len > x.rows {
-            return Err(shape_err(
-                "rows",
-                format!("rows {start}..{} of {}", start + len, x.rows),
-            ));
-        }
+        check::rows(x.shape(), start, len)?;
         let out = self.buf(len, x.cols)?;
         self.dtod(out.ptr(), x.row_ptr(start)?, len * x.cols * 4)?;
         Ok(out)
@@ -1576,12 +1557,7 @@ impl Backend for CudaBackend {
 
     fn concat_cols(&self, a: &CudaBuf, b: &CudaBuf) -> BResult<CudaBuf> {
         let _p = self.prof.guard("concat_cols");
-        if a.rows != b.rows {
-            return Err(shape_err(
-                "concat_cols",
-                format!("{} rows vs {}", a.rows, b.rows),
-            ));
-        }
+        check::concat_cols(a.shape(), b.shape())?;
         let w = a.cols + b.cols;
         let out = self.buf(a.rows, w)?;
         let op = "concat_cols";
@@ -1603,12 +1579,7 @@ impl Backend for CudaBackend {
         let cols = parts.first().map_or(0, |p| p.cols);
         let mut rows = 0;
         for p in parts {
-            if p.cols != cols {
-                return Err(shape_err(
-                    "concat_rows",
-                    format!("{} cols vs {cols}", p.cols),
-                ));
-            }
+            check::concat_rows(cols, p.shape())?;
             rows += p.rows;
         }
         let out = self.buf(rows, cols)?;

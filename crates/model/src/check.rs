@@ -11,6 +11,57 @@ fn err(op: &'static str, why: String) -> BResult<()> {
     Err(BackendError::Shape { op, why })
 }
 
+/// `data.len()` values for a `[rows, cols]` matrix.
+pub fn upload(len: usize, rows: usize, cols: usize) -> BResult<()> {
+    if rows.checked_mul(cols) != Some(len) {
+        return err("upload", format!("{len} values for [{rows}, {cols}]"));
+    }
+    Ok(())
+}
+
+/// Cols `offset..offset+len` of each group of `group` cols of `x`.
+pub fn cols_grouped(x: Shape, group: usize, offset: usize, len: usize) -> BResult<()> {
+    if group == 0 || !x.1.is_multiple_of(group) || offset.checked_add(len).is_none_or(|e| e > group)
+    {
+        return err(
+            "cols_grouped",
+            format!(
+                "cols {offset}..{} of groups of {group} in a {}-col matrix",
+                offset.saturating_add(len),
+                x.1
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// Rows `start..start+len` of `x`.
+pub fn rows(x: Shape, start: usize, len: usize) -> BResult<()> {
+    if start.checked_add(len).is_none_or(|e| e > x.0) {
+        return err(
+            "rows",
+            format!("rows {start}..{} of {}", start.saturating_add(len), x.0),
+        );
+    }
+    Ok(())
+}
+
+/// `[a | b]` row by row: equal row counts.
+pub fn concat_cols(a: Shape, b: Shape) -> BResult<()> {
+    if a.0 != b.0 {
+        return err("concat_cols", format!("{} rows vs {}", a.0, b.0));
+    }
+    Ok(())
+}
+
+/// Parts stacked vertically: every part has `cols` cols.
+pub fn concat_rows(cols: usize, part: Shape) -> BResult<()> {
+    if part.1 != cols {
+        return err("concat_rows", format!("{} cols vs {cols}", part.1));
+    }
+    Ok(())
+}
+
 /// Elementwise ops: both operands `[rows, cols]` alike.
 pub fn same_shape(op: &'static str, a: Shape, b: Shape) -> BResult<()> {
     if a != b {
@@ -172,6 +223,21 @@ mod tests {
 
     #[test]
     fn each_check_accepts_the_right_shapes_and_names_its_op() {
+        assert!(upload(6, 2, 3).is_ok());
+        assert!(is_shape_err(upload(5, 2, 3), "upload"));
+        assert!(cols_grouped((2, 12), 6, 2, 4).is_ok());
+        assert!(is_shape_err(cols_grouped((2, 12), 6, 3, 4), "cols_grouped"));
+        assert!(is_shape_err(
+            cols_grouped((2, 12), 6, usize::MAX, 2),
+            "cols_grouped"
+        ));
+        assert!(rows((4, 2), 1, 3).is_ok());
+        assert!(is_shape_err(rows((4, 2), 2, 3), "rows"));
+        assert!(is_shape_err(rows((4, 2), usize::MAX, 2), "rows"));
+        assert!(concat_cols((3, 1), (3, 5)).is_ok());
+        assert!(is_shape_err(concat_cols((3, 1), (2, 5)), "concat_cols"));
+        assert!(concat_rows(4, (9, 4)).is_ok());
+        assert!(is_shape_err(concat_rows(4, (9, 5)), "concat_rows"));
         assert!(same_shape("add", (2, 3), (2, 3)).is_ok());
         assert!(is_shape_err(same_shape("add", (2, 3), (3, 2)), "add"));
         assert!(rms_norm("rms_norm", (2, 128), 64, 64).is_ok());
