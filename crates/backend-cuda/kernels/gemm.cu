@@ -14,13 +14,6 @@
 #define GK 32
 #define GPAD 4
 
-__device__ __forceinline__ float gemm_lowp(float v) {
-#ifdef LOWP
-    return round_bf16(v);
-#else
-    return v;
-#endif
-}
 
 // Eight consecutive x values of row `row` at k (zeros past the tile's rows or K).
 __device__ __forceinline__ void load_x8(const float* __restrict__ xr, bool ok, int k, int K, float* v) {
@@ -90,7 +83,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tiled(const bf16_t* 
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Xs[lk + i][lr] = lowp(xv[i]);
             Ws[lk + i][lr] = wv[i];
         }
         __syncthreads();
@@ -226,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_group_gate_up(
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Xs[lk + i][lr] = lowp(xv[i]);
             Gs[lk + i][lr] = gv[i];
             Us[lk + i][lr] = uv[i];
         }
@@ -280,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_group_down(
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            Xs[lk + i][lr] = gemm_lowp(xv[i]);
+            Xs[lk + i][lr] = lowp(xv[i]);
             Ws[lk + i][lr] = wv[i];
         }
         __syncthreads();

@@ -19,13 +19,6 @@ struct Tables {
     unsigned long long p[8];
 };
 
-__device__ __forceinline__ float lowp(float v) {
-#ifdef LOWP
-    return round_bf16(v);
-#else
-    return v;
-#endif
-}
 
 // ---------------------------------------------------------------- buffer moves
 

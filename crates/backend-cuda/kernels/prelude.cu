@@ -15,6 +15,14 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
     return (unsigned short)(u >> 16);
 }
 __device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+// The LOWP builds (the contract's precision-discriminating twins) round a stage to bf16 here.
+__device__ __forceinline__ float lowp(float v) {
+#ifdef LOWP
+    return round_bf16(v);
+#else
+    return v;
+#endif
+}
 // Low half first, as stored in memory.
 __device__ __forceinline__ float2 bf16x2_to_f32(unsigned int v) {
     return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
