@@ -154,16 +154,6 @@ impl SmallPool {
     fn give_back(&self, class: usize, ptr: u64) {
         self.free.lock().unwrap_or_else(|p| p.into_inner())[class].push(ptr);
     }
-
-    /// Bytes held by the pool (in use or free).
-    pub fn held_bytes(&self) -> usize {
-        self.backing
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|s| s.len())
-            .sum()
-    }
 }
 
 enum Owner {
