@@ -537,6 +537,209 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash_f32(KvTab tab, cons
     attn_flash_body<float>(tab, q, out, t, nh, nkv, hd, cap, scale);
 }
 
+// ---------------------------------------------------------------- split-key decode
+
+#define DG 8     // query heads per kv head, at most
+#define DHD 256  // head dim, at most (a multiple of 32)
+#define DS 64    // dims staged per pass
+#define DLD 68   // staged row stride in floats (DS + 4: conflict-free float4 reads by row)
+#define DMAXC 256
+
+// Keys per block for a lane that sees `keys` keys: 128 (four warps of 32) doubled until at most
+// DMAXC chunks cover the keys. It depends on the lane's own length only, so a lane's chunks, and
+// its bits, are the same in any batch. The host's kernels::decode_chunk is the same function.
+__device__ __forceinline__ long long decode_chunk(long long keys) {
+    long long ch = 128;
+    while (ch * DMAXC < keys) ch *= 2;
+    return ch;
+}
+
+// Decode attention, one query row per lane, split over keys (flash-decoding). Lane L sees keys
+// [0, tab.len[L]) of its cache (the new row already appended). Grid (nchunks, nkv, lanes), block
+// 128: block (c, kvh, L) scores chunk c of the lane's keys against the G = nh / nkv query heads of
+// kv head kvh, each warp taking 32-key tiles (one key per lane for the scores, K staged through
+// shared memory 64 dims at a time; dims lane + 32e for P.V), online softmax in f32 as
+// attn_generic_body. It writes an unnormalised partial (m, l, acc[hd]) per head; the last block of
+// (kvh, L) to finish (counted in `count`, which it resets to 0) combines the lane's chunks in chunk
+// order, so the result does not depend on which block ends last. part_* hold [lanes * nh][nchunks]
+// (times hd for acc). PLANT 1: sees one key past the lane's limit. LOWP: q rounded to bf16.
+template <typename T>
+__device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
+                                 float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
+                                 int* __restrict__ count, int nh, int nkv, int hd, long long cap, float scale) {
+    __shared__ __align__(16) float qs[DG * DHD];
+    __shared__ __align__(16) float ks[4][32 * DLD];
+    __shared__ float ps[4][32][DG];
+    __shared__ float wm[4][DG], wl[4][DG];
+    __shared__ int last;
+    const int nchunks = gridDim.x, c = blockIdx.x, kvh = blockIdx.y, lane_id = blockIdx.z;
+    const int G = nh / nkv, ne = hd >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long keys = tab.len[lane_id];
+    long long limit = keys;
+#if PLANT == 1
+    limit += 1;
+#endif
+    if (limit > cap) limit = cap;
+    const long long chunk = decode_chunk(keys);
+    const long long k0 = (long long)c * chunk;
+    const long long k1 = k0 + chunk < limit ? k0 + chunk : limit;
+    const long long row0 = (long long)lane_id * nh + (long long)kvh * G;  // head hh is row row0 + hh
+    float m[DG], l[DG], acc[DG][DHD / 32];
+#pragma unroll
+    for (int hh = 0; hh < DG; ++hh) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = 0.0f;
+    }
+    if (k0 < k1) {
+        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = lowp(q[row0 * hd + i]);
+        __syncthreads();
+        const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
+        const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
+        float* kw = ks[warp];
+        for (long long tile = k0 + 32LL * warp; tile < k1; tile += 128) {
+            const bool valid = tile + lane < k1;
+            float s[DG];
+#pragma unroll
+            for (int hh = 0; hh < DG; ++hh) s[hh] = 0.0f;
+            for (int d0 = 0; d0 < hd; d0 += DS) {
+                // 32 keys x 64 dims: 16 lanes per key row, two rows per step
+#pragma unroll 4
+                for (int rr = 0; rr < 16; ++rr) {
+                    int row = rr * 2 + (lane >> 4);
+                    int dd = d0 + (lane & 15) * 4;
+                    long long kk = tile + row;
+                    float4 val = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (kk < k1 && dd < hd) val = kv_load4(kb, kk * hd + dd);
+                    *(float4*)(kw + row * DLD + (lane & 15) * 4) = val;
+                }
+                __syncwarp();
+                const int dn = hd - d0 < DS ? hd - d0 : DS;
+                for (int j = 0; j < dn; j += 4) {
+                    float4 kv = *(const float4*)(kw + lane * DLD + j);
+#pragma unroll
+                    for (int hh = 0; hh < DG; ++hh) {
+                        if (hh < G) {
+                            float4 qa = *(const float4*)(qs + hh * hd + d0 + j);
+                            float a = s[hh];
+                            a = fmaf(qa.x, kv.x, a); a = fmaf(qa.y, kv.y, a);
+                            a = fmaf(qa.z, kv.z, a); a = fmaf(qa.w, kv.w, a);
+                            s[hh] = a;
+                        }
+                    }
+                }
+                __syncwarp();
+            }
+#pragma unroll
+            for (int hh = 0; hh < DG; ++hh) {
+                if (hh < G) {
+                    float sv = valid ? s[hh] * scale : -INFINITY;
+                    float mn = fmaxf(m[hh], warp_max(sv));  // finite: the tile's first key is valid
+                    float corr = m[hh] == -INFINITY ? 0.0f : expf(m[hh] - mn);
+                    float p = valid ? expf(sv - mn) : 0.0f;
+                    l[hh] = l[hh] * corr + warp_sum(p);
+                    m[hh] = mn;
+#pragma unroll
+                    for (int e = 0; e < DHD / 32; ++e) acc[hh][e] *= corr;
+                    ps[warp][lane][hh] = p;
+                }
+            }
+            __syncwarp();
+            const int nvalid = (int)(k1 - tile < 32 ? k1 - tile : 32);
+            for (int j = 0; j < nvalid; ++j) {
+                const T* vr = vb + (tile + j) * hd;
+                float vv[DHD / 32];
+#pragma unroll
+                for (int e = 0; e < DHD / 32; ++e) vv[e] = e < ne ? kv_load(vr, lane + 32 * e) : 0.0f;
+#pragma unroll
+                for (int hh = 0; hh < DG; ++hh) {
+                    if (hh < G) {
+                        float p = ps[warp][j][hh];
+#pragma unroll
+                        for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = fmaf(p, vv[e], acc[hh][e]);
+                    }
+                }
+            }
+            __syncwarp();
+        }
+    }
+    // the block's four warps into one partial per head (the staging area holds the accumulators)
+    if (lane == 0) {
+#pragma unroll
+        for (int hh = 0; hh < DG; ++hh) {
+            wm[warp][hh] = m[hh];
+            wl[warp][hh] = l[hh];
+        }
+    }
+    __syncthreads();
+    float* red = &ks[0][0];  // [4][G][hd] floats: at most 32 KiB of the 34 KiB
+#pragma unroll
+    for (int hh = 0; hh < DG; ++hh)
+        if (hh < G)
+#pragma unroll
+            for (int e = 0; e < DHD / 32; ++e)
+                if (e < ne) red[(warp * G + hh) * hd + lane + 32 * e] = acc[hh][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        int hh = i / hd, dd = i % hd;
+        float M = fmaxf(fmaxf(wm[0][hh], wm[1][hh]), fmaxf(wm[2][hh], wm[3][hh]));
+        float a = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            float f = wm[w][hh] == -INFINITY ? 0.0f : expf(wm[w][hh] - M);
+            a = fmaf(f, red[(w * G + hh) * hd + dd], a);
+            L = fmaf(f, wl[w][hh], L);
+        }
+        long long pr = (row0 + hh) * nchunks + c;
+        pacc[pr * hd + dd] = a;
+        if (dd == 0) {
+            pm[pr] = M;
+            pl[pr] = L;
+        }
+    }
+    // the last block of (kvh, lane) combines the lane's chunks in chunk order
+    __threadfence();
+    __syncthreads();
+    int* ctr = count + (long long)lane_id * nkv + kvh;
+    if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == nchunks - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        int hh = i / hd, dd = i % hd;
+        long long pr = (row0 + hh) * nchunks;
+        float M = -INFINITY;
+        for (int cc = 0; cc < nchunks; ++cc) M = fmaxf(M, __ldcg(pm + pr + cc));
+        float a = 0.0f, L = 0.0f;
+        for (int cc = 0; cc < nchunks; ++cc) {
+            float mc = __ldcg(pm + pr + cc);
+            float f = mc == -INFINITY ? 0.0f : expf(mc - M);
+            L = fmaf(f, __ldcg(pl + pr + cc), L);
+            a = fmaf(f, __ldcg(pacc + (pr + cc) * hd + dd), a);
+        }
+        out[(row0 + hh) * hd + dd] = a / L;
+    }
+    if (threadIdx.x == 0) *ctr = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_decode_f32(KvTab tab, const float* __restrict__ q,
+                                                                   float* __restrict__ out, float* __restrict__ pm,
+                                                                   float* __restrict__ pl, float* __restrict__ pacc,
+                                                                   int* __restrict__ count, int nh, int nkv, int hd,
+                                                                   long long cap, float scale) {
+    attn_decode_body<float>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_decode_bf16(KvTab tab, const float* __restrict__ q,
+                                                                    float* __restrict__ out, float* __restrict__ pm,
+                                                                    float* __restrict__ pl, float* __restrict__ pacc,
+                                                                    int* __restrict__ count, int nh, int nkv, int hd,
+                                                                    long long cap, float scale) {
+    attn_decode_body<bf16_t>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale);
+}
+
 // ---------------------------------------------------------------- Gated DeltaNet
 
 // Causal depthwise conv + SiLU over t rows per lane (x [lanes * t, C]); the lane's history

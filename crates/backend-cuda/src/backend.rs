@@ -23,7 +23,7 @@ use model::check;
 use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 
 use crate::error::CudaError;
-use crate::kernels::{self, ATTN_GROUP, ATTN_HEAD_DIM};
+use crate::kernels;
 use crate::runtime::{Gpu, Source, Variant};
 
 /// Lanes one launch takes through a by-value pointer table (ops.cu `MAX_LANES`).
@@ -353,8 +353,8 @@ struct TableRef {
 pub struct CudaOptions {
     /// Keep the KV cache in f32 (the CPU reference's precision) instead of BF16.
     pub kv_f32: bool,
-    /// From this many keys on, attention over a BF16 cache with 256-dim heads in groups of 8
-    /// uses the split-key kernel instead of the generic one.
+    /// From this many keys on, decode attention (one row per lane) runs the split-key kernel
+    /// (`attn_decode_*`) instead of the generic one-block-per-head kernel.
     pub split_min_keys: usize,
     /// From this many query rows of one lane on (a prefill), attention runs the tiled
     /// flash-style kernel (head dims a multiple of 32 up to 256).
@@ -369,29 +369,25 @@ pub struct CudaOptions {
 impl CudaOptions {
     /// `DRAMATIS_CUDA_KV=f32|bf16` (default f32: BF16 K/V fails the fixture's 1e-3 logits
     /// tolerance and drifts at Drama 3 geometry, see NOTES.md), `DRAMATIS_CUDA_SPLIT_MIN`
-    /// (default 1024), `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default
+    /// (default 1), `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default
     /// 512).
     pub fn from_env() -> Self {
-        let kv_f32 = !std::env::var("DRAMATIS_CUDA_KV")
-            .map(|v| v.eq_ignore_ascii_case("bf16"))
-            .unwrap_or(false);
-        let split_min_keys = std::env::var("DRAMATIS_CUDA_SPLIT_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1024);
-        let flash_min_rows = std::env::var("DRAMATIS_CUDA_FLASH_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(2);
-        let gemm_min_rows = std::env::var("DRAMATIS_CUDA_GEMM_MIN")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(512);
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// The options from a variable lookup (`from_env` with `std::env::var`); unset or
+    /// unparsable numbers take the defaults.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Self {
+        let num = |k: &str, default: usize| {
+            get(k)
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(default)
+        };
         CudaOptions {
-            kv_f32,
-            split_min_keys,
-            flash_min_rows,
-            gemm_min_rows,
+            kv_f32: !get("DRAMATIS_CUDA_KV").is_some_and(|v| v.eq_ignore_ascii_case("bf16")),
+            split_min_keys: num("DRAMATIS_CUDA_SPLIT_MIN", 1),
+            flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
+            gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
         }
     }
 }
@@ -411,6 +407,9 @@ pub struct CudaBackend {
     /// NaN or -inf; bit 1: a routing that names a pruned or out-of-range expert). Read, reported
     /// and cleared at each download, with the download's own synchronisation.
     err: Option<Mem>,
+    /// Per (lane, kv head) block counters of the split-key decode kernel, zero between calls
+    /// (the last block of each group resets its own).
+    decode_count: Option<Mem>,
     small: Arc<SmallPool>,
     prof: Prof,
 }
@@ -601,11 +600,15 @@ impl CudaBackend {
             expert_tables: Mutex::new(Vec::new()),
             expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
+            decode_count: None,
             small: Arc::new(SmallPool::new()),
             prof,
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
+        be.decode_count = be
+            .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS)
+            .ok();
         be
     }
 
@@ -1088,20 +1091,19 @@ impl CudaBackend {
             return Ok(());
         }
         let longest = caches.iter().map(|c| c.len + t).max().unwrap_or(0);
-        let split = !f32kv
-            && hd == ATTN_HEAD_DIM
-            && nh == nkv * ATTN_GROUP
-            && longest >= self.opts.split_min_keys;
+        let counters = self.decode_counters().unwrap_or(0);
+        let split = t == 1
+            && longest >= self.opts.split_min_keys
+            && kernels::decode_fits(nh, nkv, hd)
+            && counters != 0;
         if split {
+            // the new rows are in the caches now: each lane sees len + 1 keys
+            let mut seen = tab;
             for (i, c) in caches.iter().enumerate() {
-                self.attend_split(
-                    q.row_ptr(row0 + i * t)?,
-                    c,
-                    d,
-                    t,
-                    out.row_ptr(row0 + i * t)?,
-                )?;
+                seen.len[i] = i64v("attention", c.len + 1)?;
             }
+            let keys: Vec<usize> = caches.iter().map(|c| c.len + 1).collect();
+            self.attend_decode(&seen, &keys, qp, op, d, cap, f32kv, counters)?;
         } else {
             let scale = 1.0f32 / (hd as f32).sqrt();
             let grid = (u32v("attention", t * nh)?, u32v("attention", lanes)?, 1);
@@ -1250,40 +1252,98 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Split-key attention of `t` rows of one lane whose cache already holds them.
-    fn attend_split(&self, q: u64, c: &CudaKv, d: &AttnDims, t: usize, out: u64) -> BResult<()> {
-        let g = kernels::AttnGeom {
-            nh: d.q_heads,
-            nkv: d.kv_heads,
-            hd: d.head_dim,
-            rot: d.rot_dims,
-            cap: c.capacity,
-            theta: d.theta as f32,
-            eps: 1e-6,
-        };
-        let base = c.len + 1;
-        let longest = c.len + t;
-        let (chunk, nchunks) = kernels::attn_chunks(t, g.nkv, longest);
-        let (ml, acc) = kernels::attn_workspace(t, &g, nchunks).map_err(dev)?;
-        let ws_m = self.alloc(ml * 4)?;
-        let ws_l = self.alloc(ml * 4)?;
-        let ws_acc = self.alloc(acc * 4)?;
-        let p = kernels::plan_split(t, &g, nchunks, chunk).map_err(dev)?;
-        if let Some(why) = p.problems(&self.gpu.info).first() {
-            return Err(dev(format!("attn_split: {why}")));
+    /// The split-key decode kernel alone (no append), for the contract: lane i's row of `q`
+    /// over the first `keys[i]` rows of `caches[i]` (at most its length), or the kernel's
+    /// refusal when it does not take these heads.
+    pub fn attn_decode_only(
+        &self,
+        q: &CudaBuf,
+        d: &AttnDims,
+        caches: &[&CudaKv],
+        keys: &[usize],
+    ) -> BResult<CudaBuf> {
+        check::lanes("attn_decode", q.rows, caches.len())?;
+        check::lanes("attn_decode", keys.len(), caches.len())?;
+        if caches.is_empty() || caches.len() > MAX_LANES {
+            return Err(shape_err(
+                "attn_decode",
+                format!("{} lanes outside 1..={MAX_LANES}", caches.len()),
+            ));
         }
-        let (nh, hd) = (i32v("attn", g.nh)?, i32v("attn", g.hd)?);
-        let (cap, base) = (i64v("attn", g.cap)?, i64v("attn", base)?);
-        let (ch, nc) = (i32v("attn", chunk)?, i32v("attn", nchunks)?);
-        let scale = 1.0f32 / (g.hd as f32).sqrt();
-        let grid = (u32v("attn", p.grid[0] as usize)?, p.grid[1] as u32, 1);
-        go!(self, Source::Attention, "attn_split", grid, 128, 0;
-            &q, &c.k.ptr, &c.v.ptr, &ws_m.ptr, &ws_l.ptr, &ws_acc.ptr, &nh, &cap, &base, &ch, &nc, &scale);
-        let pc = kernels::plan_combine(t, &g, nchunks).map_err(dev)?;
-        let null = 0u64;
-        let grid = (u32v("attn", pc.grid[0] as usize)?, 1, 1);
-        go!(self, Source::Attention, "attn_combine", grid, g.hd as u32, 0;
-            &ws_m.ptr, &ws_l.ptr, &ws_acc.ptr, &null, &out, &nh, &hd, &nc);
+        let (cap, f32kv) = (caches[0].capacity, caches[0].f32);
+        let mut tab = KvTab {
+            k: [0; MAX_LANES],
+            v: [0; MAX_LANES],
+            len: [0; MAX_LANES],
+        };
+        for (i, (c, &n)) in caches.iter().zip(keys).enumerate() {
+            if c.capacity != cap || c.f32 != f32kv || c.kv_heads != d.kv_heads || c.head_dim != d.head_dim {
+                return Err(shape_err("attn_decode", "lanes must share cache capacity and layout".into()));
+            }
+            if n == 0 || n > c.len {
+                return Err(shape_err("attn_decode", format!("lane {i} sees {n} keys of {}", c.len)));
+            }
+            tab.k[i] = c.k.ptr;
+            tab.v[i] = c.v.ptr;
+            tab.len[i] = i64v("attn_decode", n)?;
+        }
+        if q.cols != d.q_heads * d.head_dim {
+            return Err(shape_err("attn_decode", format!("q has {} columns", q.cols)));
+        }
+        let counters = self.decode_counters()?;
+        let out = self.buf(q.rows, q.cols)?;
+        self.attend_decode(&tab, keys, q.ptr(), out.ptr(), d, cap, f32kv, counters)?;
+        Ok(out)
+    }
+
+    fn decode_counters(&self) -> BResult<u64> {
+        self.decode_count
+            .as_ref()
+            .map(|m| m.ptr)
+            .ok_or_else(|| dev("the decode block counters could not be allocated"))
+    }
+
+    /// Split-key decode attention (`attn_decode_*`, ops.cu) of one row per lane whose caches
+    /// already hold it: lane i sees `keys[i]` keys (`tab.len`). Chunks per lane depend on the
+    /// lane's own length only, and the last block of each (kv head, lane) combines them in
+    /// chunk order, so every lane's bits equal its solo step.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_decode(
+        &self,
+        tab: &KvTab,
+        keys: &[usize],
+        q: u64,
+        out: u64,
+        d: &AttnDims,
+        cap: usize,
+        f32kv: bool,
+        counters: u64,
+    ) -> BResult<()> {
+        let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
+        let lanes = keys.len();
+        let nchunks = kernels::decode_chunks(keys);
+        let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv).map_err(dev)?;
+        if let Some(why) = p.problems(&self.gpu.info).first() {
+            return Err(dev(format!("{}: {why}", p.kernel)));
+        }
+        let parts = kernels::decode_workspace(lanes, nh, hd, nchunks).map_err(dev)?;
+        let ws = self.alloc(cmul("attention", &[parts, 4])?)?;
+        let ml = lanes * nh * nchunks;
+        let (pm, pl, pacc) = (ws.ptr, ws.ptr + 4 * ml as u64, ws.ptr + 8 * ml as u64);
+        let (nh32, nkv32, hd32) = (
+            i32v("attention", nh)?,
+            i32v("attention", nkv)?,
+            i32v("attention", hd)?,
+        );
+        let cap64 = i64v("attention", cap)?;
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let grid = (
+            u32v("attention", p.grid[0] as usize)?,
+            u32v("attention", nkv)?,
+            u32v("attention", lanes)?,
+        );
+        go!(self, Source::Ops, p.kernel, grid, 128, 0;
+            tab, &q, &out, &pm, &pl, &pacc, &counters, &nh32, &nkv32, &hd32, &cap64, &scale);
         Ok(())
     }
 
@@ -2222,13 +2282,27 @@ mod tests {
     }
 
     #[test]
-    fn options_read_the_environment_defaults() {
-        let o = CudaOptions {
-            kv_f32: false,
-            split_min_keys: 1024,
-            flash_min_rows: 2,
-            gemm_min_rows: 512,
+    fn options_take_defaults_and_read_each_variable() {
+        let d = CudaOptions::from_lookup(|_| None);
+        assert!(d.kv_f32);
+        assert_eq!(
+            (d.split_min_keys, d.flash_min_rows, d.gemm_min_rows),
+            (1, 2, 512)
+        );
+        let set = |k: &str| -> Option<String> {
+            match k {
+                "DRAMATIS_CUDA_KV" => Some("BF16".into()),
+                "DRAMATIS_CUDA_SPLIT_MIN" => Some("4096".into()),
+                "DRAMATIS_CUDA_FLASH_MIN" => Some(" 7 ".into()),
+                "DRAMATIS_CUDA_GEMM_MIN" => Some("lots".into()),
+                _ => None,
+            }
         };
-        assert!(!o.kv_f32 && o.split_min_keys == 1024);
+        let o = CudaOptions::from_lookup(set);
+        assert!(!o.kv_f32);
+        assert_eq!(
+            (o.split_min_keys, o.flash_min_rows, o.gemm_min_rows),
+            (4096, 7, 512)
+        );
     }
 }

@@ -1605,3 +1605,191 @@ fn experts_grouped_case(
     );
     Ok(())
 }
+
+/// A backend whose decode (one row per lane) takes the split-key kernel at any length, and whose
+/// prefill takes the flash kernel.
+fn decode_backend(gpu: &std::sync::Arc<crate::runtime::Gpu>, v: Variant, kv_f32: bool) -> CudaBackend {
+    CudaBackend::with_gpu(
+        gpu.clone(),
+        v,
+        CudaOptions {
+            kv_f32,
+            split_min_keys: 1,
+            flash_min_rows: 2,
+            gemm_min_rows: usize::MAX,
+        },
+    )
+}
+
+/// A cache of `cap` rows holding the K/V rows `k`, `v` (`[rows][nkv·hd]`), written by `be`'s
+/// prefill (its outputs are dropped).
+fn filled_cache(
+    be: &CudaBackend,
+    d: &AttnDims,
+    k: &[f32],
+    v: &[f32],
+    cap: usize,
+) -> Result<crate::backend::CudaKv> {
+    let w = d.kv_heads * d.head_dim;
+    let rows = k.len() / w;
+    let mut kv = be.kv_new(cap, d.kv_heads, d.head_dim)?;
+    let q = vec![0.5f32; rows * d.q_heads * d.head_dim];
+    be.attn_prefill(
+        &be.upload(&q, rows, d.q_heads * d.head_dim)?,
+        &be.upload(k, rows, w)?,
+        &be.upload(v, rows, w)?,
+        d,
+        &mut kv,
+    )?;
+    Ok(kv)
+}
+
+/// `attn_decode_{f32,bf16}`: split-key decode of one row per lane over caches the exact prefill
+/// filled. Each case holds a strong key one past the limit that only the planted build sees;
+/// the chunk size grows past 32768 keys, so the 40000-key cases take 256-key chunks.
+pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
+    for (nh, nkv, hd, keys, f32kv) in [
+        (4, 2, 32, 150, true),
+        (16, 2, 256, 300, true),
+        (16, 2, 256, 300, false),
+        (4, 1, 64, 1000, true),
+        (8, 8, 128, 77, false),
+        (16, 2, 256, 5000, true),
+        (4, 2, 32, 40_000, true),
+    ] {
+        let d = dims(nh, nkv, hd);
+        let w = nkv * hd;
+        let q = c.rng.normals_f32(nh * hd, 1.0);
+        let mut k = c.rng.normals_f32((keys + 1) * w, 1.0);
+        let mut v = c.rng.normals_f32((keys + 1) * w, 1.0);
+        plant(c, &mut k, &mut v, &q, 0, 0, keys, nkv, hd, 40.0);
+        let store = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&y| if f32kv { y } else { round_bf16(y) })
+                .collect()
+        };
+        let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, keys - 1, 1);
+        let maker = flash_backend(c, Variant::Exact, f32kv);
+        let kv = filled_cache(&maker, &d, &k, &v, keys + 3)?;
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .iter()
+            .map(|&var| {
+                let be = decode_backend(&c.shared, var, f32kv);
+                let qd = be.upload(&q, 1, nh * hd)?;
+                Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
+            })
+            .collect::<Result<_>>()?;
+        let name = format!(
+            "{} cache, {nh}/{nkv} heads x {hd}, {keys} keys (+1 strong past the limit)",
+            if f32kv { "f32" } else { "bf16" }
+        );
+        let tol = tol_f32(hd + keys);
+        c.check(&name, rel_l2(&got[0], &reference), tol);
+        c.discriminate(&name, rel_l2(&got[1], &reference), tol);
+        c.control(&name, rel_l2(&got[2], &reference), tol);
+    }
+
+    // the whole decode path (append, then the split kernel) through attn_prefill of one row
+    for (nh, nkv, hd, past, f32kv) in [(16, 2, 256, 700, true), (4, 2, 32, 90, false)] {
+        let pc = PrefillCase::new(c, nh, nkv, hd, past, 1, f32kv);
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision]
+            .iter()
+            .map(|&var| pc.run(&decode_backend(&c.shared, var, f32kv)))
+            .collect::<Result<_>>()?;
+        let name = format!("append + split: {}", pc.name);
+        c.check(&name, rel_l2(&got[0], &pc.reference), pc.tol);
+        c.discriminate(&name, rel_l2(&got[1], &pc.reference), pc.tol);
+    }
+
+    // batch invariance: lanes of 5, 700 and 40000 keys (chunks of 128 and 256), each lane's
+    // row bitwise equal to its solo call
+    let (nh, nkv, hd) = (16, 2, 256);
+    let d = dims(nh, nkv, hd);
+    let w = nkv * hd;
+    let lens = [5usize, 700, 40_000];
+    let maker = flash_backend(c, Variant::Exact, true);
+    let mut kvs = Vec::new();
+    for &l in &lens {
+        let k = c.rng.normals_f32(l * w, 1.0);
+        let v = c.rng.normals_f32(l * w, 1.0);
+        kvs.push(filled_cache(&maker, &d, &k, &v, l + 2)?);
+    }
+    let q = c.rng.normals_f32(3 * nh * hd, 1.0);
+    let be = decode_backend(&c.shared, Variant::Exact, true);
+    let refs: Vec<&crate::backend::CudaKv> = kvs.iter().collect();
+    let batch = be.download(&be.attn_decode_only(&be.upload(&q, 3, nh * hd)?, &d, &refs, &lens)?)?;
+    let mut same = true;
+    for i in 0..3 {
+        let qi = be.upload(&q[i * nh * hd..(i + 1) * nh * hd], 1, nh * hd)?;
+        let solo = be.download(&be.attn_decode_only(&qi, &d, &[&kvs[i]], &[lens[i]])?)?;
+        same &= bits_equal(&solo, &batch[i * nh * hd..(i + 1) * nh * hd]);
+    }
+    c.push(
+        "3 lanes of 5 / 700 / 40000 keys: each lane bitwise = its solo call",
+        Kind::Check,
+        same,
+        format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
+    );
+    drop(kvs);
+
+    // Long range at C = 262144 (tiny geometry): one row seeing 262143 keys. Head 0's only strong
+    // key sits at position 7; head 2's strong key is at 262143, one past the limit, and must be
+    // ignored.
+    let (nh, nkv, hd, cap) = (4, 2, 32, 262_144);
+    let keys = cap - 1;
+    let d = dims(nh, nkv, hd);
+    let q = c.rng.normals_f32(nh * hd, 1.0);
+    let mut k = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let mut v = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let early = plant(c, &mut k, &mut v, &q, 0, 0, 7, nkv, hd, 40.0);
+    let beyond = plant(c, &mut k, &mut v, &q, 2, 1, keys, nkv, hd, 40.0);
+    let reference = attn_ref(&q, &k, &v, nh, nkv, hd, keys - 1, 1);
+    let kv = filled_cache(&flash_backend(c, Variant::Exact, true), &d, &k, &v, cap)?;
+    let shared = c.shared.clone();
+    let run = |var: Variant| -> Result<Vec<f32>> {
+        let be = decode_backend(&shared, var, true);
+        let qd = be.upload(&q, 1, nh * hd)?;
+        Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
+    };
+    let out = run(Variant::Exact)?;
+    let tol = tol_f32(hd + cap);
+    c.check(
+        "262143 keys of C = 262144, one row (vs FP64)",
+        rel_l2(&out, &reference),
+        tol,
+    );
+    let cos = |a: &[f32], b: &[f64]| -> f64 {
+        let dot: f64 = a.iter().zip(b).map(|(&x, y)| f64::from(x) * y).sum();
+        let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        let nb = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+        dot / (na * nb)
+    };
+    let (ce, cb) = (cos(&out[..hd], &early), cos(&out[2 * hd..3 * hd], &beyond));
+    c.push(
+        "262143 keys: head 0 finds key 7, head 2 ignores key 262143",
+        Kind::Check,
+        ce > 0.99 && cb.abs() < 0.5,
+        format!("cosine to key 7's value {ce:.5} (> 0.99), to key 262143's {cb:.4} (|.| < 0.5)"),
+    );
+    let planted = run(Variant::Planted)?;
+    c.control(
+        "262143 keys, one key past the limit",
+        rel_l2(&planted, &reference),
+        tol,
+    );
+    let nchunks = crate::kernels::decode_chunks(&[cap]);
+    for (lanes, nh, nkv, hd, f32kv) in [
+        (32, 16, 2, 256, true),
+        (32, 16, 2, 256, false),
+        (32, 4, 2, 32, true),
+    ] {
+        c.limit(
+            &format!(
+                "{lanes} lanes x {nh}/{nkv} heads x {hd}, C = 262144, {} cache",
+                if f32kv { "f32" } else { "bf16" }
+            ),
+            crate::kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv),
+        );
+    }
+    Ok(())
+}

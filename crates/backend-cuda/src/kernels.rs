@@ -925,6 +925,90 @@ pub fn plan_flash(
     })
 }
 
+// ---------------------------------------------------------------- split-key decode
+
+/// Query heads per kv head, head dim and kv heads per lane that `attn_decode_*` takes.
+pub const DECODE_MAX_GROUP: usize = 8;
+pub const DECODE_MAX_HEAD_DIM: usize = 256;
+pub const DECODE_MAX_KV_HEADS: usize = 16;
+const DECODE_MAX_CHUNKS: usize = 256;
+
+/// Keys per block for a lane that sees `keys` keys (ops.cu `decode_chunk`): 128 doubled until
+/// at most 256 chunks cover them. A lane's own length alone decides it, so its bits do not
+/// depend on the batch.
+pub fn decode_chunk(keys: usize) -> usize {
+    let mut ch = 128;
+    while ch * DECODE_MAX_CHUNKS < keys {
+        ch *= 2;
+    }
+    ch
+}
+
+/// Chunks of the decode grid for lanes seeing `keys` keys: the most any lane needs for one key
+/// more than it sees (the planted build reads one past the limit; for the others the extra
+/// chunk is empty and adds exactly nothing).
+pub fn decode_chunks(keys: &[usize]) -> usize {
+    keys.iter()
+        .map(|&k| cdiv(k + 1, decode_chunk(k)))
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// Whether `attn_decode_*` takes these heads.
+pub fn decode_fits(nh: usize, nkv: usize, hd: usize) -> bool {
+    nkv > 0
+        && nkv <= DECODE_MAX_KV_HEADS
+        && nh.is_multiple_of(nkv)
+        && nh / nkv <= DECODE_MAX_GROUP
+        && hd.is_multiple_of(32)
+        && hd > 0
+        && hd <= DECODE_MAX_HEAD_DIM
+}
+
+/// Workspace floats of `attn_decode_*`: m and l `[lanes·nh][nchunks]`, then acc times `hd`.
+pub fn decode_workspace(lanes: usize, nh: usize, hd: usize, nchunks: usize) -> Result<usize> {
+    mul("decode partials", &[lanes, nh, nchunks, hd + 2])
+}
+
+/// `attn_decode_{f32,bf16}` (ops.cu): one query row per lane, `nchunks` key chunks per
+/// (kv head, lane), caches of `cap` rows.
+pub fn plan_decode(
+    lanes: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    cap: usize,
+    nchunks: usize,
+    f32kv: bool,
+) -> Result<LaunchPlan> {
+    let kernel = if f32kv {
+        "attn_decode_f32"
+    } else {
+        "attn_decode_bf16"
+    };
+    need(kernel, decode_fits(nh, nkv, hd), || {
+        format!(
+            "{nh} heads over {nkv} kv heads of {hd} dims: needs groups of at most \
+             {DECODE_MAX_GROUP}, at most {DECODE_MAX_KV_HEADS} kv heads and a head dim that is a \
+             multiple of 32 up to {DECODE_MAX_HEAD_DIM}"
+        )
+    })?;
+    Ok(LaunchPlan {
+        kernel,
+        grid: [nchunks as u64, nkv as u64, lanes as u64],
+        block: 128,
+        // q [8][256], K staging [4][32][68], p [4][32][8], per-warp m and l, the last flag
+        smem: ((8 * 256 + 4 * 32 * 68 + 4 * 32 * 8 + 2 * 4 * 8) * 4 + 4) as u64,
+        dyn_smem: 0,
+        optin: false,
+        i32_max: [nh, hd, nchunks, 8 * hd].into_iter().max().unwrap_or(0) as u64,
+        // cache kvh * cap * hd + key * hd; partial acc (lanes * nh * nchunks + c) * hd
+        offset_max: mul("decode cache", &[nkv, cap, hd])?
+            .max(decode_workspace(lanes, nh, hd, nchunks)?) as u64,
+    })
+}
+
 // ---------------------------------------------------------------- tiled GEMM
 
 /// `gemm_bf16_tiled` (gemm.cu): `rows` x `k` activations into `n` outputs, 64 x 64 tiles.
