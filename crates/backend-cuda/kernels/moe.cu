@@ -115,36 +115,53 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
         for (int j = 0; j < k; ++j) weights[(size_t)blockIdx.x * k + j] /= tot;
 }
 
-// Dot of one FP8 weight row (length n, multiple of 512) with x, applying the row's block scales.
-// Each lane reads 16 bytes per step; 16 divides 128, so one lane's bytes share one scale block.
-__device__ __forceinline__ float fp8_row_dot(const fp8_t* __restrict__ row, const float* __restrict__ x,
-                                             const float* __restrict__ srow, int n, int lane) {
-    float acc = 0.0f;
-    const uint4* rp = (const uint4*)row;
+// Dots of O FP8 weight rows wr[o] (length n, multiple of 512), each with its block-scale row sr[o],
+// with one x: acc[o] before the warp sum. Each lane reads 16 bytes per row per step; 16 divides
+// 128, so one lane's bytes share one scale block. x is loaded once per step for all O rows; each
+// row's arithmetic is the same for every O (the one-row dot is O = 1).
+template <int O>
+__device__ __forceinline__ void fp8_rows_dot(const fp8_t* const (&wr)[O], const float* __restrict__ x,
+                                             const float* const (&sr)[O], int n, int lane, float (&acc)[O]) {
+#pragma unroll
+    for (int o = 0; o < O; ++o) acc[o] = 0.0f;
     int nvec = n >> 4;
-#pragma unroll 4
+#pragma unroll(O >= 4 ? 1 : 4 / O)
     for (int v = lane; v < nvec; v += 32) {
-        uint4 q = ld_stream(rp + v);
         int col = v << 4;
         const float4* xp = (const float4*)(x + col);
-        float part = 0.0f;
-        unsigned int words[4] = {q.x, q.y, q.z, q.w};
+        float4 xv[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float4 xv = __ldg(xp + j);
-            float2 a = fp8x2_to_f32((unsigned short)(words[j] & 0xffffu));
-            float2 b = fp8x2_to_f32((unsigned short)(words[j] >> 16));
-            part = fmaf(a.x, xv.x, part); part = fmaf(a.y, xv.y, part);
-            part = fmaf(b.x, xv.z, part); part = fmaf(b.y, xv.w, part);
-        }
+        for (int j = 0; j < 4; ++j) xv[j] = __ldg(xp + j);
+#pragma unroll
+        for (int o = 0; o < O; ++o) {
+            uint4 q = ld_stream((const uint4*)wr[o] + v);
+            unsigned int words[4] = {q.x, q.y, q.z, q.w};
+            float part = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float2 a = fp8x2_to_f32((unsigned short)(words[j] & 0xffffu));
+                float2 b = fp8x2_to_f32((unsigned short)(words[j] >> 16));
+                part = fmaf(a.x, xv[j].x, part); part = fmaf(a.y, xv[j].y, part);
+                part = fmaf(b.x, xv[j].z, part); part = fmaf(b.y, xv[j].w, part);
+            }
 #if PLANT == 1
-        float sc = srow[(col >> 7) / 4];  // wrong scale block index
+            float sc = sr[o][(col >> 7) / 4];  // wrong scale block index
 #else
-        float sc = srow[col >> 7];
+            float sc = sr[o][col >> 7];
 #endif
-        acc = fmaf(sc, part, acc);
+            acc[o] = fmaf(sc, part, acc[o]);
+        }
     }
-    return acc;
+}
+
+// Dot of one FP8 weight row with x (fp8_rows_dot of one row), before the warp sum.
+__device__ __forceinline__ float fp8_row_dot(const fp8_t* __restrict__ row, const float* __restrict__ x,
+                                             const float* __restrict__ srow, int n, int lane) {
+    const fp8_t* wr[1] = {row};
+    const float* sr[1] = {srow};
+    float acc[1];
+    fp8_rows_dot<1>(wr, x, sr, n, lane, acc);
+    return acc[0];
 }
 
 // ---- gate/up + SiLU-mul: h[j, i] = silu(gate_e . x) * (up_e . x), e = ids[j]; one warp per (j, i).
@@ -210,19 +227,26 @@ __device__ __forceinline__ bool expert_ok(const unsigned long long* __restrict__
 
 // ---- multi-row experts over a pointer table: tab[6 e + {0..5}] = gate, up, down (fp8) and their
 // block scales (f32) of expert e, each expert stored on its own. Row = blockIdx.y; every row runs
-// the single-row arithmetic, so a row's result does not depend on the rows beside it.
+// the single-row arithmetic, so a row's result does not depend on the rows beside it. A warp
+// takes O consecutive outputs (O = 1, or 4 from a few rows on, with I and H multiples of 4:
+// one activation load then feeds 4 rows of gate and of up), each with the same arithmetic.
 // gate/up: h[row, j, i] = silu(gate_e . x[row]) * (up_e . x[row]), e = ids[row, j].
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
-    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
-    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+template <int O>
+__device__ __forceinline__ void moe_gate_up_tab_body(const unsigned long long* __restrict__ tab,
+                                                     const unsigned int* __restrict__ ids,
+                                                     const float* __restrict__ x, float* __restrict__ h, int I,
+                                                     int H, int k, int E, int* __restrict__ err) {
     int lane = threadIdx.x & 31;
     long long row = blockIdx.y;
-    long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (warp >= (long long)k * I) return;
-    int j = (int)(warp / I), i = (int)(warp % I);
+    long long o0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * O;
+    if (o0 >= (long long)k * I) return;
+    int j = (int)(o0 / I), i0 = (int)(o0 % I);
+    float* hout = h + (row * k + j) * I + i0;
     long long e = ids[row * k + j];
     if (!expert_ok(tab, 6, e, E, err, lane)) {
-        if (lane == 0) h[(row * k + j) * I + i] = __int_as_float(0x7fc00000);
+        if (lane == 0)
+#pragma unroll
+            for (int o = 0; o < O; ++o) hout[o] = __int_as_float(0x7fc00000);
         return;
     }
     const fp8_t* gate = (const fp8_t*)tab[6 * e + 0];
@@ -230,46 +254,101 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
     const float* gate_s = (const float*)tab[6 * e + 3];
     const float* up_s = (const float*)tab[6 * e + 4];
     int sb_cols = (H + 127) >> 7;
-    long long row_off = (long long)i * H;
-    long long s_off = (long long)(i >> 7) * sb_cols;
-    const float* xr = x + row * H;
-    float g = fp8_row_dot(gate + row_off, xr, gate_s + s_off, H, lane);
-    float u = fp8_row_dot(up + row_off, xr, up_s + s_off, H, lane);
-    g = warp_sum(g);
-    u = warp_sum(u);
-    if (lane == 0) {
-        float v = silu(g) * u;
+    const fp8_t* wr[2 * O];
+    const float* sr[2 * O];
+#pragma unroll
+    for (int o = 0; o < O; ++o) {
+        long long i = i0 + o;
+        long long s_off = (i >> 7) * sb_cols;
+        wr[o] = gate + i * H;
+        sr[o] = gate_s + s_off;
+        wr[O + o] = up + i * H;
+        sr[O + o] = up_s + s_off;
+    }
+    float acc[2 * O];
+    fp8_rows_dot<2 * O>(wr, x + row * H, sr, H, lane, acc);
+#pragma unroll
+    for (int o = 0; o < O; ++o) {
+        float g = warp_sum(acc[o]);
+        float u = warp_sum(acc[O + o]);
+        if (lane == 0) {
+            float v = silu(g) * u;
 #ifdef LOWP
-        v = round_bf16(v);
+            v = round_bf16(v);
 #endif
-        h[(row * k + j) * I + i] = v;
+            hout[o] = v;
+        }
     }
 }
 
 // down: y[row, n] = sum_j w[row, j] * (down_e . h[row, j]), experts summed in rank order.
+template <int O>
+__device__ __forceinline__ void moe_down_tab_body(const unsigned long long* __restrict__ tab,
+                                                  const unsigned int* __restrict__ ids,
+                                                  const float* __restrict__ wts, const float* __restrict__ h,
+                                                  float* __restrict__ y, int I, int H, int k, int E,
+                                                  int* __restrict__ err) {
+    int lane = threadIdx.x & 31;
+    long long row = blockIdx.y;
+    long long n0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * O;
+    if (n0 >= H) return;
+    int sb_cols = (I + 127) >> 7;
+    float acc[O];
+#pragma unroll
+    for (int o = 0; o < O; ++o) acc[o] = 0.0f;
+    bool bad = false;
+    for (int j = 0; j < k; ++j) {
+        long long e = ids[row * k + j];
+        if (!expert_ok(tab, 6, e, E, err, lane)) {
+            bad = true;
+            break;
+        }
+        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        const float* down_s = (const float*)tab[6 * e + 5];
+        const fp8_t* wr[O];
+        const float* sr[O];
+#pragma unroll
+        for (int o = 0; o < O; ++o) {
+            wr[o] = down + (n0 + o) * I;
+            sr[o] = down_s + ((n0 + o) >> 7) * sb_cols;
+        }
+        float d[O];
+        fp8_rows_dot<O>(wr, h + (row * k + j) * I, sr, I, lane, d);
+#pragma unroll
+        for (int o = 0; o < O; ++o) {
+            float dj = warp_sum(d[o]);
+#ifdef LOWP
+            dj = round_bf16(dj);
+#endif
+            acc[o] = fmaf(wts[row * k + j], dj, acc[o]);
+        }
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int o = 0; o < O; ++o) y[row * H + n0 + o] = bad ? __int_as_float(0x7fc00000) : acc[o];
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    moe_gate_up_tab_body<1>(tab, ids, x, h, I, H, k, E, err);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    moe_gate_up_tab_body<4>(tab, ids, x, h, I, H, k, E, err);
+}
 extern "C" __global__ void __launch_bounds__(256) moe_down_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
     int E, int* __restrict__ err) {
-    int lane = threadIdx.x & 31;
-    long long row = blockIdx.y;
-    long long n = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (n >= H) return;
-    int sb_cols = (I + 127) >> 7;
-    float acc = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        long long e = ids[row * k + j];
-        if (!expert_ok(tab, 6, e, E, err, lane)) { acc = __int_as_float(0x7fc00000); break; }
-        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
-        const float* down_s = (const float*)tab[6 * e + 5];
-        float d = fp8_row_dot(down + n * I, h + (row * k + j) * I, down_s + (n >> 7) * sb_cols, I, lane);
-        float dj = warp_sum(d);
-#ifdef LOWP
-        dj = round_bf16(dj);
-#endif
-        acc = fmaf(wts[row * k + j], dj, acc);
-    }
-    if (lane == 0) y[row * H + n] = acc;
+    moe_down_tab_body<1>(tab, ids, wts, h, y, I, H, k, E, err);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_down_tab4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    moe_down_tab_body<4>(tab, ids, wts, h, y, I, H, k, E, err);
 }
 
 // A plain linear with an FP8 block-scaled weight W [n_out, K]: y[r, n] = W[n] . x[r].

@@ -560,6 +560,19 @@ impl Drop for CudaBackend {
     }
 }
 
+/// From this many rows on, BF16 GEMVs take four outputs per warp (`*_w4`, gemv.cu): a quarter
+/// of the activation loads, the same bits; below it one output per warp keeps more blocks.
+const GEMV_WIDE_ROWS: usize = 4;
+
+/// The BF16 GEMV kernel for `rows` rows and the outputs each of its 256-thread blocks covers.
+fn gemv_width(rows: usize) -> (&'static str, usize) {
+    if rows >= GEMV_WIDE_ROWS {
+        ("gemv_bf16_w4", 32)
+    } else {
+        ("gemv_bf16", 8)
+    }
+}
+
 macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
@@ -1888,7 +1901,9 @@ impl Backend for CudaBackend {
                     ));
                 }
                 let null = 0u64;
-                go!(self, Source::Gemv, "gemv_bf16", grid, 256, 0;
+                let (name, per_block) = gemv_width(x.rows);
+                let g = (u32v(op, n_out.div_ceil(per_block))?, 1, 1);
+                go!(self, Source::Gemv, name, g, 256, 0;
                     &mem.ptr, &x.ptr(), &out.ptr(), &null, &n32, &k32, &r32);
             }
             CudaWeight::Fp8 { mem, scale, .. } => {
@@ -1954,6 +1969,13 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
+        let (name, per_block) = gemv_width(x.rows);
+        let name = if per_block == 8 {
+            "gemv_bf16_multi"
+        } else {
+            debug_assert_eq!(name, "gemv_bf16_w4");
+            "gemv_bf16_multi_w4"
+        };
         let mut blocks = 0usize;
         for (j, w) in ws.iter().enumerate() {
             let CudaWeight::Bf16 { mem, rows: n, .. } = w else {
@@ -1964,7 +1986,7 @@ impl Backend for CudaBackend {
             m.y[j] = y.ptr();
             m.n_out[j] = i32v(op, *n)?;
             m.start[j] = i32v(op, blocks)?;
-            blocks += n.div_ceil(8);
+            blocks += n.div_ceil(per_block);
             outs.push(y);
         }
         for j in ws.len()..=MULTI_MAX {
@@ -1975,7 +1997,7 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
-        go!(self, Source::Gemv, "gemv_bf16_multi", (u32v(op, blocks)?, 1, 1), 256, 0;
+        go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), 256, 0;
             &m, &x.ptr(), &k32, &r32);
         Ok(outs)
     }
@@ -2222,12 +2244,17 @@ impl Backend for CudaBackend {
         // caught by the kernels, which then read nothing, write NaN and set the error flag that
         // the next download reports: no host synchronisation per layer.
         let (e32, ep) = (i32v(op, experts.len())?, self.err_ptr()?);
-        let (gate_up, down) = if nvfp4 {
-            ("moe_gate_up_nvfp4", "moe_down_nvfp4")
-        } else {
-            ("moe_gate_up_tab", "moe_down_tab")
-        };
         let (n, k) = (x.rows, route.k);
+        // outputs per warp: four from a few rows on (the same bits, a quarter of the activation
+        // loads), when I and H split into fours
+        let wide = !nvfp4 && n >= GEMV_WIDE_ROWS && i.is_multiple_of(4) && h.is_multiple_of(4);
+        let ((gate_up, down), per_warp) = if nvfp4 {
+            (("moe_gate_up_nvfp4", "moe_down_nvfp4"), 1)
+        } else if wide {
+            (("moe_gate_up_tab4", "moe_down_tab4"), 4)
+        } else {
+            (("moe_gate_up_tab", "moe_down_tab"), 1)
+        };
         let y = self.buf(n, h)?;
         if n == 0 {
             return Ok(y);
@@ -2247,9 +2274,11 @@ impl Backend for CudaBackend {
             let hp = hw.at(r0 * k * i * 4)?;
             let yp = y.row_ptr(r0)?;
             let rows = u32v(op, rn)?;
-            go!(self, Source::Moe, gate_up, (u32v(op, (k * i).div_ceil(8))?, rows, 1), 256, 0;
+            let gx = u32v(op, (k * i).div_ceil(8 * per_warp))?;
+            go!(self, Source::Moe, gate_up, (gx, rows, 1), 256, 0;
                 &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
-            go!(self, Source::Moe, down, (u32v(op, h.div_ceil(8))?, rows, 1), 256, 0;
+            let gx = u32v(op, h.div_ceil(8 * per_warp))?;
+            go!(self, Source::Moe, down, (gx, rows, 1), 256, 0;
                 &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
             r0 += rn;
         }

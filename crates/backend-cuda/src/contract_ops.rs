@@ -308,63 +308,96 @@ pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
 /// Several BF16 linears of one input in one launch: against FP64, and bit for bit the
 /// separate linears.
 pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
-    // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a), 3 rows
-    let (rows, k) = (3, 2048);
+    // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a); 3 rows take one
+    // output per warp, 32 rows four (gemv_bf16_multi_w4)
+    let k = 2048;
     let outs = [8192usize, 4096, 32, 32];
-    let x = c.rng.normals_f32(rows * k, 1.0);
     let ws: Vec<Vec<u16>> = outs
         .iter()
         .map(|&n| c.rng.normals_bf16(n * k, 0.05))
         .collect();
-    let mut reference = Vec::new();
-    for (w, &n) in ws.iter().zip(&outs) {
-        for r in 0..rows {
-            for o in 0..n {
-                let row = &w[o * k..(o + 1) * k];
-                reference.push(
-                    row.iter()
-                        .zip(&x[r * k..(r + 1) * k])
-                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
-                        .sum::<f64>(),
-                );
+    for rows in [3usize, 32] {
+        let x = c.rng.normals_f32(rows * k, 1.0);
+        let mut reference = Vec::new();
+        for (w, &n) in ws.iter().zip(&outs) {
+            for r in 0..rows {
+                for o in 0..n {
+                    let row = &w[o * k..(o + 1) * k];
+                    reference.push(
+                        row.iter()
+                            .zip(&x[r * k..(r + 1) * k])
+                            .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
+                            .sum::<f64>(),
+                    );
+                }
             }
         }
-    }
-    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let xd = be.upload(&x, rows, k)?;
-        let wd = ws
+        // the weights' outputs together, then each weight alone, then (32 rows) rows 0, 17
+        // and 31 alone through the one-row kernel, weight by weight
+        let solo_rows: &[usize] = if rows > 3 { &[0, 17, 31] } else { &[] };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let xd = be.upload(&x, rows, k)?;
+            let wd = ws
+                .iter()
+                .zip(&outs)
+                .map(|(w, &n)| be.weight_bf16(n, k, w))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+            let ys = be.linear_many(&xd, &refs, Rows::Exact)?;
+            let mut out = Vec::new();
+            for y in &ys {
+                out.extend(be.download(y)?);
+            }
+            for w in &wd {
+                out.extend(be.download(&be.linear(&xd, w, Rows::Exact)?)?);
+            }
+            for &r in solo_rows {
+                let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
+                for w in &wd {
+                    out.extend(be.download(&be.linear(&xr, w, Rows::Exact)?)?);
+                }
+            }
+            Ok(out)
+        };
+        let case = format!("{rows} rows x 2048 into 8192 + 4096 + 32 + 32");
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
             .iter()
-            .zip(&outs)
-            .map(|(w, &n)| be.weight_bf16(n, k, w))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-        let ys = be.linear_many(&xd, &refs, Rows::Exact)?;
-        let mut out = Vec::new();
-        for y in &ys {
-            out.extend(be.download(y)?);
+            .map(|&v| run(&backend(c, v, false)))
+            .collect::<Result<_>>()?;
+        let half = reference.len();
+        let tol = tol_f32(k);
+        c.check(&case, rel_l2(&got[0][..half], &reference), tol);
+        c.discriminate(&case, rel_l2(&got[1][..half], &reference), tol);
+        c.control(&case, rel_l2(&got[2][..half], &reference), tol);
+        same_bits(
+            c,
+            format!("{case}: bitwise = separate linears"),
+            &got[0][..half],
+            &got[0][half..2 * half],
+        );
+        if !solo_rows.is_empty() {
+            // the batched outputs of the solo rows, in the solo runs' order
+            let mut batched = Vec::new();
+            let mut at = 0;
+            let mut starts = Vec::new();
+            for &n in &outs {
+                starts.push(at);
+                at += rows * n;
+            }
+            for &r in solo_rows {
+                for (j, &n) in outs.iter().enumerate() {
+                    let s0 = starts[j] + r * n;
+                    batched.extend_from_slice(&got[0][s0..s0 + n]);
+                }
+            }
+            same_bits(
+                c,
+                format!("{case}: rows 0, 17, 31 bitwise = each row alone (one output per warp)"),
+                &batched,
+                &got[0][2 * half..],
+            );
         }
-        // and each alone, appended: the comparison below splits the two halves
-        for w in &wd {
-            out.extend(be.download(&be.linear(&xd, w, Rows::Exact)?)?);
-        }
-        Ok(out)
-    };
-    let case = "3 rows x 2048 into 8192 + 4096 + 32 + 32";
-    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-        .iter()
-        .map(|&v| run(&backend(c, v, false)))
-        .collect::<Result<_>>()?;
-    let half = reference.len();
-    let tol = tol_f32(k);
-    c.check(case, rel_l2(&got[0][..half], &reference), tol);
-    c.discriminate(case, rel_l2(&got[1][..half], &reference), tol);
-    c.control(case, rel_l2(&got[2][..half], &reference), tol);
-    same_bits(
-        c,
-        format!("{case}: bitwise = separate linears"),
-        &got[0][..half],
-        &got[0][half..],
-    );
+    }
     Ok(())
 }
 
