@@ -133,3 +133,124 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
                                                                      int rows) {
     gemv_bf16_multi_body<4>(m, x, K, rows);
 }
+
+// ---------------------------------------------------------------- tensor-core GEMV (TF32 x2)
+
+// TF32 of f32 (round to nearest, ties away), as the bits mma.sync takes.
+__device__ __forceinline__ unsigned int to_tf32(float f) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+
+// D = A B + D on tensor cores, m16n8k8, TF32 in, f32 accumulate.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#define TC_KC 512  // keys per warp: a block of ceil(K / 512) warps covers one 16-output tile
+
+// y[r, n] = sum_k W[n, k] x[r, k] for 16 outputs n0.. of one weight on tensor cores. BF16 weights
+// are exact in TF32; each activation is split x = hi + lo into two TF32 values (hi = tf32(x),
+// lo = tf32(x - hi)), and the two products run as separate MMAs into separate accumulators, so
+// the result carries about 22 bits of x where one TF32 MMA would carry 11. Warp w of the block
+// takes keys [512 w, 512 w + 512) in 32-key steps: thread (g = lane / 4, t = lane % 4) loads 8
+// consecutive weights of rows n0 + g and n0 + g + 8 and 8 consecutive activations of row g of
+// the row group, and four MMAs (k = 8 each) consume them, the MMA's k index i standing for key
+// 8 t + 2 s + (i >= 4) of the step. Rows go in groups of 8 (the MMA's n), 32 rows per pass over
+// the weights. The warps' partial tiles are summed in warp order through shared memory. Every
+// output of a row is the same sequence of operations whatever the other rows hold and however
+// many there are, so the result does not depend on the batch. K a multiple of 32, at most 8192.
+// PLANT 1: skips the last 32-key step of each warp. LOWP: one TF32 MMA (lo dropped).
+__device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_out, int K, int rows, int n0) {
+    __shared__ float red[16][4][32][4];  // [warp][row group][lane][4]: 32 KiB
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = n0 + g, rb = n0 + g + 8;
+    const int kb0 = warp * TC_KC;
+    int kb1 = kb0 + TC_KC < K ? kb0 + TC_KC : K;
+#if PLANT == 1
+    kb1 -= 32;
+#endif
+    const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
+    const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
+    for (int r0 = 0; r0 < rows; r0 += 32) {
+        float hi[4][4], lo[4][4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
+#pragma unroll 4
+        for (int kb = kb0; kb < kb1; kb += 32) {
+            const int k = kb + 8 * t;
+            uint4 ua = ra < n_out ? ld_stream(wa + k) : make_uint4(0, 0, 0, 0);
+            uint4 ub = rb < n_out ? ld_stream(wb + k) : make_uint4(0, 0, 0, 0);
+            unsigned int wav[4] = {ua.x, ua.y, ua.z, ua.w}, wbv[4] = {ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int r = r0 + 8 * q + g;
+                if (r0 + 8 * q >= rows) break;  // uniform across the warp
+                float4 xa = make_float4(0.0f, 0.0f, 0.0f, 0.0f), xb = xa;
+                if (r < rows) {
+                    const float4* xp = (const float4*)(x + (long long)r * K + k);
+                    xa = __ldg(xp);
+                    xb = __ldg(xp + 1);
+                }
+                float xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    // a: (g, t) (g + 8, t) (g, t + 4) (g + 8, t + 4); a BF16's bits in the top half
+                    const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
+                                               wbv[s] & 0xffff0000u};
+                    const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+                    mma_tf32(hi[q], a, h0, h1);
+#ifndef LOWP
+                    const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
+                    const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
+                    mma_tf32(lo[q], a, l0, l1);
+#endif
+                }
+            }
+        }
+        // d: (g, 2t) (g, 2t + 1) (g + 8, 2t) (g + 8, 2t + 1) = (output, row in group)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[warp][q][lane][e] = hi[q][e] + lo[q][e];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (r0 + 8 * q >= rows) break;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float acc = red[0][q][lane][e];
+                    for (int w = 1; w < nw; ++w) acc += red[w][q][lane][e];
+                    const int n = (e < 2 ? ra : rb);
+                    const int r = r0 + 8 * q + 2 * t + (e & 1);
+                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512) gemv_tc(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                           float* __restrict__ y, int n_out, int K, int rows) {
+    gemv_tc_body(W, x, y, n_out, K, rows, blockIdx.x * 16);
+}
+
+// gemv_tc over up to 8 weights of one input (the Multi table; start[] counts 16-output tiles).
+extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const float* __restrict__ x, int K,
+                                                                 int rows) {
+    int j = 0;
+    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
+    gemv_tc_body((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 16);
+}

@@ -364,6 +364,9 @@ pub struct CudaOptions {
     /// hundred rows the 64-row tiles are mostly empty (about 8 rows per expert at 256 rows)
     /// and the GEMVs, which read the weights once per 8 rows, are faster (NOTES.md).
     pub gemm_min_rows: usize,
+    /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
+    /// TF32 with split activations) where K allows, instead of the FMA GEMV.
+    pub tc_gemv: bool,
 }
 
 impl CudaOptions {
@@ -388,6 +391,7 @@ impl CudaOptions {
             split_min_keys: num("DRAMATIS_CUDA_SPLIT_MIN", 1),
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
             gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
+            tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
         }
     }
 }
@@ -563,6 +567,16 @@ impl Drop for CudaBackend {
 /// From this many rows on, BF16 GEMVs take four outputs per warp (`*_w4`, gemv.cu): a quarter
 /// of the activation loads, the same bits; below it one output per warp keeps more blocks.
 const GEMV_WIDE_ROWS: usize = 4;
+
+/// Whether `gemv_tc` takes a K: a multiple of 32 up to 8192 (16 warps of 512 keys).
+fn tc_fits(k: usize) -> bool {
+    k >= 32 && k.is_multiple_of(32) && k <= 8192
+}
+
+/// Threads of a `gemv_tc` block for K: one warp per 512 keys.
+fn tc_block(k: usize) -> u32 {
+    (32 * k.div_ceil(512)) as u32
+}
 
 /// The BF16 GEMV kernel for `rows` rows and the outputs each of its 256-thread blocks covers.
 fn gemv_width(rows: usize) -> (&'static str, usize) {
@@ -1900,6 +1914,12 @@ impl Backend for CudaBackend {
                         format!("BF16 GEMV needs K a multiple of 8, got {k}"),
                     ));
                 }
+                if self.opts.tc_gemv && tc_fits(k) {
+                    let g = (u32v(op, n_out.div_ceil(16))?, 1, 1);
+                    go!(self, Source::Gemv, "gemv_tc", g, tc_block(k), 0;
+                        &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
+                    return Ok(out);
+                }
                 let null = 0u64;
                 let (name, per_block) = gemv_width(x.rows);
                 let g = (u32v(op, n_out.div_ceil(per_block))?, 1, 1);
@@ -1969,12 +1989,15 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
+        let tc = self.opts.tc_gemv && tc_fits(k);
         let (name, per_block) = gemv_width(x.rows);
-        let name = if per_block == 8 {
-            "gemv_bf16_multi"
+        let (name, per_block, block) = if tc {
+            ("gemv_tc_multi", 16, tc_block(k))
+        } else if per_block == 8 {
+            ("gemv_bf16_multi", 8, 256)
         } else {
             debug_assert_eq!(name, "gemv_bf16_w4");
-            "gemv_bf16_multi_w4"
+            ("gemv_bf16_multi_w4", 32, 256)
         };
         let mut blocks = 0usize;
         for (j, w) in ws.iter().enumerate() {
@@ -1997,7 +2020,7 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
-        go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), 256, 0;
+        go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
             &m, &x.ptr(), &k32, &r32);
         Ok(outs)
     }
@@ -2313,7 +2336,8 @@ mod tests {
     #[test]
     fn options_take_defaults_and_read_each_variable() {
         let d = CudaOptions::from_lookup(|_| None);
-        assert!(d.kv_f32);
+        assert!(d.kv_f32 && d.tc_gemv);
+        assert!(!CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv);
         assert_eq!(
             (d.split_min_keys, d.flash_min_rows, d.gemm_min_rows),
             (1, 2, 512)

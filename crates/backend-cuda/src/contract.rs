@@ -252,6 +252,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("elementwise", ops::elementwise),
     ("add_rms_norm_fused", ops::add_rms_norm),
     ("gemv_bf16_multi", ops::linear_many),
+    ("gemv_tc_edges", ops::linear_edges),
     ("add_sigmoid_mul_fused", ops::add_sigmoid_mul),
     ("gemm_bf16_tiled", ops::gemm_tiled),
     ("moe_experts_grouped_fp8", ops::experts_grouped),

@@ -19,6 +19,7 @@ fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
             split_min_keys: usize::MAX,
             flash_min_rows: usize::MAX,
             gemm_min_rows: usize::MAX,
+            tc_gemv: true,
         },
     )
 }
@@ -33,6 +34,7 @@ fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
             split_min_keys: usize::MAX,
             flash_min_rows: 2,
             gemm_min_rows: usize::MAX,
+            tc_gemv: true,
         },
     )
 }
@@ -47,6 +49,7 @@ fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
             split_min_keys: usize::MAX,
             flash_min_rows: usize::MAX,
             gemm_min_rows: 2,
+            tc_gemv: true,
         },
     )
 }
@@ -392,11 +395,59 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
             }
             same_bits(
                 c,
-                format!("{case}: rows 0, 17, 31 bitwise = each row alone (one output per warp)"),
+                format!("{case}: rows 0, 17, 31 bitwise = each row alone"),
                 &batched,
                 &got[0][2 * half..],
             );
         }
+    }
+    Ok(())
+}
+
+/// BF16 linears at edge shapes of the tensor-core GEMV: K over several 512-key warps, K of a
+/// single partial warp, outputs that do not fill the last 16-output tile, rows that do not fill
+/// the last group of 8; each against FP64, and each row bitwise equal to its one-row launch.
+pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
+    for (n, k, rows) in [(2050usize, 4096usize, 5usize), (37, 96, 9), (300, 2048, 33)] {
+        let w = c.rng.normals_bf16(n * k, 0.05);
+        let x = c.rng.normals_f32(rows * k, 1.0);
+        let mut reference = Vec::new();
+        for r in 0..rows {
+            for o in 0..n {
+                reference.push(
+                    w[o * k..(o + 1) * k]
+                        .iter()
+                        .zip(&x[r * k..(r + 1) * k])
+                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
+                        .sum::<f64>(),
+                );
+            }
+        }
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let wd = be.weight_bf16(n, k, &w)?;
+            let mut out = be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Exact)?)?;
+            for r in 0..rows {
+                let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
+                out.extend(be.download(&be.linear(&xr, &wd, Rows::Exact)?)?);
+            }
+            Ok(out)
+        };
+        let case = format!("{rows} rows x {k} into {n}");
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .iter()
+            .map(|&v| run(&backend(c, v, false)))
+            .collect::<Result<_>>()?;
+        let half = reference.len();
+        let tol = tol_f32(k);
+        c.check(&case, rel_l2(&got[0][..half], &reference), tol);
+        c.discriminate(&case, rel_l2(&got[1][..half], &reference), tol);
+        c.control(&case, rel_l2(&got[2][..half], &reference), tol);
+        same_bits(
+            c,
+            format!("{case}: each row bitwise = its one-row launch"),
+            &got[0][..half],
+            &got[0][half..],
+        );
     }
     Ok(())
 }
@@ -1650,6 +1701,7 @@ fn decode_backend(gpu: &std::sync::Arc<crate::runtime::Gpu>, v: Variant, kv_f32:
             split_min_keys: 1,
             flash_min_rows: 2,
             gemm_min_rows: usize::MAX,
+            tc_gemv: true,
         },
     )
 }
