@@ -158,7 +158,9 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[
 // y[r, n] = sum_k W[n, k] x[r, k] for 16 outputs n0.. of one weight on tensor cores. BF16 weights
 // are exact in TF32; each activation is split x = hi + lo into two TF32 values (hi = tf32(x),
 // lo = tf32(x - hi)), and the two products run as separate MMAs into separate accumulators, so
-// the result carries about 22 bits of x where one TF32 MMA would carry 11. Warp w of the block
+// the result carries about 22 bits of x where one TF32 MMA would carry 11. Each MMA (8 keys)
+// starts from zero and its result is added in f32, since chaining MMAs through the accumulator
+// truncates at every step (the tiny fixture's teacher-forced codebook logits failed that way). Warp w of the block
 // takes keys [512 w, 512 w + 512) in 32-key steps: thread (g = lane / 4, t = lane % 4) loads 8
 // consecutive weights of rows n0 + g and n0 + g + 8 and 8 consecutive activations of row g of
 // the row group, and four MMAs (k = 8 each) consume them, the MMA's k index i standing for key
@@ -208,12 +210,20 @@ __device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ W, const
                     // a: (g, t) (g + 8, t) (g, t + 4) (g + 8, t + 4); a BF16's bits in the top half
                     const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
                                                wbv[s] & 0xffff0000u};
+                    // each MMA starts from zero and is added in f32 (round to nearest): the tensor
+                    // core's own accumulation truncates, which over K would bias the sum
                     const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
-                    mma_tf32(hi[q], a, h0, h1);
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(d, a, h0, h1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
 #ifndef LOWP
                     const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
                     const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
-                    mma_tf32(lo[q], a, l0, l1);
+                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
 #endif
                 }
             }
