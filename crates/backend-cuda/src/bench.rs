@@ -20,7 +20,8 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Per-call seconds of `f` over `reps` timed rounds of `inner` calls each, after a warm-up.
 /// The `inner` calls are captured once into a CUDA graph and each round replays it, so host
-/// launch cost stays out of the figure (the frame loop runs as graphs too).
+/// launch cost stays out of the figure (a kernel's device time, not the frame loop's, which
+/// launches op by op).
 fn time(
     gpu: &Gpu,
     reps: usize,

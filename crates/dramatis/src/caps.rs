@@ -11,11 +11,13 @@ pub fn capabilities() -> Value {
         "backends": {
             "cpu": {"compiled": true, "activations": "f32", "kv": "f32"},
             "cuda": {"compiled": cfg!(feature = "cuda"), "engine": cfg!(feature = "cuda"), "kv": "f32 (DRAMATIS_CUDA_KV=bf16 opt-in)",
-                     "evidence": ["bench/cuda-contract-2026-11-29-session-end.log", "bench/cuda-drama3-parity-2026-11-29-session-end.json",
-                                  "bench/cuda-drama3-lanes-prefill-2026-11-29-final.json", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "evidence": ["bench/cuda-contract-2026-11-29-session4.log", "bench/cuda-drama3-parity-tc-2026-11-29.json",
+                                  "bench/cuda-drama3-lanes-tc-2026-11-29.json", "bench/cuda-drama3-ttfa-cached-tc-2026-11-29.json",
+                                  "bench/cuda-golden-tiny-tc-2026-11-29.log", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "decode": "BF16 linears on tensor cores (TF32, activations split hi + lo; DRAMATIS_CUDA_TC=0 for the FMA GEMV); split-key decode attention",
                      "prefill": "tiled causal attention (flash-style); tiled GEMM and experts grouped by expert from 512 rows",
                      "codec": "GPU streaming decoder (bench/cuda-codec-2026-11-29.json)",
-                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tensor-core prefill GEMMs", "codec encoder on the GPU"]},
+                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tensor-core GEMMs from 512 rows (the tiled prefill GEMM is FMA)", "codec encoder on the GPU"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
