@@ -8,18 +8,18 @@ use cudarc::driver::sys::CUevent_flags;
 use model::{AttnDims, Backend, Expert, Rope, Rows};
 use serde_json::json;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
+
+/// Test data drawn from [`Rng`].
+trait Draws {
+    fn fs(&mut self, n: usize, s: f32) -> Vec<f32>;
+    fn bf16s(&mut self, n: usize, s: f32) -> Vec<u16>;
+    fn fp8s(&mut self, n: usize) -> Vec<u8>;
+}
+
+impl Draws for Rng {
     fn fs(&mut self, n: usize, s: f32) -> Vec<f32> {
         (0..n).map(|_| self.f() * s).collect()
     }
@@ -33,7 +33,11 @@ impl Rng {
         (0..n)
             .map(|_| {
                 let b = (self.next() & 0xff) as u8;
-                if b & 0x7f == 0x7f { b ^ 1 } else { b }
+                if b & 0x7f == 0x7f {
+                    b ^ 1
+                } else {
+                    b
+                }
             })
             .collect()
     }
@@ -49,8 +53,14 @@ fn time(be: &CudaBackend, mut f: impl FnMut() -> Result<(), String>) -> Result<f
     let gpu = be.gpu();
     let mut v = Vec::new();
     for _ in 0..7 {
-        let a = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
-        let b = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(e)?;
+        let a = gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(e)?;
+        let b = gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(e)?;
         a.record(&gpu.stream).map_err(e)?;
         for _ in 0..10 {
             f()?;
@@ -65,7 +75,10 @@ fn time(be: &CudaBackend, mut f: impl FnMut() -> Result<(), String>) -> Result<f
 
 fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
-    let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1));
+    let out = args
+        .iter()
+        .position(|a| a == "--out")
+        .and_then(|i| args.get(i + 1));
     let be = CudaBackend::new().map_err(|e| e.to_string())?;
     let s = |e: model::BackendError| e.to_string();
     let mut rng = Rng(7);
@@ -81,11 +94,21 @@ fn main() -> Result<(), String> {
             bytes / secs / 1e9,
             100.0 * floor / secs
         );
-        rec.push(json!({"op": op, "shape": shape, "rows": rows, "us_per_call": secs * 1e6,
-            "weight_bytes": bytes, "floor_us": floor * 1e6}));
+        rec.push(
+            json!({"op": op, "shape": shape, "rows": rows, "us_per_call": secs * 1e6,
+            "weight_bytes": bytes, "floor_us": floor * 1e6}),
+        );
     };
     let row_counts = [1usize, 4, 8, 32, 100];
-    for (n, k) in [(8192usize, 2048usize), (4096, 2048), (2048, 4096), (512, 2048), (2048, 512), (1024, 2048), (4097, 2048)] {
+    for (n, k) in [
+        (8192usize, 2048usize),
+        (4096, 2048),
+        (2048, 4096),
+        (512, 2048),
+        (2048, 512),
+        (1024, 2048),
+        (4097, 2048),
+    ] {
         let w = be.weight_bf16(n, k, &rng.bf16s(n * k, 0.05)).map_err(s)?;
         for &r in &row_counts {
             let x = be.upload(&rng.fs(r * k, 1.0), r, k).map_err(s)?;
@@ -98,45 +121,89 @@ fn main() -> Result<(), String> {
     let mut experts = Vec::new();
     for _ in 0..e {
         let mut m = |r: usize, c: usize| {
-            let sc: Vec<f32> = (0..r.div_ceil(128) * c.div_ceil(128)).map(|_| 1e-3 + rng.f().abs() * 1e-3).collect();
+            let sc: Vec<f32> = (0..r.div_ceil(128) * c.div_ceil(128))
+                .map(|_| 1e-3 + rng.f().abs() * 1e-3)
+                .collect();
             be.weight_fp8(r, c, &rng.fp8s(r * c), &sc).map_err(s)
         };
-        experts.push(Some(Expert { gate: m(i, h)?, up: m(i, h)?, down: m(h, i)? }));
+        experts.push(Some(Expert {
+            gate: m(i, h)?,
+            up: m(i, h)?,
+            down: m(h, i)?,
+        }));
     }
     for &r in &row_counts {
         let logits = be.upload(&rng.fs(r * e, 3.0), r, e).map_err(s)?;
         let route = be.route(&logits, topk, None).map_err(s)?;
         let host = be.route_host(&route).map_err(s)?;
-        let distinct: std::collections::BTreeSet<u32> = host.experts.iter().flatten().copied().collect();
+        let distinct: std::collections::BTreeSet<u32> =
+            host.experts.iter().flatten().copied().collect();
         let x = be.upload(&rng.fs(r * h, 1.0), r, h).map_err(s)?;
-        let t = time(&be, || be.moe_experts(&x, &route, &experts, Rows::Exact).map(drop).map_err(s))?;
-        row("moe_experts fp8", format!("E256 I512 H2048 top8, {} experts hit", distinct.len()), r, t, (distinct.len() * 3 * i * h) as f64);
+        let t = time(&be, || {
+            be.moe_experts(&x, &route, &experts, Rows::Exact)
+                .map(drop)
+                .map_err(s)
+        })?;
+        row(
+            "moe_experts fp8",
+            format!("E256 I512 H2048 top8, {} experts hit", distinct.len()),
+            r,
+            t,
+            (distinct.len() * 3 * i * h) as f64,
+        );
     }
     // decode attention, Drama 3 full-attention layer (16/2 heads x 256), f32 cache
-    let d = AttnDims { q_heads: 16, kv_heads: 2, head_dim: 256, rot_dims: 64, theta: 1e7, rope: Rope::Neox };
+    let d = AttnDims {
+        q_heads: 16,
+        kv_heads: 2,
+        head_dim: 256,
+        rot_dims: 64,
+        theta: 1e7,
+        rope: Rope::Neox,
+    };
     for &(lanes, keys) in &[(1usize, 512usize), (1, 4096), (32, 512), (1, 32768)] {
         let mut kvs = Vec::new();
         for _ in 0..lanes {
             let mut kv = be.kv_new(keys + 128, 2, 256).map_err(s)?;
-            let q = be.upload(&rng.fs(keys * 16 * 256, 1.0), keys, 16 * 256).map_err(s)?;
+            let q = be
+                .upload(&rng.fs(keys * 16 * 256, 1.0), keys, 16 * 256)
+                .map_err(s)?;
             let kk = be.upload(&rng.fs(keys * 512, 1.0), keys, 512).map_err(s)?;
             let vv = be.upload(&rng.fs(keys * 512, 1.0), keys, 512).map_err(s)?;
             be.attn_prefill(&q, &kk, &vv, &d, &mut kv).map_err(s)?;
             kvs.push(kv);
         }
-        let q = be.upload(&rng.fs(lanes * 16 * 256, 1.0), lanes, 16 * 256).map_err(s)?;
-        let kk = be.upload(&rng.fs(lanes * 512, 1.0), lanes, 512).map_err(s)?;
-        let vv = be.upload(&rng.fs(lanes * 512, 1.0), lanes, 512).map_err(s)?;
+        let q = be
+            .upload(&rng.fs(lanes * 16 * 256, 1.0), lanes, 16 * 256)
+            .map_err(s)?;
+        let kk = be
+            .upload(&rng.fs(lanes * 512, 1.0), lanes, 512)
+            .map_err(s)?;
+        let vv = be
+            .upload(&rng.fs(lanes * 512, 1.0), lanes, 512)
+            .map_err(s)?;
         // each call appends a row: the 73 timed calls stay inside the 128 spare rows
         let t = time(&be, || {
             let mut refs: Vec<&mut backend_cuda::CudaKv> = kvs.iter_mut().collect();
-            be.attn_step(&q, &kk, &vv, &d, &mut refs).map(drop).map_err(s)
+            be.attn_step(&q, &kk, &vv, &d, &mut refs)
+                .map(drop)
+                .map_err(s)
         })?;
-        row("attn_step f32 kv", format!("16/2 x 256, {keys} keys"), lanes, t, (lanes * keys * 512 * 4 * 2) as f64);
+        row(
+            "attn_step f32 kv",
+            format!("16/2 x 256, {keys} keys"),
+            lanes,
+            t,
+            (lanes * keys * 512 * 4 * 2) as f64,
+        );
     }
     if let Some(p) = out {
         let v = json!({"kind": "dramatis-opbench", "device": be.gpu().info.name, "ops": rec});
-        std::fs::write(p, serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?;
     }
     Ok(())
 }

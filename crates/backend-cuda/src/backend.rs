@@ -633,9 +633,7 @@ impl CudaBackend {
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
-        be.decode_count = be
-            .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS)
-            .ok();
+        be.decode_count = be.zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS).ok();
         be
     }
 
@@ -1304,18 +1302,31 @@ impl CudaBackend {
             len: [0; MAX_LANES],
         };
         for (i, (c, &n)) in caches.iter().zip(keys).enumerate() {
-            if c.capacity != cap || c.f32 != f32kv || c.kv_heads != d.kv_heads || c.head_dim != d.head_dim {
-                return Err(shape_err("attn_decode", "lanes must share cache capacity and layout".into()));
+            if c.capacity != cap
+                || c.f32 != f32kv
+                || c.kv_heads != d.kv_heads
+                || c.head_dim != d.head_dim
+            {
+                return Err(shape_err(
+                    "attn_decode",
+                    "lanes must share cache capacity and layout".into(),
+                ));
             }
             if n == 0 || n > c.len {
-                return Err(shape_err("attn_decode", format!("lane {i} sees {n} keys of {}", c.len)));
+                return Err(shape_err(
+                    "attn_decode",
+                    format!("lane {i} sees {n} keys of {}", c.len),
+                ));
             }
             tab.k[i] = c.k.ptr;
             tab.v[i] = c.v.ptr;
             tab.len[i] = i64v("attn_decode", n)?;
         }
         if q.cols != d.q_heads * d.head_dim {
-            return Err(shape_err("attn_decode", format!("q has {} columns", q.cols)));
+            return Err(shape_err(
+                "attn_decode",
+                format!("q has {} columns", q.cols),
+            ));
         }
         let counters = self.decode_counters()?;
         let out = self.buf(q.rows, q.cols)?;
@@ -2337,7 +2348,9 @@ mod tests {
     fn options_take_defaults_and_read_each_variable() {
         let d = CudaOptions::from_lookup(|_| None);
         assert!(d.kv_f32 && d.tc_gemv);
-        assert!(!CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv);
+        assert!(
+            !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
+        );
         assert_eq!(
             (d.split_min_keys, d.flash_min_rows, d.gemm_min_rows),
             (1, 2, 512)

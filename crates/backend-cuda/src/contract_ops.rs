@@ -179,6 +179,26 @@ fn triple3(
     Ok(())
 }
 
+/// [`triple3`] (BF16 cache layout) on the first `reference.len()` values of each run, which may
+/// append more for the caller's own checks; returns the exact build's whole output.
+fn triple_prefix(
+    c: &mut Ctx,
+    case: &str,
+    tol: f64,
+    reference: &[f64],
+    run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
+    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+        .iter()
+        .map(|&v| run(&backend(c, v, false)))
+        .collect::<Result<_>>()?;
+    let n = reference.len();
+    c.check(case, rel_l2(&got[0][..n], reference), tol);
+    c.discriminate(case, rel_l2(&got[1][..n], reference), tol);
+    c.control(case, rel_l2(&got[2][..n], reference), tol);
+    Ok(got.into_iter().next().unwrap_or_default())
+}
+
 pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
     for (case, rows, cols, group, plus_one, wscale) in [
         ("1+w, 3 x 256 in groups of 64", 3, 256, 64, true, 0.1),
@@ -363,20 +383,13 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
             Ok(out)
         };
         let case = format!("{rows} rows x 2048 into 8192 + 4096 + 32 + 32");
-        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-            .iter()
-            .map(|&v| run(&backend(c, v, false)))
-            .collect::<Result<_>>()?;
+        let exact = triple_prefix(c, &case, tol_f32(k), &reference, run)?;
         let half = reference.len();
-        let tol = tol_f32(k);
-        c.check(&case, rel_l2(&got[0][..half], &reference), tol);
-        c.discriminate(&case, rel_l2(&got[1][..half], &reference), tol);
-        c.control(&case, rel_l2(&got[2][..half], &reference), tol);
         same_bits(
             c,
             format!("{case}: bitwise = separate linears"),
-            &got[0][..half],
-            &got[0][half..2 * half],
+            &exact[..half],
+            &exact[half..2 * half],
         );
         if !solo_rows.is_empty() {
             // the batched outputs of the solo rows, in the solo runs' order
@@ -390,14 +403,14 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
             for &r in solo_rows {
                 for (j, &n) in outs.iter().enumerate() {
                     let s0 = starts[j] + r * n;
-                    batched.extend_from_slice(&got[0][s0..s0 + n]);
+                    batched.extend_from_slice(&exact[s0..s0 + n]);
                 }
             }
             same_bits(
                 c,
                 format!("{case}: rows 0, 17, 31 bitwise = each row alone"),
                 &batched,
-                &got[0][2 * half..],
+                &exact[2 * half..],
             );
         }
     }
@@ -433,20 +446,13 @@ pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
             Ok(out)
         };
         let case = format!("{rows} rows x {k} into {n}");
-        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-            .iter()
-            .map(|&v| run(&backend(c, v, false)))
-            .collect::<Result<_>>()?;
+        let exact = triple_prefix(c, &case, tol_f32(k), &reference, run)?;
         let half = reference.len();
-        let tol = tol_f32(k);
-        c.check(&case, rel_l2(&got[0][..half], &reference), tol);
-        c.discriminate(&case, rel_l2(&got[1][..half], &reference), tol);
-        c.control(&case, rel_l2(&got[2][..half], &reference), tol);
         same_bits(
             c,
             format!("{case}: each row bitwise = its one-row launch"),
-            &got[0][..half],
-            &got[0][half..],
+            &exact[..half],
+            &exact[half..],
         );
     }
     Ok(())
@@ -1692,7 +1698,11 @@ fn experts_grouped_case(
 
 /// A backend whose decode (one row per lane) takes the split-key kernel at any length, and whose
 /// prefill takes the flash kernel.
-fn decode_backend(gpu: &std::sync::Arc<crate::runtime::Gpu>, v: Variant, kv_f32: bool) -> CudaBackend {
+fn decode_backend(
+    gpu: &std::sync::Arc<crate::runtime::Gpu>,
+    v: Variant,
+    kv_f32: bool,
+) -> CudaBackend {
     CudaBackend::with_gpu(
         gpu.clone(),
         v,
@@ -1759,7 +1769,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
             .iter()
             .map(|&var| {
-                let be = decode_backend(&c.shared, var, f32kv);
+                let be = decode_backend(c.shared, var, f32kv);
                 let qd = be.upload(&q, 1, nh * hd)?;
                 Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
             })
@@ -1779,7 +1789,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         let pc = PrefillCase::new(c, nh, nkv, hd, past, 1, f32kv);
         let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision]
             .iter()
-            .map(|&var| pc.run(&decode_backend(&c.shared, var, f32kv)))
+            .map(|&var| pc.run(&decode_backend(c.shared, var, f32kv)))
             .collect::<Result<_>>()?;
         let name = format!("append + split: {}", pc.name);
         c.check(&name, rel_l2(&got[0], &pc.reference), pc.tol);
@@ -1800,9 +1810,10 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         kvs.push(filled_cache(&maker, &d, &k, &v, 40_002)?);
     }
     let q = c.rng.normals_f32(3 * nh * hd, 1.0);
-    let be = decode_backend(&c.shared, Variant::Exact, true);
+    let be = decode_backend(c.shared, Variant::Exact, true);
     let refs: Vec<&crate::backend::CudaKv> = kvs.iter().collect();
-    let batch = be.download(&be.attn_decode_only(&be.upload(&q, 3, nh * hd)?, &d, &refs, &lens)?)?;
+    let batch =
+        be.download(&be.attn_decode_only(&be.upload(&q, 3, nh * hd)?, &d, &refs, &lens)?)?;
     let mut same = true;
     for i in 0..3 {
         let qi = be.upload(&q[i * nh * hd..(i + 1) * nh * hd], 1, nh * hd)?;
