@@ -120,6 +120,18 @@ pub struct WeightBytes {
     pub expert_scales: u64,
 }
 
+/// What one frame round reads, from [`ModelGeometry::frame_read_bytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct FrameReadBytes {
+    /// Backbone dense, tower layers and heads, main-head candidate rows (BF16).
+    pub dense_bf16: u64,
+    /// Routed experts (payload and scales) expected to be hit by the round's lanes.
+    pub experts_expected: f64,
+    /// Expected distinct experts hit per layer.
+    pub experts_per_layer_expected: f64,
+    pub total: f64,
+}
+
 pub(crate) fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, LimitError> {
     a.checked_mul(b).ok_or(LimitError::Overflow { what })
 }
@@ -446,6 +458,81 @@ impl ModelGeometry {
         }
     }
 
+    /// One tower layer's parameters: (its token-embedding table, which a frame only gathers
+    /// rows from; everything else, which a frame reads whole).
+    fn tower_layer_params(&self) -> Result<(u64, u64), LimitError> {
+        const W: &str = "weight bytes";
+        let d = self.tower_dim;
+        let t_q = mul(self.tower_heads, self.tower_head_dim, W)?;
+        let t_kv = mul(self.tower_kv_heads, self.tower_head_dim, W)?;
+        let read = sum(
+            &[
+                mul(2, d, W)?,                                          // enorm, hnorm
+                product(&[d, 2, d], W)?,                                // eh_proj
+                mul(add(mul(2, t_q, W)?, mul(2, t_kv, W)?, W)?, d, W)?, // wqkv with gate
+                mul(d, t_q, W)?,                                        // wo
+                mul(2, self.tower_head_dim, W)?,                        // q_norm, k_norm
+                mul(3, d, W)?, // attention, ffn, final norms
+                product(&[3, self.tower_intermediate_size, d], W)?, // w1, w3, w2
+            ],
+            W,
+        )?;
+        Ok((mul(self.codebook_size, d, W)?, read))
+    }
+
+    /// Weight bytes one frame round of `lanes` lanes reads (DRAMA3.md section 5): every dense
+    /// BF16 matrix once whatever the lane count (backbone; tower layers without their token
+    /// tables; the heads), the main head's candidate rows (a codebook of semantic tokens plus
+    /// end of speech), and the routed experts the lanes hit. One lane hits k experts per layer;
+    /// for several the figure is the expected number of distinct experts under independent
+    /// uniform routing, `E (1 - (1 - k/E)^lanes)` per layer (an assumption: real routing is
+    /// skewed, which lowers it). Embedding gathers and K/V reads are left out.
+    pub fn frame_read_bytes(&self, lanes: u64) -> Result<FrameReadBytes, LimitError> {
+        const W: &str = "frame read bytes";
+        let w = self.weight_bytes()?;
+        let (_, tower_read) = self.tower_layer_params()?;
+        let heads = product(
+            &[
+                self.num_codebooks.saturating_sub(1),
+                self.codebook_size,
+                self.tower_dim,
+            ],
+            W,
+        )?;
+        let tower = mul(
+            add(mul(self.tower_layers, tower_read, W)?, heads, W)?,
+            BF16,
+            W,
+        )?;
+        let candidates = product(&[self.codebook_size + 1, self.hidden_size, BF16], W)?;
+        let dense = sum(&[w.backbone_dense_bf16, tower, candidates], W)?;
+        let layers = u64::try_from(self.layer_types.len()).unwrap_or(u64::MAX);
+        let stored = self.stored_experts()?;
+        let per_expert = if stored == 0 {
+            0.0
+        } else {
+            (w.experts + w.expert_scales) as f64 / stored as f64
+        };
+        let e_layer = if layers == 0 {
+            0.0
+        } else {
+            stored as f64 / layers as f64
+        };
+        let k = (self.num_experts_per_tok as f64).min(e_layer);
+        let hit = if e_layer > 0.0 {
+            e_layer * (1.0 - (1.0 - k / e_layer).powf(lanes.max(1) as f64))
+        } else {
+            0.0
+        };
+        let experts = layers as f64 * hit * per_expert;
+        Ok(FrameReadBytes {
+            dense_bf16: dense,
+            experts_expected: experts,
+            experts_per_layer_expected: hit,
+            total: dense as f64 + experts,
+        })
+    }
+
     /// Resident weight bytes, by format (codec weights are separate: `codec.weight_bytes`).
     pub fn weight_bytes(&self) -> Result<WeightBytes, LimitError> {
         const W: &str = "weight bytes";
@@ -508,21 +595,8 @@ impl ModelGeometry {
         };
 
         let d = self.tower_dim;
-        let t_q = mul(self.tower_heads, self.tower_head_dim, W)?;
-        let t_kv = mul(self.tower_kv_heads, self.tower_head_dim, W)?;
-        let tower_layer = sum(
-            &[
-                mul(self.codebook_size, d, W)?, // token embedding
-                mul(2, d, W)?,                  // enorm, hnorm
-                product(&[d, 2, d], W)?,        // eh_proj
-                mul(add(mul(2, t_q, W)?, mul(2, t_kv, W)?, W)?, d, W)?, // wqkv with gate
-                mul(d, t_q, W)?,                // wo
-                mul(2, self.tower_head_dim, W)?, // q_norm, k_norm
-                mul(3, d, W)?,                  // attention, ffn, final norms
-                product(&[3, self.tower_intermediate_size, d], W)?, // w1, w3, w2
-            ],
-            W,
-        )?;
+        let (table, read) = self.tower_layer_params()?;
+        let tower_layer = add(table, read, W)?;
         let tower_params = sum(
             &[
                 mul(self.tower_layers, tower_layer, W)?,
@@ -661,6 +735,29 @@ mod tests {
         assert_eq!(w.experts, 32_212_254_720);
         // 30720 scales: gate/up [4,16], down [16,4], F32.
         assert_eq!(w.expert_scales, 40 * 256 * 3 * 64 * 4);
+    }
+
+    #[test]
+    fn a_frame_reads_the_section_5_bytes() {
+        let g = ModelGeometry::drama3();
+        let one = g.frame_read_bytes(1).unwrap();
+        // §5: backbone dense (+ final norm), 13 tower layers, 9 heads, 4097 lm_head rows (BF16),
+        // and 40 layers x 8 experts x 3 matrices of FP8 with their 64 F32 block scales
+        let dense = (1_431_235_200u64 + 2048) * 2
+            + 13 * 73_411_072 * 2
+            + 9 * 4096 * 2048 * 2
+            + 4097 * 2048 * 2;
+        assert_eq!(one.dense_bf16, dense);
+        let experts = 40.0 * 8.0 * (3.0 * 2048.0 * 512.0 + 3.0 * 64.0 * 4.0);
+        assert!((one.experts_expected - experts).abs() < 1.0);
+        assert!((one.experts_per_layer_expected - 8.0).abs() < 1e-9);
+        // about 5.95 GB, the figure behind the 720 frames/s floor at 4.3 TB/s
+        assert!((one.total / 1e9 - 5.95).abs() < 0.01, "{}", one.total);
+        // 32 lanes: 256 (1 - (1 - 8/256)^32) = 163.3 distinct experts per layer
+        let many = g.frame_read_bytes(32).unwrap();
+        assert!((many.experts_per_layer_expected - 163.3).abs() < 0.1);
+        assert_eq!(many.dense_bf16, dense);
+        assert!(many.total > one.total && many.total < one.total * 32.0);
     }
 
     #[test]

@@ -56,6 +56,30 @@ pub fn used_bytes() -> Result<u64> {
     })
 }
 
+/// Device 0 as receipts name it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceFacts {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_bytes: u64,
+    /// `cuDriverGetVersion`: 1000 x major + 10 x minor (13000 is CUDA 13.0).
+    pub driver_version: i32,
+}
+
+/// Name, compute capability, memory and driver version of device 0.
+pub fn device_facts() -> Result<DeviceFacts> {
+    let ctx = context()?;
+    let mut drv = 0;
+    // SAFETY: the driver is loaded (the context exists); the pointer is a live local.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut drv) };
+    Ok(DeviceFacts {
+        name: ctx.name()?,
+        compute_capability: ctx.compute_capability()?,
+        total_bytes: u64::try_from(ctx.total_mem()?).unwrap_or(u64::MAX),
+        driver_version: drv,
+    })
+}
+
 /// The highest device memory figure a [`PeakSampler`] saw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peak {

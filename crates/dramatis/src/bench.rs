@@ -238,6 +238,75 @@ fn device_memory_line(m: &DeviceMemory) -> String {
     }
 }
 
+/// The H200's device-to-device copy rate (GPU.md), the bandwidth the floor divides by.
+const H200_BYTES_PER_S: f64 = 4.3e12;
+
+/// The weight-read floor of one lane count (DRAMA3.md section 5): `lanes` frames per round over
+/// the bytes a round reads at `bytes_per_s`; `None` when the geometry gives no figure.
+fn floor_frames_per_s(
+    geom: &admission::geometry::ModelGeometry,
+    lanes: usize,
+    bytes_per_s: f64,
+) -> Option<f64> {
+    let b = geom.frame_read_bytes(lanes as u64).ok()?;
+    (b.total > 0.0).then(|| lanes as f64 * bytes_per_s / b.total)
+}
+
+/// The receipt's `floor` section and, per lane count, the floor and the fraction of it that the
+/// decode frames/s reached (written into each result). Only for a device whose bandwidth is
+/// known (the H200); elsewhere the section says so and the results carry no fraction.
+fn add_floor(
+    geom: &admission::geometry::ModelGeometry,
+    gpu: Option<&serde_json::Value>,
+    results: &mut [serde_json::Value],
+) -> serde_json::Value {
+    let name = gpu
+        .and_then(|g| g["name"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    if !name.contains("H200") {
+        return json!({"note": format!(
+            "no bandwidth figure for this device ({}); GPU.md measures the H200 only",
+            if name.is_empty() { "host memory" } else { name.as_str() })});
+    }
+    for r in results.iter_mut() {
+        let lanes = r["lanes"].as_u64().unwrap_or(1) as usize;
+        if let Some(f) = floor_frames_per_s(geom, lanes, H200_BYTES_PER_S) {
+            r["floor_frames_per_s"] = json!(f);
+            if let Some(d) = r["decode_frames_per_s_median"].as_f64() {
+                r["decode_fraction_of_floor"] = json!(d / f);
+            }
+        }
+    }
+    let one = geom.frame_read_bytes(1).ok();
+    json!({
+        "bandwidth_bytes_per_s": H200_BYTES_PER_S,
+        "bandwidth_source": "GPU.md: H200 device-to-device copy rate",
+        "frame_bytes_one_lane": one.map(|b| b.total),
+        "dense_bf16_bytes_per_round": one.map(|b| b.dense_bf16),
+        "method": "DRAMA3.md section 5: dense BF16 weights once per round, plus the routed experts \
+                   the round's lanes hit (k per layer for one lane; for several the expected \
+                   distinct count under independent uniform routing); K/V and gathers left out",
+    })
+}
+
+/// The checkpoint's shape as receipts record it.
+fn geometry_json(g: &admission::geometry::ModelGeometry) -> serde_json::Value {
+    json!({
+        "hidden": g.hidden_size,
+        "layers": g.layer_types.len(),
+        "full_attention_layers": g.full_attention_layers(),
+        "experts": g.num_experts,
+        "experts_per_token": g.num_experts_per_tok,
+        "expert_format": g.expert_format.name(),
+        "tower_layers": g.tower_layers,
+        "tower_dim": g.tower_dim,
+        "codebooks": g.num_codebooks,
+        "codebook_size": g.codebook_size,
+        "max_position_embeddings": g.max_position_embeddings,
+    })
+}
+
 /// The plan's device-side classes (empty on the CPU backend).
 fn planned_device_classes(eng: &Engine) -> Vec<(&'static str, u64)> {
     eng.memory_plan()
@@ -360,6 +429,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     };
     let facts = eng.facts();
+    let gpu = if cuda { speech::device_facts() } else { None };
+    let floor = if cuda {
+        add_floor(eng.geometry(), gpu.as_ref(), &mut results)
+    } else {
+        json!({"note": "no floor on the CPU backend: host memory bandwidth is not measured"})
+    };
     let receipt = json!({
         "kind": "dramatis-bench",
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -367,6 +442,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "version": env!("CARGO_PKG_VERSION"),
         "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "machine": machine(),
+        "gpu": gpu,
+        "geometry": geometry_json(eng.geometry()),
+        "floor": floor,
         "backend": facts.backend,
         "model": eng.model_id(),
         "expert_format": facts.expert_format,
@@ -390,11 +468,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         None => println!("{text}"),
     }
-    println!("| lanes | frames/s (all lanes) | decode frames/s | frames/s per lane | first audio (s) | RTF |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| lanes | frames/s (all lanes) | decode frames/s | frames/s per lane | first audio (s) | RTF | of floor |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &receipt["results"].as_array().cloned().unwrap_or_default() {
+        let of_floor = r["decode_fraction_of_floor"]
+            .as_f64()
+            .map(|f| {
+                format!(
+                    "{:.1}% of {:.0}",
+                    100.0 * f,
+                    r["floor_frames_per_s"].as_f64().unwrap_or(0.0)
+                )
+            })
+            .unwrap_or_else(|| "-".into());
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.4} | {:.4} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.4} | {:.4} | {of_floor} |",
             r["lanes"],
             r["aggregate_frames_per_s_median"].as_f64().unwrap_or(0.0),
             r["decode_frames_per_s_median"].as_f64().unwrap_or(0.0),
@@ -430,6 +518,31 @@ fn machine() -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_floor_is_the_section_5_bytes_over_the_h200_rate() {
+        let g = admission::geometry::ModelGeometry::drama3();
+        let gpu = json!({"name": "NVIDIA H200", "cuda_driver": "13.0"});
+        let mut results = vec![
+            json!({"lanes": 1, "decode_frames_per_s_median": 72.3}),
+            json!({"lanes": 32, "decode_frames_per_s_median": 350.0}),
+        ];
+        let floor = add_floor(&g, Some(&gpu), &mut results);
+        // 5.95 GB at 4.3 TB/s: about 723 frames/s for one stream
+        let one = results[0]["floor_frames_per_s"].as_f64().unwrap();
+        assert!((one - 723.0).abs() < 2.0, "{one}");
+        let frac = results[0]["decode_fraction_of_floor"].as_f64().unwrap();
+        assert!((frac - 72.3 / one).abs() < 1e-12);
+        // 32 lanes share the dense weights: far more frames per second, far less than 32x
+        let many = results[1]["floor_frames_per_s"].as_f64().unwrap();
+        assert!(many > 5.0 * one && many < 32.0 * one, "{many}");
+        assert_eq!(floor["bandwidth_bytes_per_s"], 4.3e12);
+        // no bandwidth figure, no floor
+        let mut other = vec![json!({"lanes": 1, "decode_frames_per_s_median": 10.0})];
+        let f = add_floor(&g, Some(&json!({"name": "NVIDIA L4"})), &mut other);
+        assert!(f["note"].as_str().unwrap().contains("L4"));
+        assert!(other[0].get("floor_frames_per_s").is_none());
+    }
 
     fn memory(baseline: u64, peak: u64, planned: Option<u64>) -> DeviceMemory {
         DeviceMemory {

@@ -16,6 +16,26 @@ pub fn device_memory_used() -> Option<u64> {
     }
 }
 
+/// Device 0 for receipts (name, compute capability, memory, CUDA driver version); `None`
+/// without the `cuda` feature or a usable driver.
+pub fn device_facts() -> Option<serde_json::Value> {
+    #[cfg(feature = "cuda")]
+    {
+        backend_cuda::memwatch::device_facts().ok().map(|f| {
+            serde_json::json!({
+                "name": f.name,
+                "compute_capability": format!("{}.{}", f.compute_capability.0, f.compute_capability.1),
+                "memory_bytes": f.total_bytes,
+                "cuda_driver": format!("{}.{}", f.driver_version / 1000, (f.driver_version % 1000) / 10),
+            })
+        })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 /// The highest device memory figure seen while a [`DevicePeakSampler`] ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevicePeak {

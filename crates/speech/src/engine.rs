@@ -224,6 +224,8 @@ pub struct Engine {
     whole_reply_budget: u64,
     /// The memory plan start-up admitted, kept so receipts can set measured memory against it.
     plan: admission::Plan,
+    /// The checkpoint's geometry as admission sees it (receipts compute floors from it).
+    geometry: admission::geometry::ModelGeometry,
     limits: Limits,
     lanes: usize,
     queue_cap: usize,
@@ -486,6 +488,7 @@ impl Engine {
             contract,
             whole_reply_budget,
             plan,
+            geometry: geom,
             limits: opts.limits,
             lanes,
             queue_cap,
@@ -523,6 +526,11 @@ impl Engine {
     /// The memory plan start-up admitted (ADMISSION.md); `render_table` prints it.
     pub fn memory_plan(&self) -> &admission::Plan {
         &self.plan
+    }
+
+    /// The checkpoint's geometry as admission sees it.
+    pub fn geometry(&self) -> &admission::geometry::ModelGeometry {
+        &self.geometry
     }
 
     /// Device bytes the plan accounts for (weights, KV pool, state, codec, staging); `None` on
