@@ -129,6 +129,8 @@ pub struct FrameReadBytes {
     pub experts_expected: f64,
     /// Expected distinct experts hit per layer.
     pub experts_per_layer_expected: f64,
+    /// Gated DeltaNet state of every lane, read and written back.
+    pub gdn_state: u64,
     pub total: f64,
 }
 
@@ -486,7 +488,9 @@ impl ModelGeometry {
     /// end of speech), and the routed experts the lanes hit. One lane hits k experts per layer;
     /// for several the figure is the expected number of distinct experts under independent
     /// uniform routing, `E (1 - (1 - k/E)^lanes)` per layer (an assumption: real routing is
-    /// skewed, which lowers it). Embedding gathers and K/V reads are left out.
+    /// skewed, which lowers it); and each lane's Gated DeltaNet state (recurrent and conv),
+    /// read and written back once. Embedding gathers and K/V reads (which grow with the context)
+    /// are left out.
     pub fn frame_read_bytes(&self, lanes: u64) -> Result<FrameReadBytes, LimitError> {
         const W: &str = "frame read bytes";
         let w = self.weight_bytes()?;
@@ -525,11 +529,20 @@ impl ModelGeometry {
             0.0
         };
         let experts = layers as f64 * hit * per_expert;
+        let state = product(
+            &[
+                2,
+                lanes.max(1),
+                add(self.gdn_recurrent_bytes()?, self.gdn_conv_bytes()?, W)?,
+            ],
+            W,
+        )?;
         Ok(FrameReadBytes {
             dense_bf16: dense,
             experts_expected: experts,
             experts_per_layer_expected: hit,
-            total: dense as f64 + experts,
+            gdn_state: state,
+            total: dense as f64 + experts + state as f64,
         })
     }
 
@@ -751,12 +764,16 @@ mod tests {
         let experts = 40.0 * 8.0 * (3.0 * 2048.0 * 512.0 + 3.0 * 64.0 * 4.0);
         assert!((one.experts_expected - experts).abs() < 1.0);
         assert!((one.experts_per_layer_expected - 8.0).abs() < 1e-9);
-        // about 5.95 GB, the figure behind the 720 frames/s floor at 4.3 TB/s
-        assert!((one.total / 1e9 - 5.95).abs() < 0.01, "{}", one.total);
+        // §5's 5.95 GB of weights, plus 30 layers of f32 state (32 x 128 x 128 recurrent, 3 x
+        // 8192 conv) read and written back
+        let state = 2 * (30 * 32 * 128 * 128 * 4 + 30 * 3 * 8192 * 4);
+        assert_eq!(one.gdn_state, state);
+        assert!(((one.total - state as f64) / 1e9 - 5.95).abs() < 0.01);
         // 32 lanes: 256 (1 - (1 - 8/256)^32) = 163.3 distinct experts per layer
         let many = g.frame_read_bytes(32).unwrap();
         assert!((many.experts_per_layer_expected - 163.3).abs() < 0.1);
         assert_eq!(many.dense_bf16, dense);
+        assert_eq!(many.gdn_state, 32 * state);
         assert!(many.total > one.total && many.total < one.total * 32.0);
     }
 

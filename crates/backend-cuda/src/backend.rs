@@ -354,7 +354,9 @@ pub struct CudaOptions {
     /// Keep the KV cache in f32 (the CPU reference's precision) instead of BF16.
     pub kv_f32: bool,
     /// From this many keys on, decode attention (one row per lane) runs the split-key kernel
-    /// (`attn_decode_*`) instead of the generic one-block-per-head kernel.
+    /// (`attn_decode_*`) instead of the generic one-block-per-head kernel. The choice follows
+    /// the longest lane of a call, so only 1 (always split, the default) or a value above every
+    /// window (never) keeps each lane's bits independent of its batch.
     pub split_min_keys: usize,
     /// From this many query rows of one lane on (a prefill), attention runs the tiled
     /// flash-style kernel (head dims a multiple of 32 up to 256).

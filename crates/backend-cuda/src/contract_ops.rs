@@ -11,6 +11,11 @@ use crate::reference::{bf16, fp8_e4m3, rel_l2, sigmoid, silu};
 use crate::runtime::Variant;
 
 fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
+    linear_backend(c, v, kv_f32, true)
+}
+
+/// [`backend`] with BF16 linears on tensor cores (`gemv_tc`) or on the FMA GEMVs.
+fn linear_backend(c: &Ctx, v: Variant, kv_f32: bool, tc_gemv: bool) -> CudaBackend {
     CudaBackend::with_gpu(
         c.shared.clone(),
         v,
@@ -19,7 +24,7 @@ fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
             split_min_keys: usize::MAX,
             flash_min_rows: usize::MAX,
             gemm_min_rows: usize::MAX,
-            tc_gemv: true,
+            tc_gemv,
         },
     )
 }
@@ -179,18 +184,20 @@ fn triple3(
     Ok(())
 }
 
-/// [`triple3`] (BF16 cache layout) on the first `reference.len()` values of each run, which may
-/// append more for the caller's own checks; returns the exact build's whole output.
+/// [`triple3`] (BF16 cache layout, linears on tensor cores or not) on the first
+/// `reference.len()` values of each run, which may append more for the caller's own checks;
+/// returns the exact build's whole output.
 fn triple_prefix(
     c: &mut Ctx,
     case: &str,
     tol: f64,
     reference: &[f64],
+    tc_gemv: bool,
     run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
 ) -> Result<Vec<f32>> {
     let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
         .iter()
-        .map(|&v| run(&backend(c, v, false)))
+        .map(|&v| run(&linear_backend(c, v, false, tc_gemv)))
         .collect::<Result<_>>()?;
     let n = reference.len();
     c.check(case, rel_l2(&got[0][..n], reference), tol);
@@ -331,15 +338,16 @@ pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
 /// Several BF16 linears of one input in one launch: against FP64, and bit for bit the
 /// separate linears.
 pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
-    // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a); 3 rows take one
-    // output per warp, 32 rows four (gemv_bf16_multi_w4)
+    // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a), on tensor cores
+    // (gemv_tc_multi) and on the FMA GEMVs (3 rows: one output per warp, gemv_bf16_multi; 32
+    // rows: four, gemv_bf16_multi_w4, whose rows must equal one-row launches bit for bit)
     let k = 2048;
     let outs = [8192usize, 4096, 32, 32];
     let ws: Vec<Vec<u16>> = outs
         .iter()
         .map(|&n| c.rng.normals_bf16(n * k, 0.05))
         .collect();
-    for rows in [3usize, 32] {
+    for (rows, tc) in [(3usize, true), (32, true), (3, false), (32, false)] {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let mut reference = Vec::new();
         for (w, &n) in ws.iter().zip(&outs) {
@@ -382,8 +390,11 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
             }
             Ok(out)
         };
-        let case = format!("{rows} rows x 2048 into 8192 + 4096 + 32 + 32");
-        let exact = triple_prefix(c, &case, tol_f32(k), &reference, run)?;
+        let case = format!(
+            "{rows} rows x 2048 into 8192 + 4096 + 32 + 32, {}",
+            if tc { "tensor cores" } else { "FMA" }
+        );
+        let exact = triple_prefix(c, &case, tol_f32(k), &reference, tc, run)?;
         let half = reference.len();
         same_bits(
             c,
@@ -421,7 +432,14 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
 /// single partial warp, outputs that do not fill the last 16-output tile, rows that do not fill
 /// the last group of 8; each against FP64, and each row bitwise equal to its one-row launch.
 pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
-    for (n, k, rows) in [(2050usize, 4096usize, 5usize), (37, 96, 9), (300, 2048, 33)] {
+    // K 1056: three warps, the last of 32 keys; K 8192: sixteen warps, the most a block takes
+    for (n, k, rows) in [
+        (2050usize, 4096usize, 5usize),
+        (37, 96, 9),
+        (300, 2048, 33),
+        (70, 1056, 12),
+        (40, 8192, 3),
+    ] {
         let w = c.rng.normals_bf16(n * k, 0.05);
         let x = c.rng.normals_f32(rows * k, 1.0);
         let mut reference = Vec::new();
@@ -446,7 +464,7 @@ pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
             Ok(out)
         };
         let case = format!("{rows} rows x {k} into {n}");
-        let exact = triple_prefix(c, &case, tol_f32(k), &reference, run)?;
+        let exact = triple_prefix(c, &case, tol_f32(k), &reference, true, run)?;
         let half = reference.len();
         same_bits(
             c,
@@ -1787,13 +1805,14 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
     // the whole decode path (append, then the split kernel) through attn_prefill of one row
     for (nh, nkv, hd, past, f32kv) in [(16, 2, 256, 700, true), (4, 2, 32, 90, false)] {
         let pc = PrefillCase::new(c, nh, nkv, hd, past, 1, f32kv);
-        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision]
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
             .iter()
             .map(|&var| pc.run(&decode_backend(c.shared, var, f32kv)))
             .collect::<Result<_>>()?;
         let name = format!("append + split: {}", pc.name);
         c.check(&name, rel_l2(&got[0], &pc.reference), pc.tol);
         c.discriminate(&name, rel_l2(&got[1], &pc.reference), pc.tol);
+        c.control(&name, rel_l2(&got[2], &pc.reference), pc.tol);
     }
 
     // batch invariance: lanes of 5, 700 and 40000 keys (chunks of 128 and 256), each lane's
@@ -1804,12 +1823,23 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
     let lens = [5usize, 700, 40_000];
     let maker = flash_backend(c, Variant::Exact, true);
     let mut kvs = Vec::new();
-    for &l in &lens {
+    let mut refs_f64 = Vec::new();
+    let q = c.rng.normals_f32(3 * nh * hd, 1.0);
+    for (i, &l) in lens.iter().enumerate() {
         let k = c.rng.normals_f32(l * w, 1.0);
         let v = c.rng.normals_f32(l * w, 1.0);
         kvs.push(filled_cache(&maker, &d, &k, &v, 40_002)?);
+        refs_f64.push(attn_ref(
+            &q[i * nh * hd..(i + 1) * nh * hd],
+            &k,
+            &v,
+            nh,
+            nkv,
+            hd,
+            l - 1,
+            1,
+        ));
     }
-    let q = c.rng.normals_f32(3 * nh * hd, 1.0);
     let be = decode_backend(c.shared, Variant::Exact, true);
     let refs: Vec<&crate::backend::CudaKv> = kvs.iter().collect();
     let batch =
@@ -1819,6 +1849,13 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         let qi = be.upload(&q[i * nh * hd..(i + 1) * nh * hd], 1, nh * hd)?;
         let solo = be.download(&be.attn_decode_only(&qi, &d, &[&kvs[i]], &[lens[i]])?)?;
         same &= bits_equal(&solo, &batch[i * nh * hd..(i + 1) * nh * hd]);
+    }
+    for (i, r) in refs_f64.iter().enumerate() {
+        c.check(
+            &format!("3 lanes batched: lane {i} ({} keys) vs FP64", lens[i]),
+            rel_l2(&batch[i * nh * hd..(i + 1) * nh * hd], r),
+            tol_f32(hd + lens[i]),
+        );
     }
     c.push(
         "3 lanes of 5 / 700 / 40000 keys: each lane bitwise = its solo call",
