@@ -8,40 +8,7 @@ use cudarc::driver::sys::CUevent_flags;
 use model::{AttnDims, Backend, Expert, Rope, Rows};
 use serde_json::json;
 
-#[path = "support/rng.rs"]
-mod rng;
-use rng::Rng;
-
-/// Test data drawn from [`Rng`].
-trait Draws {
-    fn fs(&mut self, n: usize, s: f32) -> Vec<f32>;
-    fn bf16s(&mut self, n: usize, s: f32) -> Vec<u16>;
-    fn fp8s(&mut self, n: usize) -> Vec<u8>;
-}
-
-impl Draws for Rng {
-    fn fs(&mut self, n: usize, s: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * s).collect()
-    }
-    fn bf16s(&mut self, n: usize, s: f32) -> Vec<u16> {
-        (0..n)
-            .map(|_| half::bf16::from_f32(self.f() * s).to_bits())
-            .collect()
-    }
-    fn fp8s(&mut self, n: usize) -> Vec<u8> {
-        // finite e4m3 codes (0x7f / 0xff are NaN)
-        (0..n)
-            .map(|_| {
-                let b = (self.next() & 0xff) as u8;
-                if b & 0x7f == 0x7f {
-                    b ^ 1
-                } else {
-                    b
-                }
-            })
-            .collect()
-    }
-}
+use backend_cuda::rng::Rng;
 
 /// Median seconds per call of `f` (7 rounds of 10 calls, event-timed, after 3 warm-up calls).
 fn time(be: &CudaBackend, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
@@ -81,7 +48,7 @@ fn main() -> Result<(), String> {
         .and_then(|i| args.get(i + 1));
     let be = CudaBackend::new().map_err(|e| e.to_string())?;
     let s = |e: model::BackendError| e.to_string();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let mut rec = Vec::new();
     let read_rate = 4.0e12; // bytes/s: a little under the copy figure of GPU.md (reads only)
     println!("| op | shape | rows | µs/call | weight GB/s | of floor |");
@@ -109,9 +76,11 @@ fn main() -> Result<(), String> {
         (1024, 2048),
         (4097, 2048),
     ] {
-        let w = be.weight_bf16(n, k, &rng.bf16s(n * k, 0.05)).map_err(s)?;
+        let w = be
+            .weight_bf16(n, k, &rng.normals_bf16(n * k, 0.05))
+            .map_err(s)?;
         for &r in &row_counts {
-            let x = be.upload(&rng.fs(r * k, 1.0), r, k).map_err(s)?;
+            let x = be.upload(&rng.normals_f32(r * k, 1.0), r, k).map_err(s)?;
             let t = time(&be, || be.linear(&x, &w, Rows::Exact).map(drop).map_err(s))?;
             row("linear bf16", format!("{n}x{k}"), r, t, (n * k * 2) as f64);
         }
@@ -122,9 +91,9 @@ fn main() -> Result<(), String> {
     for _ in 0..e {
         let mut m = |r: usize, c: usize| {
             let sc: Vec<f32> = (0..r.div_ceil(128) * c.div_ceil(128))
-                .map(|_| 1e-3 + rng.f().abs() * 1e-3)
+                .map(|_| rng.range(1e-3, 2e-3) as f32)
                 .collect();
-            be.weight_fp8(r, c, &rng.fp8s(r * c), &sc).map_err(s)
+            be.weight_fp8(r, c, &rng.fp8_bytes(r * c), &sc).map_err(s)
         };
         experts.push(Some(Expert {
             gate: m(i, h)?,
@@ -133,12 +102,12 @@ fn main() -> Result<(), String> {
         }));
     }
     for &r in &row_counts {
-        let logits = be.upload(&rng.fs(r * e, 3.0), r, e).map_err(s)?;
+        let logits = be.upload(&rng.normals_f32(r * e, 3.0), r, e).map_err(s)?;
         let route = be.route(&logits, topk, None).map_err(s)?;
         let host = be.route_host(&route).map_err(s)?;
         let distinct: std::collections::BTreeSet<u32> =
             host.experts.iter().flatten().copied().collect();
-        let x = be.upload(&rng.fs(r * h, 1.0), r, h).map_err(s)?;
+        let x = be.upload(&rng.normals_f32(r * h, 1.0), r, h).map_err(s)?;
         let t = time(&be, || {
             be.moe_experts(&x, &route, &experts, Rows::Exact)
                 .map(drop)
@@ -166,21 +135,25 @@ fn main() -> Result<(), String> {
         for _ in 0..lanes {
             let mut kv = be.kv_new(keys + 128, 2, 256).map_err(s)?;
             let q = be
-                .upload(&rng.fs(keys * 16 * 256, 1.0), keys, 16 * 256)
+                .upload(&rng.normals_f32(keys * 16 * 256, 1.0), keys, 16 * 256)
                 .map_err(s)?;
-            let kk = be.upload(&rng.fs(keys * 512, 1.0), keys, 512).map_err(s)?;
-            let vv = be.upload(&rng.fs(keys * 512, 1.0), keys, 512).map_err(s)?;
+            let kk = be
+                .upload(&rng.normals_f32(keys * 512, 1.0), keys, 512)
+                .map_err(s)?;
+            let vv = be
+                .upload(&rng.normals_f32(keys * 512, 1.0), keys, 512)
+                .map_err(s)?;
             be.attn_prefill(&q, &kk, &vv, &d, &mut kv).map_err(s)?;
             kvs.push(kv);
         }
         let q = be
-            .upload(&rng.fs(lanes * 16 * 256, 1.0), lanes, 16 * 256)
+            .upload(&rng.normals_f32(lanes * 16 * 256, 1.0), lanes, 16 * 256)
             .map_err(s)?;
         let kk = be
-            .upload(&rng.fs(lanes * 512, 1.0), lanes, 512)
+            .upload(&rng.normals_f32(lanes * 512, 1.0), lanes, 512)
             .map_err(s)?;
         let vv = be
-            .upload(&rng.fs(lanes * 512, 1.0), lanes, 512)
+            .upload(&rng.normals_f32(lanes * 512, 1.0), lanes, 512)
             .map_err(s)?;
         // each call appends a row: the 73 timed calls stay inside the 128 spare rows
         let t = time(&be, || {

@@ -15,9 +15,7 @@ use backend_cuda::CudaBackend;
 use checkpoint::Checkpoint;
 use model::{Backend, Model, Row, ROW_WIDTH};
 
-#[path = "support/rng.rs"]
-mod rng;
-use rng::Rng;
+use backend_cuda::rng::Rng;
 
 /// Logits of one run: main-head rows (1 + frames) and head rows (frames x 9).
 struct Trace {
@@ -154,14 +152,14 @@ fn real_main() -> Result<bool, String> {
 
     // rows: half text, half semantic; then the frames
     let g = gm.geometry.clone();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let cb = g.codebook as u64;
     let sem_row = |rng: &mut Rng| -> Row {
         let mut r = [0i64; ROW_WIDTH];
-        r[1] = rng.below(cb) as i64;
+        r[1] = rng.below(cb as usize) as i64;
         r[0] = i64::from(g.semantic_start) + r[1];
         for c in r.iter_mut().skip(2) {
-            *c = rng.below(cb) as i64;
+            *c = rng.below(cb as usize) as i64;
         }
         r
     };
@@ -170,7 +168,7 @@ fn real_main() -> Result<bool, String> {
     for i in 0..n_rows {
         if i < n_rows / 2 {
             let mut r = [0i64; ROW_WIDTH];
-            r[0] = rng.below(text_hi) as i64;
+            r[0] = rng.below(text_hi as usize) as i64;
             prompt.push(r);
         } else {
             prompt.push(sem_row(&mut rng));

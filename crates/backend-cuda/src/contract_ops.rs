@@ -59,6 +59,11 @@ fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
     )
 }
 
+/// FP64 `x W^T` of a dense BF16 `W [n, k]` over `rows` rows ([`crate::reference::gemv`]).
+fn gemv_ref(w: &[u16], x: &[f32], k: usize, rows: usize, n: usize) -> Vec<f64> {
+    crate::reference::gemv(w, x, k, rows, &(0..n).collect::<Vec<_>>())
+}
+
 fn f64s(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| f64::from(v)).collect()
 }
@@ -351,17 +356,7 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let mut reference = Vec::new();
         for (w, &n) in ws.iter().zip(&outs) {
-            for r in 0..rows {
-                for o in 0..n {
-                    let row = &w[o * k..(o + 1) * k];
-                    reference.push(
-                        row.iter()
-                            .zip(&x[r * k..(r + 1) * k])
-                            .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
-                            .sum::<f64>(),
-                    );
-                }
-            }
+            reference.extend(gemv_ref(w, &x, k, rows, n));
         }
         // the weights' outputs together, then each weight alone, then (32 rows) rows 0, 17
         // and 31 alone through the one-row kernel, weight by weight
@@ -442,18 +437,7 @@ pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
     ] {
         let w = c.rng.normals_bf16(n * k, 0.05);
         let x = c.rng.normals_f32(rows * k, 1.0);
-        let mut reference = Vec::new();
-        for r in 0..rows {
-            for o in 0..n {
-                reference.push(
-                    w[o * k..(o + 1) * k]
-                        .iter()
-                        .zip(&x[r * k..(r + 1) * k])
-                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
-                        .sum::<f64>(),
-                );
-            }
-        }
+        let reference = gemv_ref(&w, &x, k, rows, n);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
             let mut out = be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Exact)?)?;
@@ -1596,18 +1580,7 @@ pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
     for (rows, k, n) in [(100usize, 2048usize, 1000usize), (70, 200, 130)] {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let w = c.rng.normals_bf16(n * k, 0.05);
-        let mut reference = Vec::with_capacity(rows * n);
-        for r in 0..rows {
-            for o in 0..n {
-                reference.push(
-                    w[o * k..(o + 1) * k]
-                        .iter()
-                        .zip(&x[r * k..(r + 1) * k])
-                        .map(|(&wv, &xv)| bf16(wv) * f64::from(xv))
-                        .sum::<f64>(),
-                );
-            }
-        }
+        let reference = gemv_ref(&w, &x, k, rows, n);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
             Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
