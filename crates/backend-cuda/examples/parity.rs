@@ -153,22 +153,22 @@ fn real_main() -> Result<bool, String> {
     // rows: half text, half semantic; then the frames
     let g = gm.geometry.clone();
     let mut rng = Rng::new(seed);
-    let cb = g.codebook as u64;
+    let cb = g.codebook;
     let sem_row = |rng: &mut Rng| -> Row {
         let mut r = [0i64; ROW_WIDTH];
-        r[1] = rng.below(cb as usize) as i64;
+        r[1] = rng.below(cb) as i64;
         r[0] = i64::from(g.semantic_start) + r[1];
         for c in r.iter_mut().skip(2) {
-            *c = rng.below(cb as usize) as i64;
+            *c = rng.below(cb) as i64;
         }
         r
     };
-    let text_hi = u64::from(g.semantic_start.min(g.eos)).min(g.vocab as u64);
+    let text_hi = (g.semantic_start.min(g.eos) as usize).min(g.vocab);
     let mut prompt = Vec::with_capacity(n_rows);
     for i in 0..n_rows {
         if i < n_rows / 2 {
             let mut r = [0i64; ROW_WIDTH];
-            r[0] = rng.below(text_hi as usize) as i64;
+            r[0] = rng.below(text_hi) as i64;
             prompt.push(r);
         } else {
             prompt.push(sem_row(&mut rng));
