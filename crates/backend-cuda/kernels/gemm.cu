@@ -41,6 +41,22 @@ __device__ __forceinline__ void tile_fma(const float (*Xs)[GM + GPAD], const flo
     }
 }
 
+// One k step of a tile loop: this thread's 8 activations (rounded by lowp) and 8 weights into
+// the shared tiles at (lk.., lr), then acc += the tiles' product. The first barrier keeps the
+// previous step's readers ahead of the writes.
+__device__ __forceinline__ void stage_fma(float (*Xs)[GM + GPAD], float (*Ws)[GN + GPAD], int lk, int lr,
+                                          const float (&xv)[8], const float (&wv)[8], int tx, int ty,
+                                          float acc[4][4]) {
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        Xs[lk + i][lr] = lowp(xv[i]);
+        Ws[lk + i][lr] = wv[i];
+    }
+    __syncthreads();
+    tile_fma(Xs, Ws, tx, ty, acc);
+}
+
 // y[r, n] = sum_k x[r, k] W[n, k]. W bf16 [N, K], x [rows, K], K a multiple of 8.
 // Grid (ceil(N / 64), ceil(rows / 64)), block 256.
 extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tiled(const bf16_t* __restrict__ W,
@@ -80,14 +96,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tiled(const bf16_t* 
 #pragma unroll
             for (int i = 0; i < 8; ++i) wv[i] = 0.0f;
         }
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            Xs[lk + i][lr] = lowp(xv[i]);
-            Ws[lk + i][lr] = wv[i];
-        }
-        __syncthreads();
-        tile_fma(Xs, Ws, tx, ty, acc);
+        stage_fma(Xs, Ws, lk, lr, xv, wv, tx, ty, acc);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -270,14 +279,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_group_down(
         float xv[8], wv[8];
         load_x8(xr, xok, k0 + lk, I, xv);
         load_w8_fp8(down, ds, H, I, n0 + lr, k0 + lk, wv);
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            Xs[lk + i][lr] = lowp(xv[i]);
-            Ws[lk + i][lr] = wv[i];
-        }
-        __syncthreads();
-        tile_fma(Xs, Ws, tx, ty, acc);
+        stage_fma(Xs, Ws, lk, lr, xv, wv, tx, ty, acc);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
