@@ -212,18 +212,18 @@ pub fn sample_main(
     if !params.ras {
         return first;
     }
-    let second = sample(
-        logits,
-        RAS_TEMPERATURE,
-        RAS_TOP_K,
-        RAS_TOP_P,
-        Crossing::Keep,
-        uniform(seed, STREAM_RAS, step),
-    );
     let tok = candidates[first];
     let mut recent = recent;
     if is_semantic(tok) && recent.any(|r| r == i64::from(tok)) {
-        second
+        // the second draw has its own stream: skipping it when unused changes no other draw
+        sample(
+            logits,
+            RAS_TEMPERATURE,
+            RAS_TOP_K,
+            RAS_TOP_P,
+            Crossing::Keep,
+            uniform(seed, STREAM_RAS, step),
+        )
     } else {
         first
     }
