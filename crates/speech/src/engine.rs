@@ -1566,8 +1566,8 @@ impl<B: Backend> Worker<B> {
                     let _ = self.codec_tx.send(CodecMsg::Fail {
                         key: a.key,
                         message: format!(
-                            "stopped: the caller read no audio for {:.0} s with {:.1} s of audio \
-                             unread (limit {:.1} s)",
+                            "stopped: the caller read no audio for {:.2} s with {:.2} s of audio \
+                             unread (limit {:.2} s)",
                             self.max_pause.as_secs_f64(),
                             a.job.unread.load(Ordering::SeqCst) as f64 / self.sample_rate,
                             self.max_unread_samples as f64 / self.sample_rate
