@@ -131,7 +131,12 @@ pub struct FrameReadBytes {
     pub experts_per_layer_expected: f64,
     /// Gated DeltaNet state of every lane, read and written back.
     pub gdn_state: u64,
-    pub total: f64,
+}
+
+impl FrameReadBytes {
+    pub fn total(&self) -> f64 {
+        self.dense_bf16 as f64 + self.experts_expected + self.gdn_state as f64
+    }
 }
 
 pub(crate) fn mul(a: u64, b: u64, what: &'static str) -> Result<u64, LimitError> {
@@ -440,6 +445,15 @@ impl ModelGeometry {
         )
     }
 
+    /// Gated DeltaNet state per lane (recurrent and conv), f32.
+    pub fn gdn_state_bytes(&self) -> Result<u64, LimitError> {
+        add(
+            self.gdn_recurrent_bytes()?,
+            self.gdn_conv_bytes()?,
+            "Gated DeltaNet state",
+        )
+    }
+
     /// Parameters of one routed expert's three matrices, per matrix as (out, in).
     fn expert_matrices(&self) -> [(u64, u64); 3] {
         let (h, i) = (self.hidden_size, self.moe_intermediate_size);
@@ -529,20 +543,12 @@ impl ModelGeometry {
             0.0
         };
         let experts = layers as f64 * hit * per_expert;
-        let state = product(
-            &[
-                2,
-                lanes.max(1),
-                add(self.gdn_recurrent_bytes()?, self.gdn_conv_bytes()?, W)?,
-            ],
-            W,
-        )?;
+        let state = product(&[2, lanes.max(1), self.gdn_state_bytes()?], W)?;
         Ok(FrameReadBytes {
             dense_bf16: dense,
             experts_expected: experts,
             experts_per_layer_expected: hit,
             gdn_state: state,
-            total: dense as f64 + experts + state as f64,
         })
     }
 
@@ -768,13 +774,13 @@ mod tests {
         // 8192 conv) read and written back
         let state = 2 * (30 * 32 * 128 * 128 * 4 + 30 * 3 * 8192 * 4);
         assert_eq!(one.gdn_state, state);
-        assert!(((one.total - state as f64) / 1e9 - 5.95).abs() < 0.01);
+        assert!(((one.total() - state as f64) / 1e9 - 5.95).abs() < 0.01);
         // 32 lanes: 256 (1 - (1 - 8/256)^32) = 163.3 distinct experts per layer
         let many = g.frame_read_bytes(32).unwrap();
         assert!((many.experts_per_layer_expected - 163.3).abs() < 0.1);
         assert_eq!(many.dense_bf16, dense);
         assert_eq!(many.gdn_state, 32 * state);
-        assert!(many.total > one.total && many.total < one.total * 32.0);
+        assert!(many.total() > one.total() && many.total() < one.total() * 32.0);
     }
 
     #[test]

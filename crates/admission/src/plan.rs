@@ -491,11 +491,7 @@ fn size(
 
     let recurrent = geom.gdn_recurrent_bytes()?;
     let conv = geom.gdn_conv_bytes()?;
-    let gdn_cfg = if req.cfg {
-        sum(&[recurrent, conv], P)?
-    } else {
-        0
-    };
+    let gdn_cfg = if req.cfg { geom.gdn_state_bytes()? } else { 0 };
     let chunk = req.prefill_chunk_rows.0;
     let score_heads = geom.num_attention_heads.max(geom.tower_heads);
     let scratch = sum(

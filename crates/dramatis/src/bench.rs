@@ -249,7 +249,7 @@ fn floor_frames_per_s(
     bytes_per_s: f64,
 ) -> Option<f64> {
     let b = geom.frame_read_bytes(lanes as u64).ok()?;
-    (b.total > 0.0).then(|| lanes as f64 * bytes_per_s / b.total)
+    (b.total() > 0.0).then(|| lanes as f64 * bytes_per_s / b.total())
 }
 
 /// The receipt's `floor` section and, per lane count, the floor and the fraction of it that the
@@ -287,31 +287,14 @@ fn add_floor(
     json!({
         "bandwidth_bytes_per_s": H200_BYTES_PER_S,
         "bandwidth_source": "GPU.md: H200 device-to-device copy rate",
-        "frame_bytes_one_lane": one.map(|b| b.total),
-        "dense_bf16_bytes_per_round": one.map(|b| b.dense_bf16),
+        "frame_bytes_one_lane": one.map(|b| b.total()),
+        "one_lane_bytes": one,
         "method": "DRAMA3.md section 5: dense BF16 weights once per round, plus the routed experts \
                    the round's lanes hit (k per layer for one lane; for several the expected \
                    distinct count under independent uniform routing, so an estimate, not a \
                    bound), plus every lane's Gated DeltaNet state read and written back; K/V \
                    reads (growing with the context) and embedding gathers left out. A ceiling \
                    on frames/s; decode frames/s can include prompt prefills of later lanes",
-    })
-}
-
-/// The checkpoint's shape as receipts record it.
-fn geometry_json(g: &admission::geometry::ModelGeometry) -> serde_json::Value {
-    json!({
-        "hidden": g.hidden_size,
-        "layers": g.layer_types.len(),
-        "full_attention_layers": g.full_attention_layers(),
-        "experts": g.num_experts,
-        "experts_per_token": g.num_experts_per_tok,
-        "expert_format": g.expert_format.name(),
-        "tower_layers": g.tower_layers,
-        "tower_dim": g.tower_dim,
-        "codebooks": g.num_codebooks,
-        "codebook_size": g.codebook_size,
-        "max_position_embeddings": g.max_position_embeddings,
     })
 }
 
@@ -456,7 +439,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "unix_time": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "machine": machine(),
         "gpu": gpu,
-        "geometry": geometry_json(eng.geometry()),
+        "geometry": serde_json::to_value(eng.geometry()).unwrap_or_default(),
         "floor": floor,
         "backend": facts.backend,
         "model": eng.model_id(),

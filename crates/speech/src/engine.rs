@@ -447,10 +447,7 @@ impl Engine {
                 .map(|b| b.0)
                 .unwrap_or(0),
             cache_per_row: per_row,
-            cache_fixed: geom
-                .gdn_recurrent_bytes()
-                .and_then(|a| geom.gdn_conv_bytes().map(|b| a + b))
-                .unwrap_or(0),
+            cache_fixed: geom.gdn_state_bytes().unwrap_or(0),
             cache_hits: Arc::clone(&cache_hits),
             cache_misses: Arc::clone(&cache_misses),
             cfg_batched: opts.cfg.batched,
