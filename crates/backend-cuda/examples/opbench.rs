@@ -50,7 +50,7 @@ fn main() -> Result<(), String> {
     let s = |e: model::BackendError| e.to_string();
     let mut rng = Rng::new(7);
     let mut rec = Vec::new();
-    let read_rate = 4.0e12; // bytes/s: a little under the copy figure of GPU.md (reads only)
+    let read_rate = backend_cuda::bench::COPY_FLOOR_BYTES_PER_S;
     println!("| op | shape | rows | µs/call | weight GB/s | of floor |");
     println!("| --- | --- | ---: | ---: | ---: | ---: |");
     let mut row = |op: &str, shape: String, rows: usize, secs: f64, bytes: f64| {

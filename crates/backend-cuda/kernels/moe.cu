@@ -76,9 +76,7 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
     s = block_sum(s, scratch);
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         float v = p[e] / s;
-#ifdef LOWP
-        v = round_bf16(v);
-#endif
+        v = lowp(v);
         p[e] = v;
     }
     __syncthreads();
@@ -184,9 +182,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_fp8(
     u = warp_sum(u);
     if (lane == 0) {
         float v = silu(g) * u;
-#ifdef LOWP
-        v = round_bf16(v);
-#endif
+        v = lowp(v);
         h[(long long)j * I + i] = v;
     }
 }
@@ -207,9 +203,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_fp8(
         long long s_off = (e * sb_rows + (n >> 7)) * (long long)sb_cols;
         float d = fp8_row_dot(down + row_off, h + (long long)j * I, down_s + s_off, I, lane);
         float dj = warp_sum(d);
-#ifdef LOWP
-        dj = round_bf16(dj);
-#endif
+        dj = lowp(dj);
         acc = fmaf(wts[j], dj, acc);
     }
     if (lane == 0) y[n] = acc;
@@ -273,9 +267,7 @@ __device__ __forceinline__ void moe_gate_up_tab_body(const unsigned long long* _
         float u = warp_sum(acc[O + o]);
         if (lane == 0) {
             float v = silu(g) * u;
-#ifdef LOWP
-            v = round_bf16(v);
-#endif
+            v = lowp(v);
             hout[o] = v;
         }
     }
@@ -317,9 +309,7 @@ __device__ __forceinline__ void moe_down_tab_body(const unsigned long long* __re
 #pragma unroll
         for (int o = 0; o < O; ++o) {
             float dj = warp_sum(d[o]);
-#ifdef LOWP
-            dj = round_bf16(dj);
-#endif
+            dj = lowp(dj);
             acc[o] = fmaf(wts[row * k + j], dj, acc[o]);
         }
     }
@@ -363,9 +353,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_fp8(
     for (int r = 0; r < rows; ++r) {
         float d = fp8_row_dot(W + n * K, x + (long long)r * K, S + (n >> 7) * sb_cols, K, lane);
         d = warp_sum(d);
-#ifdef LOWP
-        d = round_bf16(d);
-#endif
+        d = lowp(d);
         if (lane == 0) y[(long long)r * n_out + n] = d;
     }
 }
@@ -470,9 +458,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_nvfp4(
     uv = warp_sum(uv);
     if (lane == 0) {
         float v = silu(gv) * uv;
-#ifdef LOWP
-        v = round_bf16(v);
-#endif
+        v = lowp(v);
         h[(row * k + j) * I + i] = v;
     }
 }
@@ -497,9 +483,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_nvfp4(
         float dg = __ldg((const float*)t[8]);
         float d = nvfp4_row_dot(down, down_s, dg, h + (row * k + j) * I, I, lane);
         float dj = warp_sum(d);
-#ifdef LOWP
-        dj = round_bf16(dj);
-#endif
+        dj = lowp(dj);
         acc = fmaf(wts[row * k + j], dj, acc);
     }
     if (lane == 0) y[row * H + n] = acc;
@@ -517,9 +501,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_nvfp4(
     for (int r = 0; r < rows; ++r) {
         float d = nvfp4_row_dot(W + n * (K >> 1), S + n * (K >> 4), g, x + (long long)r * K, K, lane);
         d = warp_sum(d);
-#ifdef LOWP
-        d = round_bf16(d);
-#endif
+        d = lowp(d);
         if (lane == 0) y[(long long)r * n_out + n] = d;
     }
 }

@@ -570,6 +570,16 @@ impl Drop for CudaBackend {
 /// of the activation loads, the same bits; below it one output per warp keeps more blocks.
 const GEMV_WIDE_ROWS: usize = 4;
 
+/// Threads per RMSNorm group (`rmsnorm_groups`, `add_rmsnorm_groups`): one rule for both, so
+/// the fused op's reduction order, and bits, equal the plain norm's.
+fn norm_block(group: usize) -> u32 {
+    if group >= 1024 {
+        256
+    } else {
+        128
+    }
+}
+
 /// Whether `gemv_tc` takes a K: a multiple of 32 up to 8192 (16 warps of 512 keys).
 fn tc_fits(k: usize) -> bool {
     k >= 32 && k.is_multiple_of(32) && k <= 8192
@@ -1361,7 +1371,7 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
         let lanes = keys.len();
-        let nchunks = kernels::decode_chunks(keys);
+        let nchunks = kernels::decode_chunks(keys, self.variant == Variant::Planted);
         let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
@@ -1884,7 +1894,7 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return Ok(out);
         }
-        let block = if group >= 1024 { 256 } else { 128 };
+        let block = norm_block(group);
         let (g32, p1) = (i32v("rms_norm", group)?, i32::from(plus_one));
         go!(self, Source::Ops, "rmsnorm_groups", (u32v("rms_norm", groups)?, 1, 1), block, 0;
             &x.ptr(), &w.mem.ptr, &out.ptr(), &g32, &eps, &p1);
@@ -1972,8 +1982,7 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return Ok((sum, out));
         }
-        // the block size of `rms_norm`, so the reduction order (and the bits) are the same
-        let block = if group >= 1024 { 256 } else { 128 };
+        let block = norm_block(group);
         let (g32, p1) = (i32v("add_rms_norm", group)?, i32::from(plus_one));
         go!(self, Source::Ops, "add_rmsnorm_groups", (u32v("add_rms_norm", groups)?, 1, 1), block, 0;
             &a.ptr(), &b.ptr(), &w.mem.ptr, &sum.ptr(), &out.ptr(), &g32, &eps, &p1);

@@ -944,12 +944,13 @@ pub fn decode_chunk(keys: usize) -> usize {
     ch
 }
 
-/// Chunks of the decode grid for lanes seeing `keys` keys: the most any lane needs for one key
-/// more than it sees (the planted build reads one past the limit; for the others the extra
-/// chunk is empty and adds exactly nothing).
-pub fn decode_chunks(keys: &[usize]) -> usize {
+/// Chunks of the decode grid for lanes seeing `keys` keys: the most any lane needs. The planted
+/// build (`past_limit`) reads one key past each lane's limit, so it is sized for one key more
+/// (an extra chunk is empty for the other lanes and adds exactly nothing).
+pub fn decode_chunks(keys: &[usize], past_limit: bool) -> usize {
+    let extra = usize::from(past_limit);
     keys.iter()
-        .map(|&k| cdiv(k + 1, decode_chunk(k)))
+        .map(|&k| cdiv(k + extra, decode_chunk(k)))
         .max()
         .unwrap_or(1)
         .max(1)
