@@ -1139,8 +1139,7 @@ impl CudaBackend {
             for (i, c) in caches.iter().enumerate() {
                 seen.len[i] = i64v("attention", c.len + 1)?;
             }
-            let keys: Vec<usize> = caches.iter().map(|c| c.len + 1).collect();
-            self.attend_decode(&seen, &keys, qp, op, d, cap, f32kv, counters)?;
+            self.attend_decode(&seen, lanes, qp, op, d, cap, f32kv, counters)?;
         } else {
             let scale = 1.0f32 / (hd as f32).sqrt();
             let grid = (u32v("attention", t * nh)?, u32v("attention", lanes)?, 1);
@@ -1342,7 +1341,16 @@ impl CudaBackend {
         }
         let counters = self.decode_counters()?;
         let out = self.buf(q.rows, q.cols)?;
-        self.attend_decode(&tab, keys, q.ptr(), out.ptr(), d, cap, f32kv, counters)?;
+        self.attend_decode(
+            &tab,
+            keys.len(),
+            q.ptr(),
+            out.ptr(),
+            d,
+            cap,
+            f32kv,
+            counters,
+        )?;
         Ok(out)
     }
 
@@ -1354,14 +1362,14 @@ impl CudaBackend {
     }
 
     /// Split-key decode attention (`attn_decode_*`, ops.cu) of one row per lane whose caches
-    /// already hold it: lane i sees `keys[i]` keys (`tab.len`). Chunks per lane depend on the
+    /// already hold it: lane i < `lanes` sees `tab.len[i]` keys. Chunks per lane depend on the
     /// lane's own length only, and the last block of each (kv head, lane) combines them in
     /// chunk order, so every lane's bits equal its solo step.
     #[allow(clippy::too_many_arguments)]
     fn attend_decode(
         &self,
         tab: &KvTab,
-        keys: &[usize],
+        lanes: usize,
         q: u64,
         out: u64,
         d: &AttnDims,
@@ -1370,7 +1378,8 @@ impl CudaBackend {
         counters: u64,
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        let lanes = keys.len();
+        // tab.len[i] >= 1 (the new row, or a count attn_decode_only checked)
+        let keys = tab.len[..lanes].iter().map(|&n| n as usize);
         let nchunks = kernels::decode_chunks(keys, self.variant == Variant::Planted);
         let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
@@ -1389,10 +1398,10 @@ impl CudaBackend {
         let scale = 1.0f32 / (hd as f32).sqrt();
         let grid = (
             u32v("attention", p.grid[0] as usize)?,
-            u32v("attention", nkv)?,
-            u32v("attention", lanes)?,
+            u32v("attention", p.grid[1] as usize)?,
+            u32v("attention", p.grid[2] as usize)?,
         );
-        go!(self, Source::Ops, p.kernel, grid, 128, 0;
+        go!(self, Source::Ops, p.kernel, grid, p.block as u32, 0;
             tab, &q, &out, &pm, &pl, &pacc, &counters, &nh32, &nkv32, &hd32, &cap64, &scale);
         Ok(())
     }

@@ -1883,7 +1883,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         rel_l2(&planted, &reference),
         tol,
     );
-    let nchunks = crate::kernels::decode_chunks(&[cap], true);
+    let nchunks = crate::kernels::decode_chunks([cap], true);
     for (lanes, nh, nkv, hd, f32kv) in [
         (32, 16, 2, 256, true),
         (32, 16, 2, 256, false),

@@ -947,10 +947,10 @@ pub fn decode_chunk(keys: usize) -> usize {
 /// Chunks of the decode grid for lanes seeing `keys` keys: the most any lane needs. The planted
 /// build (`past_limit`) reads one key past each lane's limit, so it is sized for one key more
 /// (an extra chunk is empty for the other lanes and adds exactly nothing).
-pub fn decode_chunks(keys: &[usize], past_limit: bool) -> usize {
+pub fn decode_chunks(keys: impl IntoIterator<Item = usize>, past_limit: bool) -> usize {
     let extra = usize::from(past_limit);
-    keys.iter()
-        .map(|&k| cdiv(k + extra, decode_chunk(k)))
+    keys.into_iter()
+        .map(|k| cdiv(k + extra, decode_chunk(k)))
         .max()
         .unwrap_or(1)
         .max(1)
