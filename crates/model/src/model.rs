@@ -762,6 +762,18 @@ impl<B: Backend> Model<B> {
         self.prefill_traced(lane, rows, None, None).map(|_| ())
     }
 
+    /// [`Model::prefill`] in pieces of at most `chunk` rows (the activation scratch a memory
+    /// plan reserves is sized for its chunk); the lane ends in the same state.
+    pub fn prefill_chunked(
+        &self,
+        lane: &mut LaneState<B>,
+        rows: &[Row],
+        chunk: usize,
+    ) -> Result<()> {
+        rows.chunks(chunk.max(1))
+            .try_for_each(|piece| self.prefill(lane, piece))
+    }
+
     fn prefill_traced(
         &self,
         lane: &mut LaneState<B>,

@@ -1637,10 +1637,9 @@ impl<B: Backend> Worker<B> {
     /// so a long prompt's prefill uses the scratch the plan reserved. Chunks restart at each call,
     /// so a prefix restored from the cache continues exactly as a prefilled one would.
     fn prefill(&self, lane: &mut LaneState<B>, rows: &[model::Row]) -> Result<(), String> {
-        for chunk in rows.chunks(self.prefill_chunk.max(1)) {
-            self.model.prefill(lane, chunk).map_err(|e| e.to_string())?;
-        }
-        Ok(())
+        self.model
+            .prefill_chunked(lane, rows, self.prefill_chunk)
+            .map_err(|e| e.to_string())
     }
 
     fn prefill_segment(&self, a: &mut Active<B>) -> Result<(), String> {

@@ -59,9 +59,8 @@ pub fn fill_window<B: Backend>(
     let rows = filler_rows(ck, p);
     let mut lane = m.new_lane(window).map_err(|e| e.to_string())?;
     let t = Instant::now();
-    for piece in rows.chunks(chunk.max(1)) {
-        m.prefill(&mut lane, piece).map_err(|e| e.to_string())?;
-    }
+    m.prefill_chunked(&mut lane, &rows, chunk)
+        .map_err(|e| e.to_string())?;
     let prefill_seconds = t.elapsed().as_secs_f64();
     let last_logits = m
         .main_logits(&[&mut lane])
