@@ -1171,6 +1171,19 @@ enum CodecMsg {
     },
 }
 
+impl CodecMsg {
+    /// The job the message is about.
+    fn key(&self) -> u64 {
+        match self {
+            CodecMsg::Start { key, .. }
+            | CodecMsg::Frame { key, .. }
+            | CodecMsg::Finish { key, .. }
+            | CodecMsg::Fail { key, .. }
+            | CodecMsg::Drop { key } => *key,
+        }
+    }
+}
+
 struct CodecJob {
     events: mpsc::UnboundedSender<JobEvent>,
     submitted: Instant,
@@ -1212,13 +1225,7 @@ fn codec_loop(
         // frames waiting per job, in arrival order of the jobs
         let mut pending: Vec<(u64, Vec<Vec<u32>>)> = Vec::new();
         for msg in batch {
-            let key = match &msg {
-                CodecMsg::Frame { key, .. } => *key,
-                CodecMsg::Start { key, .. }
-                | CodecMsg::Finish { key, .. }
-                | CodecMsg::Fail { key, .. }
-                | CodecMsg::Drop { key } => *key,
-            };
+            let key = msg.key();
             if let CodecMsg::Frame { codes, .. } = msg {
                 match pending.iter_mut().find(|(k, _)| *k == key) {
                     Some((_, f)) if f.len() < max_chunk => f.push(codes),
