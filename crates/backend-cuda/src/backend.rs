@@ -580,22 +580,44 @@ fn norm_block(group: usize) -> u32 {
     }
 }
 
-/// Whether `gemv_tc` takes a K: a multiple of 32 up to 8192 (16 warps of 512 keys).
-fn tc_fits(k: usize) -> bool {
-    k >= 32 && k.is_multiple_of(32) && k <= 8192
+/// The BF16 GEMV kernels of a call: for one weight and for several (`Multi`), the outputs a
+/// block covers and its threads. Tensor cores (`gemv_tc*`, when on) take K a multiple of 32 up
+/// to 8192 with one warp per 512 keys; otherwise the FMA GEMVs, with four outputs per warp
+/// from `GEMV_WIDE_ROWS` rows on. Each choice gives every row the same bits at any row count.
+struct Bf16Gemv {
+    single: &'static str,
+    multi: &'static str,
+    per_block: usize,
+    block: u32,
+    /// `gemv_tc` takes no row-id argument.
+    tc: bool,
 }
 
-/// Threads of a `gemv_tc` block for K: one warp per 512 keys.
-fn tc_block(k: usize) -> u32 {
-    (32 * k.div_ceil(512)) as u32
-}
-
-/// The BF16 GEMV kernel for `rows` rows and the outputs each of its 256-thread blocks covers.
-fn gemv_width(rows: usize) -> (&'static str, usize) {
-    if rows >= GEMV_WIDE_ROWS {
-        ("gemv_bf16_w4", 32)
+fn bf16_gemv(tc_on: bool, rows: usize, k: usize) -> Bf16Gemv {
+    if tc_on && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
+        Bf16Gemv {
+            single: "gemv_tc",
+            multi: "gemv_tc_multi",
+            per_block: 16,
+            block: (32 * k.div_ceil(512)) as u32,
+            tc: true,
+        }
+    } else if rows >= GEMV_WIDE_ROWS {
+        Bf16Gemv {
+            single: "gemv_bf16_w4",
+            multi: "gemv_bf16_multi_w4",
+            per_block: 32,
+            block: 256,
+            tc: false,
+        }
     } else {
-        ("gemv_bf16", 8)
+        Bf16Gemv {
+            single: "gemv_bf16",
+            multi: "gemv_bf16_multi",
+            per_block: 8,
+            block: 256,
+            tc: false,
+        }
     }
 }
 
@@ -1116,10 +1138,8 @@ impl CudaBackend {
             "kv_append_bf16"
         };
         go!(self, Source::Ops, app, grid_app, 128, 0; &tab, &kp, &vp, &t32, &nkv32, &hd32, &cap64);
-        let flash = t >= self.opts.flash_min_rows
-            && hd.is_multiple_of(32)
-            && hd <= kernels::FLASH_MAX_HEAD_DIM
-            && nh.is_multiple_of(nkv);
+        // check::attn (in every caller) already made the heads whole groups of the kv heads
+        let flash = t >= self.opts.flash_min_rows && kernels::flash_fits(hd);
         if flash {
             self.attend_flash(&tab, qp, op, d, lanes, t, cap, f32kv)?;
             for c in caches.iter_mut() {
@@ -1946,17 +1966,16 @@ impl Backend for CudaBackend {
                         format!("BF16 GEMV needs K a multiple of 8, got {k}"),
                     ));
                 }
-                if self.opts.tc_gemv && tc_fits(k) {
-                    let g = (u32v(op, n_out.div_ceil(16))?, 1, 1);
-                    go!(self, Source::Gemv, "gemv_tc", g, tc_block(k), 0;
+                let gv = bf16_gemv(self.opts.tc_gemv, x.rows, k);
+                let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
+                if gv.tc {
+                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
-                    return Ok(out);
+                } else {
+                    let null = 0u64;
+                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
+                        &mem.ptr, &x.ptr(), &out.ptr(), &null, &n32, &k32, &r32);
                 }
-                let null = 0u64;
-                let (name, per_block) = gemv_width(x.rows);
-                let g = (u32v(op, n_out.div_ceil(per_block))?, 1, 1);
-                go!(self, Source::Gemv, name, g, 256, 0;
-                    &mem.ptr, &x.ptr(), &out.ptr(), &null, &n32, &k32, &r32);
             }
             CudaWeight::Fp8 { mem, scale, .. } => {
                 go!(self, Source::Moe, "gemv_fp8", grid, 256, 0;
@@ -2020,16 +2039,12 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
-        let tc = self.opts.tc_gemv && tc_fits(k);
-        let (name, per_block) = gemv_width(x.rows);
-        let (name, per_block, block) = if tc {
-            ("gemv_tc_multi", 16, tc_block(k))
-        } else if per_block == 8 {
-            ("gemv_bf16_multi", 8, 256)
-        } else {
-            debug_assert_eq!(name, "gemv_bf16_w4");
-            ("gemv_bf16_multi_w4", 32, 256)
-        };
+        let Bf16Gemv {
+            multi: name,
+            per_block,
+            block,
+            ..
+        } = bf16_gemv(self.opts.tc_gemv, x.rows, k);
         let mut blocks = 0usize;
         for (j, w) in ws.iter().enumerate() {
             let CudaWeight::Bf16 { mem, rows: n, .. } = w else {

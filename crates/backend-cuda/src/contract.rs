@@ -1081,6 +1081,24 @@ pub fn nominal_limits() -> Vec<(String, Vec<String>)> {
         k::plan_gemv(262_144, 8192, 8, 262_144),
         k::plan_flash(262_144, 16, 1, 256, 262_144, true),
         k::plan_flash(262_144, 16, 1, 256, 262_144, false),
+        k::plan_decode(
+            32,
+            16,
+            2,
+            256,
+            262_144,
+            k::decode_chunks([262_144], true),
+            true,
+        ),
+        k::plan_decode(
+            32,
+            16,
+            2,
+            256,
+            262_144,
+            k::decode_chunks([262_144], true),
+            false,
+        ),
     ]
     .into_iter()
     .filter_map(|p| p.ok())

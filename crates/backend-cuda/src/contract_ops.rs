@@ -10,58 +10,60 @@ use crate::error::Result;
 use crate::reference::{bf16, fp8_e4m3, rel_l2, sigmoid, silu};
 use crate::runtime::Variant;
 
+/// The contract's base options: every op on its per-row kernels (no split decode, no flash
+/// prefill, no tiled GEMM), BF16 linears on tensor cores; the backends below change one knob.
+fn base_opts(kv_f32: bool) -> CudaOptions {
+    CudaOptions {
+        kv_f32,
+        split_min_keys: usize::MAX,
+        flash_min_rows: usize::MAX,
+        gemm_min_rows: usize::MAX,
+        tc_gemv: true,
+    }
+}
+
 fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
     linear_backend(c, v, kv_f32, true)
 }
 
 /// [`backend`] with BF16 linears on tensor cores (`gemv_tc`) or on the FMA GEMVs.
 fn linear_backend(c: &Ctx, v: Variant, kv_f32: bool, tc_gemv: bool) -> CudaBackend {
-    CudaBackend::with_gpu(
-        c.shared.clone(),
-        v,
-        CudaOptions {
-            kv_f32,
-            split_min_keys: usize::MAX,
-            flash_min_rows: usize::MAX,
-            gemm_min_rows: usize::MAX,
-            tc_gemv,
-        },
-    )
+    let o = CudaOptions {
+        tc_gemv,
+        ..base_opts(kv_f32)
+    };
+    CudaBackend::with_gpu(c.shared.clone(), v, o)
 }
 
 /// A backend whose prefill attention takes the tiled flash-style kernel from 2 rows on.
 fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
-    CudaBackend::with_gpu(
-        c.shared.clone(),
-        v,
-        CudaOptions {
-            kv_f32,
-            split_min_keys: usize::MAX,
-            flash_min_rows: 2,
-            gemm_min_rows: usize::MAX,
-            tc_gemv: true,
-        },
-    )
+    let o = CudaOptions {
+        flash_min_rows: 2,
+        ..base_opts(kv_f32)
+    };
+    CudaBackend::with_gpu(c.shared.clone(), v, o)
 }
 
 /// A backend whose `Rows::Bulk` linears and FP8 experts take the tiled GEMMs from 2 rows on.
 fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
-    CudaBackend::with_gpu(
-        c.shared.clone(),
-        v,
-        CudaOptions {
-            kv_f32: true,
-            split_min_keys: usize::MAX,
-            flash_min_rows: usize::MAX,
-            gemm_min_rows: 2,
-            tc_gemv: true,
-        },
-    )
+    let o = CudaOptions {
+        gemm_min_rows: 2,
+        ..base_opts(true)
+    };
+    CudaBackend::with_gpu(c.shared.clone(), v, o)
 }
 
 /// FP64 `x W^T` of a dense BF16 `W [n, k]` over `rows` rows ([`crate::reference::gemv`]).
 fn gemv_ref(w: &[u16], x: &[f32], k: usize, rows: usize, n: usize) -> Vec<f64> {
     crate::reference::gemv(w, x, k, rows, &(0..n).collect::<Vec<_>>())
+}
+
+/// Cosine of an output against a planted value.
+fn cosine(a: &[f32], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(&x, y)| f64::from(x) * y).sum();
+    let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    let nb = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    dot / (na * nb)
 }
 
 fn f64s(x: &[f32]) -> Vec<f64> {
@@ -179,19 +181,13 @@ fn triple3(
     run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
     kv_f32: bool,
 ) -> Result<()> {
-    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-        .iter()
-        .map(|&v| run(&backend(c, v, kv_f32)))
-        .collect::<Result<_>>()?;
-    c.check(case, rel_l2(&got[0], reference), tol);
-    c.discriminate(case, rel_l2(&got[1], reference), tol);
-    c.control(case, rel_l2(&got[2], reference), tol);
-    Ok(())
+    let make = |c: &Ctx, v| backend(c, v, kv_f32);
+    triple_with(c, case, tol, reference, true, make, run).map(drop)
 }
 
-/// [`triple3`] (BF16 cache layout, linears on tensor cores or not) on the first
-/// `reference.len()` values of each run, which may append more for the caller's own checks;
-/// returns the exact build's whole output.
+/// [`triple3`] on the first `reference.len()` values of each run (BF16 cache layout, linears
+/// on tensor cores or not), which may append more for the caller's own checks; returns the
+/// exact build's whole output.
 fn triple_prefix(
     c: &mut Ctx,
     case: &str,
@@ -200,14 +196,34 @@ fn triple_prefix(
     tc_gemv: bool,
     run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
 ) -> Result<Vec<f32>> {
+    let make = |c: &Ctx, v| linear_backend(c, v, false, tc_gemv);
+    triple_with(c, case, tol, reference, false, make, run)
+}
+
+/// The three builds from `make`, each run by `run`; check, discrimination and control on the
+/// whole output (`whole`, where a length other than the reference's fails) or on its first
+/// `reference.len()` values; the exact build's whole output.
+fn triple_with(
+    c: &mut Ctx,
+    case: &str,
+    tol: f64,
+    reference: &[f64],
+    whole: bool,
+    make: impl Fn(&Ctx, Variant) -> CudaBackend,
+    run: impl Fn(&CudaBackend) -> Result<Vec<f32>>,
+) -> Result<Vec<f32>> {
     let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
         .iter()
-        .map(|&v| run(&linear_backend(c, v, false, tc_gemv)))
+        .map(|&v| run(&make(c, v)))
         .collect::<Result<_>>()?;
     let n = reference.len();
-    c.check(case, rel_l2(&got[0][..n], reference), tol);
-    c.discriminate(case, rel_l2(&got[1][..n], reference), tol);
-    c.control(case, rel_l2(&got[2][..n], reference), tol);
+    let part = |g: &[f32]| -> f64 {
+        let g = if whole { g } else { g.get(..n).unwrap_or(g) };
+        rel_l2(g, reference)
+    };
+    c.check(case, part(&got[0]), tol);
+    c.discriminate(case, part(&got[1]), tol);
+    c.control(case, part(&got[2]), tol);
     Ok(got.into_iter().next().unwrap_or_default())
 }
 
@@ -941,13 +957,7 @@ pub(super) fn attn_flash(c: &mut Ctx) -> Result<()> {
     );
     let o5 = &out[5 * w..5 * w + hd];
     let o10 = &out[10 * w + 2 * hd..10 * w + 3 * hd];
-    let cos = |a: &[f32], b: &[f64]| -> f64 {
-        let dot: f64 = a.iter().zip(b).map(|(&x, y)| f64::from(x) * y).sum();
-        let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-        let nb = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-        dot / (na * nb)
-    };
-    let (ce, cb) = (cos(o5, &early), cos(o10, &beyond));
+    let (ce, cb) = (cosine(o5, &early), cosine(o10, &beyond));
     c.push(
         "262144 keys: row 5 finds key 7, row 10 ignores key 262091",
         Kind::Check,
@@ -1694,17 +1704,12 @@ fn decode_backend(
     v: Variant,
     kv_f32: bool,
 ) -> CudaBackend {
-    CudaBackend::with_gpu(
-        gpu.clone(),
-        v,
-        CudaOptions {
-            kv_f32,
-            split_min_keys: 1,
-            flash_min_rows: 2,
-            gemm_min_rows: usize::MAX,
-            tc_gemv: true,
-        },
-    )
+    let o = CudaOptions {
+        split_min_keys: 1,
+        flash_min_rows: 2,
+        ..base_opts(kv_f32)
+    };
+    CudaBackend::with_gpu(gpu.clone(), v, o)
 }
 
 /// A cache of `cap` rows holding the K/V rows `k`, `v` (`[rows][nkv·hd]`), written by `be`'s
@@ -1864,13 +1869,10 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         rel_l2(&out, &reference),
         tol,
     );
-    let cos = |a: &[f32], b: &[f64]| -> f64 {
-        let dot: f64 = a.iter().zip(b).map(|(&x, y)| f64::from(x) * y).sum();
-        let na = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-        let nb = b.iter().map(|y| y * y).sum::<f64>().sqrt();
-        dot / (na * nb)
-    };
-    let (ce, cb) = (cos(&out[..hd], &early), cos(&out[2 * hd..3 * hd], &beyond));
+    let (ce, cb) = (
+        cosine(&out[..hd], &early),
+        cosine(&out[2 * hd..3 * hd], &beyond),
+    );
     c.push(
         "262143 keys: head 0 finds key 7, head 2 ignores key 262143",
         Kind::Check,

@@ -882,6 +882,11 @@ pub fn attention(
 
 // ---------------------------------------------------------------- flash-style causal prefill
 
+/// Whether `attn_flash_*` takes a head dim (a multiple of 32 up to 256).
+pub fn flash_fits(hd: usize) -> bool {
+    hd.is_multiple_of(32) && hd > 0 && hd <= FLASH_MAX_HEAD_DIM
+}
+
 /// `attn_flash_{f32,bf16}` (ops.cu) over `t` rows per lane of `nh` heads of `hd` dims, caches of
 /// `cap` rows: one block per 32 rows of one head of one lane, Q and a K/V tile in shared memory.
 pub fn plan_flash(
@@ -897,11 +902,9 @@ pub fn plan_flash(
     } else {
         "attn_flash_bf16"
     };
-    need(
-        kernel,
-        hd.is_multiple_of(32) && hd > 0 && hd <= FLASH_MAX_HEAD_DIM,
-        || format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}"),
-    )?;
+    need(kernel, flash_fits(hd), || {
+        format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}")
+    })?;
     let floats = mul(
         "flash shared memory",
         &[FLASH_ROWS + 2 * FLASH_KEYS, hd + 4],
