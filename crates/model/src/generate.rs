@@ -214,12 +214,7 @@ impl<B: Backend> Model<B> {
             );
             self.candidates()[c]
         };
-        let toks: Vec<u32> = if n_lanes > 1 {
-            use rayon::prelude::*;
-            (0..n_lanes).into_par_iter().map(draw).collect()
-        } else {
-            (0..n_lanes).map(draw).collect()
-        };
+        let toks: Vec<u32> = crate::lanes_map(n_lanes, draw);
         for (i, tok) in toks.into_iter().enumerate() {
             if g.is_semantic(i64::from(tok)) {
                 active.push(i);

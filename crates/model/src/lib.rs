@@ -43,3 +43,14 @@ pub enum ModelError {
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
 }
+
+/// `f(0..n)` in lane order: on the rayon pool when there are several lanes (each lane's draw
+/// depends on its own logits and counters only), in place for one.
+pub(crate) fn lanes_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    if n > 1 {
+        use rayon::prelude::*;
+        (0..n).into_par_iter().map(f).collect()
+    } else {
+        (0..n).map(f).collect()
+    }
+}

@@ -927,19 +927,8 @@ impl<B: Backend> Model<B> {
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
                 let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
-                // each lane's draw depends on its own logits and counter only: draw in parallel
-                let codes: Vec<u32> = if n > 1 {
-                    use rayon::prelude::*;
-                    l.par_chunks_exact(g.codebook)
-                        .enumerate()
-                        .map(|(i, row)| pick(r, i, row))
-                        .collect()
-                } else {
-                    l.chunks_exact(g.codebook)
-                        .enumerate()
-                        .map(|(i, row)| pick(r, i, row))
-                        .collect()
-                };
+                let cb = g.codebook;
+                let codes: Vec<u32> = crate::lanes_map(n, |i| pick(r, i, &l[i * cb..(i + 1) * cb]));
                 for (i, (row, code)) in l.chunks_exact(g.codebook).zip(codes).enumerate() {
                     frames[i][2 + r] = i64::from(code);
                     if let Some(hl) = head_logits.as_deref_mut() {
