@@ -42,16 +42,11 @@ impl CpuKv {
     }
 
     pub fn append(&mut self, k: &[f32], v: &[f32], rows: usize) -> Result<(), BackendError> {
-        let need = self.len.saturating_add(rows);
-        if need > self.capacity {
-            return Err(BackendError::KvFull {
-                len: self.len,
-                add: rows,
-                need,
-                capacity: self.capacity,
-            });
-        }
+        let need = model::check::kv_room(self.len, rows, self.capacity)?;
         let n = rows * self.width;
+        // a row staged by a round that was never noted is dropped
+        self.k.truncate(self.len * self.width);
+        self.v.truncate(self.len * self.width);
         if self.round_bf16 {
             let r = |x: &f32| half::bf16::from_f32(*x).to_f32();
             self.k.extend(k[..n].iter().map(r));
@@ -59,6 +54,31 @@ impl CpuKv {
         } else {
             self.k.extend_from_slice(&k[..n]);
             self.v.extend_from_slice(&v[..n]);
+        }
+        self.len = need;
+        Ok(())
+    }
+
+    /// Writes one row at index `len` without counting it (a kept frame round's append; the
+    /// round's bookkeeping counts it with [`CpuKv::note`]).
+    pub fn stage(&mut self, k: &[f32], v: &[f32]) -> Result<(), BackendError> {
+        self.append(k, v, 1)?;
+        self.len -= 1;
+        Ok(())
+    }
+
+    /// Counts `rows` rows already written past `len` (by [`CpuKv::stage`]).
+    pub fn note(&mut self, rows: usize) -> Result<(), BackendError> {
+        let need = self.len.saturating_add(rows);
+        if need * self.width > self.k.len() {
+            return Err(BackendError::Shape {
+                op: "kv_note",
+                why: format!(
+                    "{rows} rows noted past {} but only {} are written",
+                    self.len,
+                    self.k.len() / self.width.max(1)
+                ),
+            });
         }
         self.len = need;
         Ok(())

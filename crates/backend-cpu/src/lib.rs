@@ -8,9 +8,11 @@
 pub mod attn;
 pub mod gdn;
 pub mod linear;
+pub mod round;
 
 use checkpoint::{Checkpoint, DType, TensorView};
 use model::backend::BResult;
+use model::backend::{CodeTerm, Counter, RoundLane, RoundSpec, Slot};
 use model::check;
 use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 use rayon::prelude::*;
@@ -85,6 +87,7 @@ impl Backend for CpuBackend {
     type Kv = CpuKv;
     type Gdn = CpuGdn;
     type Route = Route;
+    type Round = round::CpuRound;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -575,6 +578,107 @@ impl Backend for CpuBackend {
             }
         }
         Ok(CpuBuf::new(x.rows, h, out))
+    }
+
+    fn write_rows(&self, src: &CpuBuf, dst: &mut [&mut CpuBuf]) -> BResult<()> {
+        check::lanes("write_rows", src.rows, dst.len())?;
+        for (i, d) in dst.iter_mut().enumerate() {
+            if d.shape() != (1, src.cols) {
+                return Err(shape_err(
+                    "write_rows",
+                    format!(
+                        "row {i} goes to a {:?} buffer, not [1, {}]",
+                        d.shape(),
+                        src.cols
+                    ),
+                ));
+            }
+            d.data.copy_from_slice(src.row(i));
+        }
+        Ok(())
+    }
+
+    fn kv_note(&self, kv: &mut CpuKv, rows: usize) -> BResult<()> {
+        kv.note(rows)
+    }
+
+    fn round_new(&self, lanes: usize, spec: &RoundSpec) -> BResult<round::CpuRound> {
+        Ok(round::CpuRound::new(lanes, spec))
+    }
+
+    fn round_write(&self, round: &mut round::CpuRound, lanes: &[RoundLane]) -> BResult<()> {
+        round.write(lanes)
+    }
+
+    fn round_frames(&self, round: &round::CpuRound) -> BResult<Vec<model::Row>> {
+        Ok(round.frames.clone())
+    }
+
+    fn round_sample(
+        &self,
+        logits: &CpuBuf,
+        round: &mut round::CpuRound,
+        slot: Slot,
+    ) -> BResult<()> {
+        round.sample(logits, slot)
+    }
+
+    fn round_embed(
+        &self,
+        tables: &[&CpuWeight],
+        round: &round::CpuRound,
+        terms: &[CodeTerm],
+        scale: f32,
+    ) -> BResult<CpuBuf> {
+        round.embed(tables, terms, scale)
+    }
+
+    fn rope_round(
+        &self,
+        x: &CpuBuf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        round: &round::CpuRound,
+        counter: Counter,
+    ) -> BResult<CpuBuf> {
+        let p = round.counter("rope_round", x.rows, counter)?;
+        self.rope(x, head_dim, rot_dims, theta, style, &p)
+    }
+
+    fn attn_step_round(
+        &self,
+        q: &CpuBuf,
+        k: &CpuBuf,
+        v: &CpuBuf,
+        d: &AttnDims,
+        caches: &mut [&mut CpuKv],
+        round: &round::CpuRound,
+        counter: Counter,
+    ) -> BResult<CpuBuf> {
+        check::lanes("attn_step_round", q.rows, caches.len())?;
+        let lens = round.counter("attn_step_round", q.rows, counter)?;
+        for (i, c) in caches.iter_mut().enumerate() {
+            check_attn(q, k, v, d, c.width)?;
+            if c.len != lens[i] {
+                return Err(shape_err(
+                    "attn_step_round",
+                    format!(
+                        "lane {i}'s cache holds {} rows, its round counter {}",
+                        c.len, lens[i]
+                    ),
+                ));
+            }
+            c.stage(k.row(i), v.row(i))?;
+        }
+        let width = d.q_heads * d.head_dim;
+        let mut out = vec![0f32; q.rows * width];
+        let caches: Vec<&CpuKv> = caches.iter().map(|c| &**c).collect();
+        out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+            attn::attend_row(q.row(i), caches[i], caches[i].len + 1, d, o);
+        });
+        Ok(CpuBuf::new(q.rows, width, out))
     }
 }
 

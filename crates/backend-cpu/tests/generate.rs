@@ -270,3 +270,99 @@ fn mtp_shared_pre_placement() {
     pre.prefill(&mut lane, p).unwrap();
     pre.step_frame(&mut lane, &sampled(), 1, 0).unwrap();
 }
+
+/// The round kept on the backend (draws by the backend's round ops, embeddings from the
+/// round's frames, lengths and positions from its counters) gives each lane the frames of the
+/// host-drawn round bit for bit, including EOS, over lanes of different prompts and settings;
+/// the lane counters and caches end where the host round leaves them.
+#[test]
+fn kept_round_equals_host_round_bit_for_bit() {
+    let m = model();
+    let p = prompt();
+    let prompts: [&[Row]; 3] = [p, &p[..60], &p[..40]];
+    let params = [
+        sampled(),
+        // nearly uniform over the candidates: EOS comes within a few dozen frames
+        SamplingParams {
+            temperature: 50.0,
+            top_k: 0,
+            top_p: 1.0,
+            ras: true,
+        },
+        SamplingParams::greedy(),
+    ];
+    let steps_n = 40u64;
+    let mk = || -> Vec<LaneState<CpuBackend>> {
+        prompts
+            .iter()
+            .map(|r| {
+                let mut l = m.new_lane(r.len() + steps_n as usize + 1).unwrap();
+                m.prefill(&mut l, r).unwrap();
+                l
+            })
+            .collect()
+    };
+    let (mut host, mut kept) = (mk(), mk());
+    let mut live: Vec<usize> = (0..3).collect();
+    let (mut frames_seen, mut eos_seen) = (0, 0);
+    for step in 0..steps_n {
+        if live.is_empty() {
+            break;
+        }
+        let steps: Vec<LaneStep> = live
+            .iter()
+            .map(|&i| LaneStep {
+                params: params[i],
+                seed: 40 + i as u64,
+                step,
+            })
+            .collect();
+        let a = {
+            let mut ls: Vec<&mut LaneState<CpuBackend>> = host
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| live.contains(i))
+                .map(|(_, l)| l)
+                .collect();
+            m.step_frames(&mut ls, &steps, None, None).unwrap()
+        };
+        let b = {
+            let mut ls: Vec<&mut LaneState<CpuBackend>> = kept
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| live.contains(i))
+                .map(|(_, l)| l)
+                .collect();
+            m.step_frames_kept(&mut ls, &steps).unwrap()
+        };
+        assert_eq!(a, b, "step {step}");
+        frames_seen += a.iter().filter(|f| matches!(f, FrameOut::Frame(_))).count();
+        let mut next = Vec::new();
+        for (j, &i) in live.iter().enumerate() {
+            if a[j] == FrameOut::Eos {
+                // the kept lane is spent and refuses another round
+                eos_seen += 1;
+                let mut one = [&mut kept[i]];
+                let s = [steps[j]];
+                assert!(m.step_frames_kept(&mut one, &s).is_err());
+            } else {
+                assert_eq!(host[i].rows(), kept[i].rows());
+                next.push(i);
+            }
+        }
+        live = next;
+    }
+    assert!(frames_seen >= 40, "only {frames_seen} frames drawn");
+    assert!(eos_seen >= 1, "no lane drew EOS");
+    // The caches hold the same rows: one more host round on each live lane still agrees.
+    for &i in &live {
+        let s = [LaneStep {
+            params: params[i],
+            seed: 9,
+            step: 99,
+        }];
+        let a = m.step_frames(&mut [&mut host[i]], &s, None, None).unwrap();
+        let b = m.step_frames(&mut [&mut kept[i]], &s, None, None).unwrap();
+        assert_eq!(a, b, "lane {i} after the kept rounds");
+    }
+}

@@ -14,7 +14,15 @@ struct KvTab {
     unsigned long long k[MAX_LANES];
     unsigned long long v[MAX_LANES];
     long long len[MAX_LANES];  // rows in the cache before this call
+    // A recorded frame round reads the lengths from device memory instead: lenp[lane * lstride]
+    // + ladd (when lenp is not null), so a replay sees each round's counters.
+    const long long* lenp;
+    long long lstride;
+    long long ladd;
 };
+__device__ __forceinline__ long long tab_len(const KvTab& t, int lane) {
+    return t.lenp ? t.lenp[(long long)lane * t.lstride] + t.ladd : t.len[lane];
+}
 struct Tables {
     unsigned long long p[8];
 };
@@ -174,23 +182,39 @@ extern "C" __global__ void add_sigmoid_mul(const float* __restrict__ a, const fl
 
 // ---------------------------------------------------------------- rotary embedding
 
-// Rotary embedding of the first `rot` dims of each `hd` head of row r at position pos[r];
-// angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved pairs (2i, 2i+1).
-// Products are rounded separately (no fused multiply-add) as the CPU reference does.
-// One block per row. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
+// Rotary embedding of the first `rot` dims of each `hd` head of row r at position
+// pos[r * pstride]; angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved
+// pairs (2i, 2i+1). Products are rounded separately (no fused multiply-add) as the CPU reference
+// does. Grid (rows, heads): each block computes the row's rot/2 angles once into shared memory
+// (rot <= 512) and rotates one head. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
+#define ROPE_MAX_HALF 256
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
-                                const long long* __restrict__ pos, int cols, int hd, int rot, double theta,
-                                int interleaved) {
-    long long r = blockIdx.x;
+                                const long long* __restrict__ pos, long long pstride, int cols, int hd, int rot,
+                                double theta, int interleaved) {
+    __shared__ float cs_s[ROPE_MAX_HALF], sn_s[ROPE_MAX_HALF];
+    const long long r = blockIdx.x;
+    const int base = blockIdx.y * hd;
     const float* xr = x + r * cols;
     float* orow = out + r * cols;
-    long long p = pos[r];
+    const long long p = pos[r * pstride];
 #if PLANT == 1
     interleaved = !interleaved;
 #endif
-    int half = rot / 2;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        int base = (c / hd) * hd, d = c % hd;
+    const int half = rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+#ifdef LOWP
+        float ang = (float)p * powf((float)theta, -2.0f * (float)i / (float)rot);
+        cs_s[i] = cosf(ang);
+        sn_s[i] = sinf(ang);
+#else
+        double ang = (double)p * pow(theta, -(double)(2 * i) / (double)rot);
+        cs_s[i] = (float)cos(ang);
+        sn_s[i] = (float)sin(ang);
+#endif
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const int c = base + d;
         if (d >= rot) {
             orow[c] = xr[c];
             continue;
@@ -208,13 +232,7 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
             b = i + half;
             first = d < half;
         }
-#ifdef LOWP
-        float ang = (float)p * powf((float)theta, -2.0f * (float)i / (float)rot);
-        float cs = cosf(ang), sn = sinf(ang);
-#else
-        double ang = (double)p * pow(theta, -(double)(2 * i) / (double)rot);
-        float cs = (float)cos(ang), sn = (float)sin(ang);
-#endif
+        const float cs = cs_s[i], sn = sn_s[i];
         float x0 = xr[base + a], x1 = xr[base + b];
         orow[c] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
                         : __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
@@ -234,7 +252,7 @@ extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k
     long long row = (long long)lane * t + r;
     bf16_t* kc = (bf16_t*)tab.k[lane];
     bf16_t* vc = (bf16_t*)tab.v[lane];
-    long long dst = ((long long)kvh * cap + tab.len[lane] + r) * hd;
+    long long dst = ((long long)kvh * cap + tab_len(tab, lane) + r) * hd;
     const float* ks = k + row * nkv * hd + (long long)kvh * hd;
     const float* vs = v + row * nkv * hd + (long long)kvh * hd;
 #if PLANT == 1
@@ -258,7 +276,7 @@ extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k,
     long long row = (long long)lane * t + r;
     float* kc = (float*)tab.k[lane];
     float* vc = (float*)tab.v[lane];
-    long long dst = ((long long)kvh * cap + tab.len[lane] + r) * hd;
+    long long dst = ((long long)kvh * cap + tab_len(tab, lane) + r) * hd;
     const float* ks = k + row * nkv * hd + (long long)kvh * hd;
     const float* vs = v + row * nkv * hd + (long long)kvh * hd;
 #if PLANT == 1
@@ -291,7 +309,7 @@ __device__ void attn_generic_body(const KvTab& tab, const float* __restrict__ q,
     int r = blockIdx.x / nh, h = blockIdx.x % nh;
     int kvh = h / (nh / nkv);
     long long row = (long long)lane_id * t + r;
-    long long limit = tab.len[lane_id] + r + 1;
+    long long limit = tab_len(tab, lane_id) + r + 1;
 #if PLANT == 1
     limit += 1;
 #endif
@@ -399,7 +417,7 @@ __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, f
     int kvh = h / (nh / nkv);
     long long q0 = (long long)(gridDim.x - 1 - blockIdx.x) * FQ;
     int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
-    long long base = tab.len[lane_id];
+    long long base = tab_len(tab, lane_id);
     const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
     const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
     for (int i = tid; i < FQ * hd; i += blockDim.x) {
@@ -544,6 +562,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash_f32(KvTab tab, cons
 #define DS 64    // dims staged per pass
 #define DLD 68   // staged row stride in floats (DS + 4: conflict-free float4 reads by row)
 #define DMAXC 256
+#define DV_B 4   // V rows one warp loads at once in the decode kernel
 
 // Keys per block for a lane that sees `keys` keys: 128 (four warps of 32) doubled until at most
 // DMAXC chunks cover the keys. It depends on the lane's own length only, so a lane's chunks, and
@@ -575,7 +594,7 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     const int nchunks = gridDim.x, c = blockIdx.x, kvh = blockIdx.y, lane_id = blockIdx.z;
     const int G = nh / nkv, ne = hd >> 5;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const long long keys = tab.len[lane_id];
+    const long long keys = tab_len(tab, lane_id);
     long long limit = keys;
 #if PLANT == 1
     limit += 1;
@@ -605,15 +624,21 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
 #pragma unroll
             for (int hh = 0; hh < DG; ++hh) s[hh] = 0.0f;
             for (int d0 = 0; d0 < hd; d0 += DS) {
-                // 32 keys x 64 dims: 16 lanes per key row, two rows per step
-#pragma unroll 4
+                // 32 keys x 64 dims: 16 lanes per key row, two rows per step; all 16 loads are
+                // issued before any is stored (one memory round trip per 64 dims, not four)
+                float4 val[16];
+#pragma unroll
                 for (int rr = 0; rr < 16; ++rr) {
                     int row = rr * 2 + (lane >> 4);
                     int dd = d0 + (lane & 15) * 4;
                     long long kk = tile + row;
-                    float4 val = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    if (kk < k1 && dd < hd) val = kv_load4(kb, kk * hd + dd);
-                    *(float4*)(kw + row * DLD + (lane & 15) * 4) = val;
+                    val[rr] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (kk < k1 && dd < hd) val[rr] = kv_load4(kb, kk * hd + dd);
+                }
+#pragma unroll
+                for (int rr = 0; rr < 16; ++rr) {
+                    int row = rr * 2 + (lane >> 4);
+                    *(float4*)(kw + row * DLD + (lane & 15) * 4) = val[rr];
                 }
                 __syncwarp();
                 const int dn = hd - d0 < DS ? hd - d0 : DS;
@@ -648,17 +673,27 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
             }
             __syncwarp();
             const int nvalid = (int)(k1 - tile < 32 ? k1 - tile : 32);
-            for (int j = 0; j < nvalid; ++j) {
-                const T* vr = vb + (tile + j) * hd;
-                float vv[DHD / 32];
+            // V rows DV_B keys at a time, all loaded before any is used (the same FMAs in the
+            // same key order)
+            for (int j0 = 0; j0 < nvalid; j0 += DV_B) {
+                float vv[DV_B][DHD / 32];
 #pragma unroll
-                for (int e = 0; e < DHD / 32; ++e) vv[e] = e < ne ? kv_load(vr, lane + 32 * e) : 0.0f;
+                for (int jj = 0; jj < DV_B; ++jj) {
+                    const T* vr = vb + (tile + j0 + jj) * hd;
 #pragma unroll
-                for (int hh = 0; hh < DG; ++hh) {
-                    if (hh < G) {
-                        float p = ps[warp][j][hh];
+                    for (int e = 0; e < DHD / 32; ++e)
+                        vv[jj][e] = (e < ne && j0 + jj < nvalid) ? kv_load(vr, lane + 32 * e) : 0.0f;
+                }
 #pragma unroll
-                        for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = fmaf(p, vv[e], acc[hh][e]);
+                for (int jj = 0; jj < DV_B; ++jj) {
+                    if (j0 + jj >= nvalid) break;  // uniform across the warp
+#pragma unroll
+                    for (int hh = 0; hh < DG; ++hh) {
+                        if (hh < G) {
+                            float p = ps[warp][j0 + jj][hh];
+#pragma unroll
+                            for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = fmaf(p, vv[jj][e], acc[hh][e]);
+                        }
                     }
                 }
             }

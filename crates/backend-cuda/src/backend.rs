@@ -54,6 +54,60 @@ struct KvTab {
     k: [u64; MAX_LANES],
     v: [u64; MAX_LANES],
     len: [i64; MAX_LANES],
+    /// When not 0, the kernels read lane i's length as `lenp[i · lstride] + ladd` (a recorded
+    /// round's counters) instead of `len[i]`.
+    lenp: u64,
+    lstride: i64,
+    ladd: i64,
+}
+
+impl KvTab {
+    fn empty() -> Self {
+        KvTab {
+            k: [0; MAX_LANES],
+            v: [0; MAX_LANES],
+            len: [0; MAX_LANES],
+            lenp: 0,
+            lstride: 0,
+            ladd: 0,
+        }
+    }
+}
+
+/// `model::backend::RoundLane` as round.cu's `LaneIn` reads it (272 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct LaneIn {
+    rows: i64,
+    tower_rows: i64,
+    seed: u64,
+    step: u64,
+    temperature: f32,
+    top_k: i32,
+    top_p: f32,
+    ras: i32,
+    n_recent: i32,
+    pad: i32,
+    last: [i64; model::ROW_WIDTH],
+    recent: [i64; model::RAS_WINDOW],
+}
+
+/// i64 words per `LaneIn` (the stride of a round's counters).
+const LANE_IN_WORDS: usize = std::mem::size_of::<LaneIn>() / 8;
+
+/// Most terms of one `round_embed` (round.cu `MAX_TERMS`).
+const MAX_TERMS: usize = 16;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Terms {
+    table_rows: [i64; 8],
+    n: i32,
+    table: [i32; MAX_TERMS],
+    last: [i32; MAX_TERMS],
+    col: [i32; MAX_TERMS],
+    offset: [u32; MAX_TERMS],
+    guarded: [i32; MAX_TERMS],
 }
 
 #[repr(C)]
@@ -84,6 +138,8 @@ unsafe impl DeviceRepr for KvTab {}
 unsafe impl DeviceRepr for Tables {}
 // SAFETY: as above (`Multi` in kernels/gemv.cu: u64 arrays then i32 arrays, 200 bytes).
 unsafe impl DeviceRepr for Multi {}
+// SAFETY: as above (`Terms` in kernels/round.cu: an i64 array then i32/u32 arrays).
+unsafe impl DeviceRepr for Terms {}
 
 fn dev(e: impl std::fmt::Display) -> BackendError {
     BackendError::Device(e.to_string())
@@ -132,14 +188,56 @@ pub struct SmallPool {
     free: Mutex<Vec<Vec<u64>>>,
     /// Every block ever taken from the driver, released when the pool is dropped.
     backing: Mutex<Vec<CudaSlice<u8>>>,
+    /// A recorded round's pool: blocks of any size from `cuMemAlloc` (a stream-ordered
+    /// allocation would become a node of the graph being recorded), freed with the pool.
+    raw: Option<(Arc<cudarc::driver::CudaContext>, Mutex<Vec<u64>>)>,
+}
+
+impl Drop for SmallPool {
+    fn drop(&mut self) {
+        if let Some((ctx, blocks)) = &self.raw {
+            if ctx.bind_to_thread().is_ok() {
+                for &p in blocks.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                    // SAFETY: p came from malloc_sync and is freed once; the graph that used it
+                    // was dropped first and every replay was waited for (`round_frames`).
+                    let _ = unsafe { cu::free_sync(p) };
+                }
+            }
+        }
+    }
 }
 
 impl SmallPool {
     fn new() -> Self {
         SmallPool {
-            free: Mutex::new(vec![Vec::new(); 32]),
+            free: Mutex::new(vec![Vec::new(); 48]),
             backing: Mutex::new(Vec::new()),
+            raw: None,
         }
+    }
+
+    /// The private pool of one recorded round.
+    fn for_graph(ctx: Arc<cudarc::driver::CudaContext>) -> Self {
+        SmallPool {
+            free: Mutex::new(vec![Vec::new(); 48]),
+            backing: Mutex::new(Vec::new()),
+            raw: Some((ctx, Mutex::new(Vec::new()))),
+        }
+    }
+
+    /// A block of size class `class` from the free list or, for a graph's pool, a new one.
+    fn take_or_alloc_raw(&self, class: usize) -> BResult<u64> {
+        if let Some(p) = self.take(class) {
+            return Ok(p);
+        }
+        let Some((ctx, blocks)) = &self.raw else {
+            return Err(dev("not a graph pool"));
+        };
+        ctx.bind_to_thread().map_err(dev)?;
+        // SAFETY: a plain device allocation, freed in Drop.
+        let p = unsafe { cu::malloc_sync(1usize << class) }.map_err(dev)?;
+        blocks.lock().unwrap_or_else(|p| p.into_inner()).push(p);
+        Ok(p)
     }
 
     /// The size class of `bytes` (block size `1 << class`).
@@ -326,6 +424,59 @@ pub struct CudaRoute {
     k: usize,
 }
 
+/// A frame round kept on the device: each lane's inputs (`LaneIn`, written before each round),
+/// the frames it draws (`[lanes, 11]` i64), the candidate ids, and once recorded its graph with
+/// the graph's private buffers.
+pub struct CudaRound {
+    /// Dropped before `pool`: the graph's nodes point into it.
+    graph: Option<Graph>,
+    pool: Option<Arc<SmallPool>>,
+    lanes: usize,
+    lane_in: Mem,
+    frames: Mem,
+    cands: Mem,
+    spec: model::backend::RoundSpec,
+    /// The host copy of the inputs last written (the counters the ops check against).
+    host: Vec<model::backend::RoundLane>,
+}
+
+/// A recorded round. Graph objects are used by one thread at a time: the model keeps its round
+/// behind a mutex.
+struct Graph(cudarc::driver::CudaGraph);
+// SAFETY: the graph is only launched or dropped by the thread holding the model's round lock.
+unsafe impl Send for Graph {}
+
+impl CudaRound {
+    fn counter_ptr(&self, c: model::backend::Counter, lane0: usize) -> u64 {
+        let word = match c {
+            model::backend::Counter::Backbone => 0,
+            model::backend::Counter::Tower => 1,
+        };
+        self.lane_in.ptr + 8 * (lane0 * LANE_IN_WORDS + word) as u64
+    }
+
+    fn host_counter(&self, c: model::backend::Counter, i: usize) -> usize {
+        match c {
+            model::backend::Counter::Backbone => self.host[i].rows,
+            model::backend::Counter::Tower => self.host[i].tower_rows,
+        }
+    }
+
+    fn check_rows(&self, op: &'static str, rows: usize) -> BResult<()> {
+        if rows != self.lanes || self.host.len() != self.lanes {
+            return Err(shape_err(
+                op,
+                format!(
+                    "{rows} rows for a round of {} lanes ({} written)",
+                    self.lanes,
+                    self.host.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The device pointer table of one layer's experts: per expert gate, up, down, their scales
 /// and, for NVFP4, the addresses of their f32 globals (null entries for a pruned expert).
 struct ExpertTable {
@@ -369,6 +520,12 @@ pub struct CudaOptions {
     /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
+    /// Frame rounds stay on the device (draws there, one download per round):
+    /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
+    pub kept_rounds: bool,
+    /// Kept rounds are recorded once per lane set as a CUDA graph and replayed:
+    /// `DRAMATIS_CUDA_GRAPH=0` issues every launch instead.
+    pub graphs: bool,
 }
 
 impl CudaOptions {
@@ -394,6 +551,8 @@ impl CudaOptions {
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
             gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
+            kept_rounds: !get("DRAMATIS_CUDA_ROUNDS").is_some_and(|v| v.trim() == "host"),
+            graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
         }
     }
 }
@@ -417,6 +576,10 @@ pub struct CudaBackend {
     /// (the last block of each group resets its own).
     decode_count: Option<Mem>,
     small: Arc<SmallPool>,
+    /// While a frame round is recorded: the graph's private pool, which `alloc` serves from.
+    recording: Mutex<Option<Arc<SmallPool>>>,
+    /// Uploaded router keep-masks by content (a recorded round cannot upload).
+    masks: Mutex<std::collections::HashMap<Vec<u8>, Mem>>,
     prof: Prof,
 }
 
@@ -663,6 +826,8 @@ impl CudaBackend {
             err: None,
             decode_count: None,
             small: Arc::new(SmallPool::new()),
+            recording: Mutex::new(None),
+            masks: Mutex::new(std::collections::HashMap::new()),
             prof,
         };
         // without it `route` refuses to run (it could not report a non-finite row)
@@ -712,6 +877,22 @@ impl CudaBackend {
         self.prof
             .allocs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let recording = self
+            .recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(pool) = recording {
+            // a recorded round's buffers: the graph's own, never shared with other work
+            let class = SmallPool::class(bytes);
+            let ptr = pool.take_or_alloc_raw(class)?;
+            return Ok(Mem {
+                owner: Owner::Pool(pool, class),
+                ptr,
+                bytes,
+                id: next_mem_id(),
+            });
+        }
         if bytes <= SMALL_MAX {
             let class = SmallPool::class(bytes);
             let ptr = match self.small.take(class) {
@@ -755,7 +936,19 @@ impl CudaBackend {
         Ok(m)
     }
 
+    /// Whether launches are being recorded into a round's graph.
+    fn is_recording(&self) -> bool {
+        self.recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     fn htod<T: Copy>(&self, v: &[T]) -> BResult<Mem> {
+        if self.is_recording() {
+            // a replay would copy from host memory that is gone by then
+            return Err(dev("an upload inside a recorded frame round"));
+        }
         let bytes = std::mem::size_of_val(v);
         let m = self.alloc(bytes)?;
         if bytes > 0 {
@@ -767,6 +960,9 @@ impl CudaBackend {
     }
 
     fn dtoh<T: Copy + Default>(&self, ptr: u64, n: usize) -> BResult<Vec<T>> {
+        if self.is_recording() {
+            return Err(dev("a download inside a recorded frame round"));
+        }
         let mut out = vec![T::default(); n];
         let mut flag = [0i32; 1];
         self.gpu.ctx.bind_to_thread().map_err(dev)?;
@@ -786,11 +982,17 @@ impl CudaBackend {
                 unsafe { cu::memset_d8_async(e.ptr, 0, 4, self.cu_stream()) }.map_err(dev)?;
             }
             return Err(BackendError::NonFinite {
-                op: "route",
+                op: if flag[0] & 4 != 0 {
+                    "round_embed"
+                } else {
+                    "route"
+                },
                 why: if flag[0] & 1 != 0 {
                     "a router row had every kept logit NaN or -inf; the hidden state feeding \
                      the router is not finite"
                         .into()
+                } else if flag[0] & 4 != 0 {
+                    "a frame round embedded a code outside its table".into()
                 } else {
                     "a routing named a pruned or out-of-range expert".into()
                 },
@@ -1092,16 +1294,19 @@ impl CudaBackend {
         t: usize,
         row0: usize,
         out: &CudaBuf,
+        dev_lens: Option<u64>,
     ) -> BResult<()> {
         let lanes = caches.len();
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
         let cap = caches[0].capacity;
         let f32kv = caches[0].f32;
-        let mut tab = KvTab {
-            k: [0; MAX_LANES],
-            v: [0; MAX_LANES],
-            len: [0; MAX_LANES],
-        };
+        let mut tab = KvTab::empty();
+        if let Some(p) = dev_lens {
+            // a round's counters (the host lengths, checked equal by the caller, are noted
+            // after the round): the same kernels, lengths read on the device
+            tab.lenp = p;
+            tab.lstride = LANE_IN_WORDS as i64;
+        }
         for (i, c) in caches.iter().enumerate() {
             if c.capacity != cap || c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
                 return Err(shape_err(
@@ -1109,15 +1314,7 @@ impl CudaBackend {
                     "lanes of one call must share cache capacity and layout".into(),
                 ));
             }
-            let need = c.len.saturating_add(t);
-            if need > c.capacity {
-                return Err(BackendError::KvFull {
-                    len: c.len,
-                    add: t,
-                    need,
-                    capacity: c.capacity,
-                });
-            }
+            check::kv_room(c.len, t, c.capacity)?;
             tab.k[i] = c.k.ptr;
             tab.v[i] = c.v.ptr;
             tab.len[i] = i64v("attention", c.len)?;
@@ -1149,17 +1346,26 @@ impl CudaBackend {
         }
         let longest = caches.iter().map(|c| c.len + t).max().unwrap_or(0);
         let counters = self.decode_counters().unwrap_or(0);
+        // A round's lengths grow at each replay: it always splits (the default threshold, 1).
         let split = t == 1
-            && longest >= self.opts.split_min_keys
+            && (longest >= self.opts.split_min_keys || dev_lens.is_some())
             && kernels::decode_fits(nh, nkv, hd)
             && counters != 0;
+        let planted = self.variant == Variant::Planted;
         if split {
             // the new rows are in the caches now: each lane sees len + 1 keys
             let mut seen = tab;
+            seen.ladd = 1;
             for (i, c) in caches.iter().enumerate() {
                 seen.len[i] = i64v("attention", c.len + 1)?;
             }
-            self.attend_decode(&seen, lanes, qp, op, d, cap, f32kv, counters)?;
+            // a round's grid covers any length up to the capacity (chunks past a lane's
+            // length add exactly nothing)
+            let nchunks = match dev_lens {
+                Some(_) => kernels::decode_chunks_upto(cap, planted),
+                None => kernels::decode_chunks(caches.iter().map(|c| c.len + 1), planted),
+            };
+            self.attend_decode(&seen, lanes, qp, op, d, cap, f32kv, counters, nchunks)?;
         } else {
             let scale = 1.0f32 / (hd as f32).sqrt();
             let grid = (u32v("attention", t * nh)?, u32v("attention", lanes)?, 1);
@@ -1172,8 +1378,10 @@ impl CudaBackend {
             go!(self, Source::Ops, name, grid, 128, smem;
                 &tab, &qp, &op, &t32, &nh32, &nkv32, &hd32, &cap64, &scale);
         }
-        for c in caches.iter_mut() {
-            c.len += t;
+        if dev_lens.is_none() {
+            for c in caches.iter_mut() {
+                c.len += t;
+            }
         }
         Ok(())
     }
@@ -1327,11 +1535,7 @@ impl CudaBackend {
             ));
         }
         let (cap, f32kv) = (caches[0].capacity, caches[0].f32);
-        let mut tab = KvTab {
-            k: [0; MAX_LANES],
-            v: [0; MAX_LANES],
-            len: [0; MAX_LANES],
-        };
+        let mut tab = KvTab::empty();
         for (i, (c, &n)) in caches.iter().zip(keys).enumerate() {
             if c.capacity != cap
                 || c.f32 != f32kv
@@ -1370,6 +1574,7 @@ impl CudaBackend {
             cap,
             f32kv,
             counters,
+            kernels::decode_chunks(keys.iter().copied(), self.variant == Variant::Planted),
         )?;
         Ok(out)
     }
@@ -1396,11 +1601,9 @@ impl CudaBackend {
         cap: usize,
         f32kv: bool,
         counters: u64,
+        nchunks: usize,
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        // tab.len[i] >= 1 (the new row, or a count attn_decode_only checked)
-        let keys = tab.len[..lanes].iter().map(|&n| n as usize);
-        let nchunks = kernels::decode_chunks(keys, self.variant == Variant::Planted);
         let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
@@ -1563,6 +1766,17 @@ fn keep_pool_memory(gpu: &Gpu) {
     }
 }
 
+/// `rope`'s grid, (rows, heads); its shared angle table holds `rot / 2 <= 256` pairs.
+fn rope_grid(x: &CudaBuf, head_dim: usize, rot_dims: usize) -> BResult<(u32, u32, u32)> {
+    if rot_dims > 512 {
+        return Err(shape_err(
+            "rope",
+            format!("{rot_dims} rotary dims, at most 512"),
+        ));
+    }
+    Ok((u32v("rope", x.rows)?, u32v("rope", x.cols / head_dim)?, 1))
+}
+
 fn same_shape(op: &'static str, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
     check::same_shape(op, a.shape(), b.shape())
 }
@@ -1618,6 +1832,7 @@ impl Backend for CudaBackend {
     type Kv = CudaKv;
     type Gdn = CudaGdn;
     type Route = CudaRoute;
+    type Round = CudaRound;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -2131,8 +2346,8 @@ impl Backend for CudaBackend {
             i32v("rope", rot_dims)?,
         );
         let inter = i32::from(style == Rope::Interleaved);
-        go!(self, Source::Ops, "rope", (u32v("rope", x.rows)?, 1, 1), 128, 0;
-            &x.ptr(), &out.ptr(), &pd.ptr, &c32, &hd32, &rot32, &theta, &inter);
+        go!(self, Source::Ops, "rope", rope_grid(x, head_dim, rot_dims)?, 128, 0;
+            &x.ptr(), &out.ptr(), &pd.ptr, &1i64, &c32, &hd32, &rot32, &theta, &inter);
         Ok(out)
     }
 
@@ -2150,7 +2365,7 @@ impl Backend for CudaBackend {
         if q.rows == 0 {
             return Ok(out);
         }
-        self.attend(q, k, v, d, &mut [cache], q.rows, 0, &out)?;
+        self.attend(q, k, v, d, &mut [cache], q.rows, 0, &out, None)?;
         Ok(out)
     }
 
@@ -2169,7 +2384,7 @@ impl Backend for CudaBackend {
         }
         let out = self.buf(q.rows, d.q_heads * d.head_dim)?;
         for (ci, chunk) in caches.chunks_mut(MAX_LANES).enumerate() {
-            self.attend(q, k, v, d, chunk, 1, ci * MAX_LANES, &out)?;
+            self.attend(q, k, v, d, chunk, 1, ci * MAX_LANES, &out, None)?;
         }
         Ok(out)
     }
@@ -2253,11 +2468,22 @@ impl Backend for CudaBackend {
         let ids = self.alloc(cmul("route", &[n, k, 4])?)?;
         let wts = self.alloc(cmul("route", &[n, k, 4])?)?;
         if n > 0 {
-            let mask = match keep {
-                Some(m) => Some(self.htod(&m.iter().map(|&b| u8::from(b)).collect::<Vec<u8>>())?),
-                None => None,
+            let mp = match keep {
+                Some(m) => {
+                    let bytes: Vec<u8> = m.iter().map(|&b| u8::from(b)).collect();
+                    let mut masks = self.masks.lock().unwrap_or_else(|p| p.into_inner());
+                    match masks.get(&bytes) {
+                        Some(d) => d.ptr,
+                        None => {
+                            let d = self.htod(&bytes)?;
+                            let p = d.ptr;
+                            masks.insert(bytes, d);
+                            p
+                        }
+                    }
+                }
+                None => 0,
             };
-            let mp = mask.as_ref().map_or(0, |m| m.ptr);
             let ep = self.err_ptr()?;
             let p = kernels::plan_router(n, e).map_err(dev)?;
             let (e32, k32) = (i32v("route", e)?, i32v("route", k)?);
@@ -2353,6 +2579,368 @@ impl Backend for CudaBackend {
         }
         Ok(y)
     }
+
+    fn resident_rounds(&self) -> bool {
+        self.opts.kept_rounds
+    }
+
+    fn write_rows(&self, src: &CudaBuf, dst: &mut [&mut CudaBuf]) -> BResult<()> {
+        let _p = self.prof.guard("write_rows");
+        check::lanes("write_rows", src.rows, dst.len())?;
+        for (i, d) in dst.iter_mut().enumerate() {
+            if (d.rows, d.cols) != (1, src.cols) {
+                return Err(shape_err(
+                    "write_rows",
+                    format!(
+                        "row {i} goes to a {:?} buffer, not [1, {}]",
+                        (d.rows, d.cols),
+                        src.cols
+                    ),
+                ));
+            }
+            self.dtod(d.ptr(), src.row_ptr(i)?, src.cols * 4)?;
+        }
+        Ok(())
+    }
+
+    fn kv_note(&self, kv: &mut CudaKv, rows: usize) -> BResult<()> {
+        kv.len = check::kv_room(kv.len, rows, kv.capacity)?;
+        Ok(())
+    }
+
+    fn round_new(&self, lanes: usize, spec: &model::backend::RoundSpec) -> BResult<CudaRound> {
+        if lanes == 0 {
+            return Err(shape_err("round_new", "a round of 0 lanes".into()));
+        }
+        let lane_in = self.zeroed(cmul("round", &[lanes, std::mem::size_of::<LaneIn>()])?)?;
+        let frames = self.zeroed(cmul("round", &[lanes, model::ROW_WIDTH, 8])?)?;
+        let cands = self.htod(&spec.candidates)?;
+        Ok(CudaRound {
+            graph: None,
+            pool: None,
+            lanes,
+            lane_in,
+            frames,
+            cands,
+            spec: spec.clone(),
+            host: Vec::new(),
+        })
+    }
+
+    fn round_write(
+        &self,
+        round: &mut CudaRound,
+        lanes: &[model::backend::RoundLane],
+    ) -> BResult<()> {
+        let _p = self.prof.guard("round_write");
+        if lanes.len() != round.lanes {
+            return Err(shape_err(
+                "round_write",
+                format!("{} lanes for a round of {}", lanes.len(), round.lanes),
+            ));
+        }
+        if self.is_recording() {
+            return Err(dev("round_write inside a recorded frame round"));
+        }
+        let host: Vec<LaneIn> = lanes
+            .iter()
+            .map(|l| {
+                Ok(LaneIn {
+                    rows: i64v("round_write", l.rows)?,
+                    tower_rows: i64v("round_write", l.tower_rows)?,
+                    seed: l.seed,
+                    step: l.step,
+                    temperature: l.params.temperature,
+                    top_k: i32::try_from(l.params.top_k).unwrap_or(i32::MAX),
+                    top_p: l.params.top_p,
+                    ras: i32::from(l.params.ras),
+                    n_recent: l.n_recent.min(model::RAS_WINDOW) as i32,
+                    pad: 0,
+                    last: l.last,
+                    recent: l.recent,
+                })
+            })
+            .collect::<BResult<_>>()?;
+        self.gpu.ctx.bind_to_thread().map_err(dev)?;
+        // SAFETY: lane_in holds `lanes` LaneIn; pageable memory is staged before the call
+        // returns.
+        unsafe { cu::memcpy_htod_async(round.lane_in.ptr, &host, self.cu_stream()) }
+            .map_err(dev)?;
+        round.host = lanes.to_vec();
+        Ok(())
+    }
+
+    fn round_frames(&self, round: &CudaRound) -> BResult<Vec<model::Row>> {
+        let _p = self.prof.guard("download");
+        let v: Vec<i64> = self.dtoh(round.frames.ptr, round.lanes * model::ROW_WIDTH)?;
+        Ok(v.chunks_exact(model::ROW_WIDTH)
+            .map(|c| {
+                let mut r = [0i64; model::ROW_WIDTH];
+                r.copy_from_slice(c);
+                r
+            })
+            .collect())
+    }
+
+    fn round_sample(
+        &self,
+        logits: &CudaBuf,
+        round: &mut CudaRound,
+        slot: model::backend::Slot,
+    ) -> BResult<()> {
+        let _p = self.prof.guard("round_sample");
+        let op = "round_sample";
+        round.check_rows(op, logits.rows)?;
+        let n = logits.cols;
+        let slot32 = match slot {
+            model::backend::Slot::Main => {
+                if n != round.spec.candidates.len() {
+                    return Err(shape_err(
+                        op,
+                        format!(
+                            "{n} main logits per row for {} candidates",
+                            round.spec.candidates.len()
+                        ),
+                    ));
+                }
+                -1
+            }
+            model::backend::Slot::Head(r) => {
+                if 2 + r >= model::ROW_WIDTH {
+                    return Err(shape_err(
+                        op,
+                        format!("head {r} of {}", model::ROW_WIDTH - 2),
+                    ));
+                }
+                r as i32
+            }
+        };
+        let p = kernels::plan_round_sample(round.lanes, n).map_err(dev)?;
+        if let Some(why) = p.problems(&self.gpu.info).first() {
+            return Err(dev(format!("{}: {why}", p.kernel)));
+        }
+        let f = self
+            .gpu
+            .func(Source::Round, self.variant, p.kernel)
+            .map_err(dev)?;
+        let smem = i32v(op, p.dyn_smem as usize)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem,
+        )
+        .map_err(dev)?;
+        self.prof
+            .launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (n32, npad32) = (i32v(op, n)?, i32v(op, n.next_power_of_two())?);
+        let cfg = LaunchConfig {
+            grid_dim: (u32v(op, round.lanes)?, 1, 1),
+            block_dim: (p.block as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
+        // SAFETY: the arguments match round_sample in kernels/round.cu: logits [lanes, n],
+        // lane_in [lanes], frames [lanes, 11], cands [n] (main); the plan sized the shared
+        // memory for n rounded up to a power of two.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&f)
+                .arg(&logits.ptr())
+                .arg(&n32)
+                .arg(&npad32)
+                .arg(&round.lane_in.ptr)
+                .arg(&round.frames.ptr)
+                .arg(&round.cands.ptr)
+                .arg(&slot32)
+                .arg(&ss)
+                .arg(&se)
+                .launch(cfg)
+        }
+        .map_err(dev)?;
+        Ok(())
+    }
+
+    fn round_embed(
+        &self,
+        tables: &[&CudaWeight],
+        round: &CudaRound,
+        terms: &[model::backend::CodeTerm],
+        scale: f32,
+    ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("round_embed");
+        let op = "round_embed";
+        if tables.len() > 8 || terms.len() > MAX_TERMS {
+            return Err(shape_err(
+                op,
+                format!(
+                    "{} tables and {} terms, at most 8 and {MAX_TERMS}",
+                    tables.len(),
+                    terms.len()
+                ),
+            ));
+        }
+        let cols = tables.first().map_or(0, |t| t.cols());
+        let mut tabs = Tables { p: [0; 8] };
+        let mut tm = Terms {
+            table_rows: [0; 8],
+            n: terms.len() as i32,
+            table: [0; MAX_TERMS],
+            last: [0; MAX_TERMS],
+            col: [0; MAX_TERMS],
+            offset: [0; MAX_TERMS],
+            guarded: [0; MAX_TERMS],
+        };
+        for (i, t) in tables.iter().enumerate() {
+            match t {
+                CudaWeight::Bf16 { mem, cols: c, rows } if *c == cols => {
+                    tabs.p[i] = mem.ptr;
+                    tm.table_rows[i] = i64v(op, *rows)?;
+                }
+                _ => {
+                    return Err(shape_err(
+                        op,
+                        format!("table {i} must be BF16 with {cols} cols"),
+                    ))
+                }
+            }
+        }
+        for (i, t) in terms.iter().enumerate() {
+            if t.table >= tables.len() || t.col >= model::ROW_WIDTH {
+                return Err(shape_err(
+                    op,
+                    format!(
+                        "term {i}: table {} of {}, column {}",
+                        t.table,
+                        tables.len(),
+                        t.col
+                    ),
+                ));
+            }
+            tm.table[i] = t.table as i32;
+            tm.last[i] = i32::from(t.frame == model::backend::Frame::Last);
+            tm.col[i] = t.col as i32;
+            tm.offset[i] = t.offset;
+            tm.guarded[i] = i32::from(t.guarded);
+        }
+        let out = self.buf(round.lanes, cols)?;
+        if cols == 0 {
+            return Ok(out);
+        }
+        let (c32, ep) = (i32v(op, cols)?, self.err_ptr()?);
+        let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
+        go!(self, Source::Round, "round_embed", (u32v(op, round.lanes)?, 1, 1), 128, 0;
+            &tabs, &tm, &round.lane_in.ptr, &round.frames.ptr, &out.ptr(), &c32, &scale, &ss, &se, &ep);
+        Ok(out)
+    }
+
+    fn rope_round(
+        &self,
+        x: &CudaBuf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        round: &CudaRound,
+        counter: model::backend::Counter,
+    ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("rope");
+        round.check_rows("rope_round", x.rows)?;
+        check::rope(x.shape(), x.rows, head_dim, rot_dims)?;
+        let out = self.buf(x.rows, x.cols)?;
+        if x.cols == 0 {
+            return Ok(out);
+        }
+        let (c32, hd32, rot32) = (
+            i32v("rope", x.cols)?,
+            i32v("rope", head_dim)?,
+            i32v("rope", rot_dims)?,
+        );
+        let inter = i32::from(style == Rope::Interleaved);
+        let (pp, stride) = (round.counter_ptr(counter, 0), LANE_IN_WORDS as i64);
+        go!(self, Source::Ops, "rope", rope_grid(x, head_dim, rot_dims)?, 128, 0;
+            &x.ptr(), &out.ptr(), &pp, &stride, &c32, &hd32, &rot32, &theta, &inter);
+        Ok(out)
+    }
+
+    fn attn_step_round(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        d: &AttnDims,
+        caches: &mut [&mut CudaKv],
+        round: &CudaRound,
+        counter: model::backend::Counter,
+    ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("attn_step");
+        check::lanes("attn_step_round", q.rows, caches.len())?;
+        round.check_rows("attn_step_round", q.rows)?;
+        for (i, c) in caches.iter().enumerate() {
+            check_attn(q, k, v, d, c)?;
+            let want = round.host_counter(counter, i);
+            if c.len != want {
+                return Err(shape_err(
+                    "attn_step_round",
+                    format!(
+                        "lane {i}'s cache holds {} rows, its round counter {want}",
+                        c.len
+                    ),
+                ));
+            }
+        }
+        let out = self.buf(q.rows, d.q_heads * d.head_dim)?;
+        for (ci, chunk) in caches.chunks_mut(MAX_LANES).enumerate() {
+            let lens = round.counter_ptr(counter, ci * MAX_LANES);
+            self.attend(q, k, v, d, chunk, 1, ci * MAX_LANES, &out, Some(lens))?;
+        }
+        Ok(out)
+    }
+
+    fn capture_begin(&self) -> BResult<bool> {
+        if !self.opts.graphs || self.prof.on {
+            return Ok(false);
+        }
+        let mut rec = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+        if rec.is_some() {
+            return Err(dev("a frame round is already being recorded"));
+        }
+        self.gpu
+            .stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(dev)?;
+        *rec = Some(Arc::new(SmallPool::for_graph(self.gpu.ctx.clone())));
+        Ok(true)
+    }
+
+    fn capture_end(&self, round: &mut CudaRound, keep: bool) -> BResult<()> {
+        let pool = self
+            .recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| dev("capture_end without capture_begin"))?;
+        let g = self
+            .gpu
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(dev)?;
+        if keep {
+            let g = g.ok_or_else(|| dev("the recorded frame round is empty"))?;
+            round.graph = Some(Graph(g));
+            round.pool = Some(pool);
+        }
+        Ok(())
+    }
+
+    fn round_replay(&self, round: &CudaRound) -> BResult<bool> {
+        let Some(g) = &round.graph else {
+            return Ok(false);
+        };
+        let _p = self.prof.guard("round_replay");
+        g.0.launch().map_err(dev)?;
+        Ok(true)
+    }
 }
 
 #[cfg(test)]
@@ -2362,7 +2950,22 @@ mod tests {
     #[test]
     fn tables_have_the_c_layout() {
         assert_eq!(std::mem::size_of::<PtrTab>(), 8 * MAX_LANES);
-        assert_eq!(std::mem::size_of::<KvTab>(), 24 * MAX_LANES);
+        // ops.cu `KvTab`: three arrays, then lenp, lstride, ladd
+        assert_eq!(std::mem::size_of::<KvTab>(), 24 * MAX_LANES + 24);
+        assert_eq!(std::mem::offset_of!(KvTab, lenp), 24 * MAX_LANES);
+        // round.cu `LaneIn`: 4 words, 6 ints, then last[11] and recent[16]
+        assert_eq!(std::mem::size_of::<LaneIn>(), 272);
+        assert_eq!(std::mem::offset_of!(LaneIn, last), 56);
+        assert_eq!(LANE_IN_WORDS, 34);
+        // round.cu `Terms`: table_rows[8], n, then five arrays of 16 ints
+        assert_eq!(
+            std::mem::size_of::<Terms>(),
+            (64 + 4 + 5 * 4 * MAX_TERMS).next_multiple_of(8)
+        );
+        assert_eq!(
+            std::mem::offset_of!(Terms, guarded),
+            64 + 4 + 4 * 4 * MAX_TERMS
+        );
         assert_eq!(std::mem::size_of::<Tables>(), 64);
         // gemv.cu `Multi`: 8 + 8 u64, 8 + 9 + 1 i32
         assert_eq!(std::mem::size_of::<Multi>(), 200);
@@ -2382,7 +2985,13 @@ mod tests {
     #[test]
     fn options_take_defaults_and_read_each_variable() {
         let d = CudaOptions::from_lookup(|_| None);
-        assert!(d.kv_f32 && d.tc_gemv);
+        assert!(d.kv_f32 && d.tc_gemv && d.kept_rounds && d.graphs);
+        let one = |k: &'static str, v: &'static str| {
+            CudaOptions::from_lookup(move |q| (q == k).then(|| v.to_string()))
+        };
+        assert!(!one("DRAMATIS_CUDA_ROUNDS", "host").kept_rounds);
+        assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
+        assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

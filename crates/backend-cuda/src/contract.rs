@@ -269,6 +269,8 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("moe_router_nonfinite", ops::router_nonfinite),
     ("moe_experts_rows_nvfp4", ops::experts_rows_nvfp4),
     ("gemv_nvfp4", ops::gemv_nvfp4),
+    ("round_sample", ops::round_draws),
+    ("round_embed", ops::round_embed),
 ];
 
 /// Runs the contract on device 0 for kernels whose name contains `filter`.

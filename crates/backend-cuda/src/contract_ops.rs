@@ -19,6 +19,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         flash_min_rows: usize::MAX,
         gemm_min_rows: usize::MAX,
         tc_gemv: true,
+        kept_rounds: true,
+        graphs: true,
     }
 }
 
@@ -1899,5 +1901,281 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
             crate::kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv),
         );
     }
+    Ok(())
+}
+
+/// Frame-round draws (`round_sample`) against the CPU sampler, index for index: every draw of
+/// the exact build must equal `sampling::sample_main` / `sample_head` (the same Philox
+/// counters, sort order and f64 arithmetic), over lanes of peaky, flat, tied and masked logits
+/// and mixed settings (greedy, top-k, top-p, RAS against a recent repeat). Half the lanes draw
+/// from flat distributions over every token, where f32 sums (the low-precision build) move a
+/// few draws in a hundred; the planted build draws from the next step's counter.
+pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
+    use model::backend::{RoundLane, RoundSpec, Slot};
+    use model::sampling::{sample_head, sample_main, SamplingParams};
+    let (lanes, cb, sem0, eos) = (32usize, 4096usize, 1000u32, 7u32);
+    let cands: Vec<u32> = (0..cb as u32).map(|i| sem0 + i).chain([eos]).collect();
+    let spec = RoundSpec {
+        candidates: cands.clone(),
+        semantic_start: sem0,
+        semantic_end: sem0 + cb as u32 - 1,
+    };
+    let is_sem = |t: u32| t >= sem0 && t < sem0 + cb as u32;
+    struct Rep {
+        inputs: Vec<RoundLane>,
+        main: Vec<f32>,
+        head: Vec<f32>,
+        r: usize,
+        want: Vec<(i64, i64)>,
+    }
+    let reps = 100;
+    let mut all = Vec::with_capacity(reps);
+    for rep in 0..reps {
+        let r = rep % 9;
+        let mut inputs = Vec::with_capacity(lanes);
+        let (mut main, mut head) = (Vec::new(), Vec::new());
+        for lane in 0..lanes {
+            let flat = lane % 2 == 0;
+            let scale = if flat {
+                0.05
+            } else {
+                [1.0, 4.0, 0.3][lane % 3]
+            };
+            let mut m = c.rng.normals_f32(cb + 1, scale);
+            let mut h = c.rng.normals_f32(cb, scale);
+            if lane % 7 == 1 {
+                // ties and masked entries
+                for i in (0..cb - 1).step_by(3) {
+                    m[i + 1] = m[i];
+                    h[i + 1] = h[i];
+                }
+                m[5] = f32::NEG_INFINITY;
+                h[9] = f32::NEG_INFINITY;
+            }
+            let params = if flat {
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    ras: false,
+                }
+            } else {
+                SamplingParams {
+                    temperature: [0.0, 0.5, 1.0, 1.3][c.rng.below(4)],
+                    top_k: [0, 1, 30, 500][c.rng.below(4)],
+                    top_p: [0.6, 0.9, 1.0][c.rng.below(3)] as f32,
+                    ras: c.rng.below(2) == 0,
+                }
+            };
+            // a recent repeat of the likeliest token for a third of the lanes (RAS fires)
+            let top = cands[model::sampling::argmax(&m)];
+            let mut recent = [0i64; model::RAS_WINDOW];
+            let n_recent = c.rng.below(model::RAS_WINDOW + 1);
+            for (i, x) in recent.iter_mut().enumerate().take(n_recent) {
+                *x = i64::from(sem0) + c.rng.below(cb) as i64;
+                if i == 0 && lane % 3 == 0 {
+                    *x = i64::from(top);
+                }
+            }
+            inputs.push(RoundLane {
+                rows: 0,
+                tower_rows: 0,
+                last: [0; model::ROW_WIDTH],
+                params,
+                seed: c.rng.below(1 << 30) as u64 * 0x9E37,
+                step: rep as u64 * 3 + lane as u64,
+                recent,
+                n_recent,
+            });
+            main.extend_from_slice(&m);
+            head.extend_from_slice(&h);
+        }
+        let want = (0..lanes)
+            .map(|i| {
+                let l = &inputs[i];
+                let mc = sample_main(
+                    &main[i * (cb + 1)..(i + 1) * (cb + 1)],
+                    &cands,
+                    is_sem,
+                    l.recent[..l.n_recent].iter().copied(),
+                    &l.params,
+                    l.seed,
+                    l.step,
+                );
+                let hc = sample_head(&head[i * cb..(i + 1) * cb], &l.params, l.seed, l.step, r);
+                (i64::from(cands[mc]), hc as i64)
+            })
+            .collect();
+        all.push(Rep {
+            inputs,
+            main,
+            head,
+            r,
+            want,
+        });
+    }
+    let draws = 2 * lanes * reps;
+    let mismatches = |c: &Ctx, v: Variant| -> Result<usize> {
+        let be = backend(c, v, true);
+        let mut round = be.round_new(lanes, &spec)?;
+        let mut bad = 0;
+        for rep in &all {
+            be.round_write(&mut round, &rep.inputs)?;
+            let m = be.upload(&rep.main, lanes, cb + 1)?;
+            be.round_sample(&m, &mut round, Slot::Main)?;
+            let h = be.upload(&rep.head, lanes, cb)?;
+            be.round_sample(&h, &mut round, Slot::Head(rep.r))?;
+            for (f, w) in be.round_frames(&round)?.iter().zip(&rep.want) {
+                bad += usize::from(f[0] != w.0 || f[1] != w.0 - i64::from(sem0))
+                    + usize::from(f[2 + rep.r] != w.1);
+            }
+        }
+        Ok(bad)
+    };
+    let case = format!("{draws} draws over {lanes} lanes of {cb}/{} logits", cb + 1);
+    let e = mismatches(c, Variant::Exact)?;
+    c.push(
+        case.clone(),
+        Kind::Check,
+        e == 0,
+        format!("{e} of {draws} draws differ from the CPU sampler (must be 0)"),
+    );
+    let l = mismatches(c, Variant::LowPrecision)?;
+    c.push(
+        format!("{case} [low precision must fail]"),
+        Kind::Discriminate,
+        l > 0,
+        format!("{l} of {draws} draws differ with f32 exps and sums"),
+    );
+    let p = mismatches(c, Variant::Planted)?;
+    c.push(
+        format!("{case} [planted]"),
+        Kind::Control,
+        p > 0,
+        format!("{p} of {draws} draws differ (next step's counter)"),
+    );
+    c.limit(
+        "round_sample at 32 lanes of 4097 candidates",
+        crate::kernels::plan_round_sample(lanes, cb + 1),
+    );
+    Ok(())
+}
+
+/// `round_embed`: rows gathered from the round's frames (greedy draws, so every build draws
+/// the same frames) against an FP64 sum of the BF16 rows, with the guard on each frame's main
+/// token and the semantic scale.
+pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
+    use model::backend::{CodeTerm, Frame, RoundLane, RoundSpec, Slot};
+    use model::sampling::SamplingParams;
+    let (lanes, cb, cols, sem0) = (12usize, 64usize, 96usize, 500u32);
+    let cands: Vec<u32> = (0..cb as u32).map(|i| sem0 + i).chain([3]).collect();
+    let spec = RoundSpec {
+        candidates: cands.clone(),
+        semantic_start: sem0,
+        semantic_end: sem0 + cb as u32 - 1,
+    };
+    let t0 = c.rng.normals_bf16(cb * cols, 1.0);
+    let t1 = c.rng.normals_bf16(3 * cb * cols, 1.0);
+    let main = c.rng.normals_f32(lanes * (cb + 1), 2.0);
+    let head = c.rng.normals_f32(lanes * cb, 2.0);
+    let inputs: Vec<RoundLane> = (0..lanes)
+        .map(|i| {
+            let mut last = [0i64; model::ROW_WIDTH];
+            // a semantic or a non-semantic previous row (whose guarded terms drop out)
+            last[0] = if i % 3 == 0 {
+                3
+            } else {
+                i64::from(sem0) + i as i64
+            };
+            for x in last.iter_mut().skip(1) {
+                *x = c.rng.below(cb) as i64;
+            }
+            RoundLane {
+                rows: 0,
+                tower_rows: 0,
+                last,
+                params: SamplingParams::greedy(),
+                seed: 1,
+                step: 0,
+                recent: [0; model::RAS_WINDOW],
+                n_recent: 0,
+            }
+        })
+        .collect();
+    let terms = [
+        CodeTerm {
+            table: 0,
+            frame: Frame::Current,
+            col: 1,
+            offset: 0,
+            guarded: true,
+        },
+        CodeTerm {
+            table: 1,
+            frame: Frame::Current,
+            col: 4,
+            offset: cb as u32,
+            guarded: true,
+        },
+        CodeTerm {
+            table: 1,
+            frame: Frame::Last,
+            col: 5,
+            offset: 2 * cb as u32,
+            guarded: true,
+        },
+        CodeTerm {
+            table: 1,
+            frame: Frame::Last,
+            col: 6,
+            offset: 0,
+            guarded: false,
+        },
+    ];
+    let scale = 0.37f32;
+    // the greedy frames, as the CPU draws them
+    let mut frames = vec![[0i64; model::ROW_WIDTH]; lanes];
+    for (i, f) in frames.iter_mut().enumerate() {
+        let tok = cands[model::sampling::argmax(&main[i * (cb + 1)..(i + 1) * (cb + 1)])];
+        f[0] = i64::from(tok);
+        f[1] = i64::from(tok) - i64::from(sem0);
+        f[4] = model::sampling::argmax(&head[i * cb..(i + 1) * cb]) as i64;
+    }
+    let mut reference = Vec::with_capacity(lanes * cols);
+    for (i, f) in frames.iter().enumerate() {
+        let sem = |t: i64| t >= i64::from(sem0) && t < i64::from(sem0) + cb as i64;
+        for col in 0..cols {
+            let mut s = 0.0f64;
+            for t in &terms {
+                let fr = match t.frame {
+                    Frame::Current => f,
+                    Frame::Last => &inputs[i].last,
+                };
+                if t.guarded && !sem(fr[0]) {
+                    continue;
+                }
+                let row = i64::from(t.offset) + fr[t.col];
+                let tab = if t.table == 0 { &t0 } else { &t1 };
+                s += bf16(tab[row as usize * cols + col]);
+            }
+            reference.push(s * if sem(f[0]) { f64::from(scale) } else { 1.0 });
+        }
+    }
+    triple3(
+        c,
+        "12 lanes, 4 guarded/unguarded terms of the current and previous frames",
+        tol_f32(4),
+        &reference,
+        |be| {
+            let a = be.weight_bf16(cb, cols, &t0)?;
+            let b = be.weight_bf16(3 * cb, cols, &t1)?;
+            let mut round = be.round_new(lanes, &spec)?;
+            be.round_write(&mut round, &inputs)?;
+            be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
+            be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
+            Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale)?)?)
+        },
+        false,
+    )?;
     Ok(())
 }

@@ -928,6 +928,26 @@ pub fn plan_flash(
     })
 }
 
+// ---------------------------------------------------------------- frame-round draws
+
+/// `round_sample` (round.cu): one block of 1024 threads per lane over `n` logits, sorting `n`
+/// rounded up to a power of two u64 keys in shared memory (with an int order array), plus the
+/// static argmax scratch (1024 floats and ints) and one int.
+pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
+    let npad = n.max(1).next_power_of_two();
+    let dyn_smem = mul("round_sample shared memory", &[npad, 12])? as u64;
+    Ok(LaunchPlan {
+        kernel: "round_sample",
+        grid: [lanes as u64, 1, 1],
+        block: 1024,
+        smem: dyn_smem + 8 * 1024 + 4,
+        dyn_smem,
+        optin: true,
+        i32_max: npad as u64,
+        offset_max: mul("round_sample logits", &[lanes, n])? as u64,
+    })
+}
+
 // ---------------------------------------------------------------- split-key decode
 
 /// Query heads per kv head, head dim and kv heads per lane that `attn_decode_*` takes.
@@ -957,6 +977,13 @@ pub fn decode_chunks(keys: impl IntoIterator<Item = usize>, past_limit: bool) ->
         .max()
         .unwrap_or(1)
         .max(1)
+}
+
+/// Chunks of a decode grid that covers any length up to `cap` keys (a recorded round, whose
+/// lengths grow at each replay): no lane of at most `cap` keys needs more.
+pub fn decode_chunks_upto(cap: usize, past_limit: bool) -> usize {
+    let extra = usize::from(past_limit);
+    cdiv(cap + extra, 128).min(DECODE_MAX_CHUNKS + extra).max(1)
 }
 
 /// Whether `attn_decode_*` takes these heads.
@@ -1032,6 +1059,31 @@ pub fn plan_gemm(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn decode_chunks_upto_covers_every_length_to_the_capacity() {
+        for cap in [1usize, 127, 128, 129, 300, 32_768, 32_769, 65_537, 262_144] {
+            for past in [false, true] {
+                // every length, sparser past 70k keys plus each chunk-size boundary
+                let bounds = (7..=11).flat_map(|e| {
+                    let k = DECODE_MAX_CHUNKS << e;
+                    [k - 1, k, k + 1]
+                });
+                let most = (1..=cap)
+                    .step_by(if cap > 70_000 { 97 } else { 1 })
+                    .chain(bounds.filter(|&k| k <= cap))
+                    .chain([cap])
+                    .map(|k| decode_chunks([k], past))
+                    .max()
+                    .unwrap();
+                assert!(
+                    decode_chunks_upto(cap, past) >= most,
+                    "cap {cap} past {past}"
+                );
+                assert!(decode_chunks_upto(cap, past) <= DECODE_MAX_CHUNKS + usize::from(past));
+            }
+        }
+    }
+
     use super::*;
 
     #[test]

@@ -21,10 +21,11 @@ pub enum Source {
     Attention,
     Ops,
     Gemm,
+    Round,
 }
 
 impl Source {
-    pub const ALL: [Source; 7] = [
+    pub const ALL: [Source; 8] = [
         Source::Norm,
         Source::Gemv,
         Source::Moe,
@@ -32,6 +33,7 @@ impl Source {
         Source::Attention,
         Source::Ops,
         Source::Gemm,
+        Source::Round,
     ];
 
     pub fn name(self) -> &'static str {
@@ -43,6 +45,7 @@ impl Source {
             Source::Attention => "attention.cu",
             Source::Ops => "ops.cu",
             Source::Gemm => "gemm.cu",
+            Source::Round => "round.cu",
         }
     }
 
@@ -55,6 +58,7 @@ impl Source {
             Source::Attention => include_str!("../kernels/attention.cu"),
             Source::Ops => include_str!("../kernels/ops.cu"),
             Source::Gemm => include_str!("../kernels/gemm.cu"),
+            Source::Round => include_str!("../kernels/round.cu"),
         }
     }
 

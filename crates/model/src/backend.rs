@@ -8,6 +8,10 @@
 
 use checkpoint::Checkpoint;
 
+use crate::lane::RAS_WINDOW;
+use crate::model::Row;
+use crate::sampling::SamplingParams;
+
 /// How a linear op may treat its rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rows {
@@ -77,6 +81,73 @@ pub struct Route {
     pub weights: Vec<Vec<f32>>,
 }
 
+/// Which of a lane's counters a round op reads: the backbone's rows (the position of the
+/// frame's backbone row and the length of every backbone K/V cache before it) or the tower's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    Backbone,
+    Tower,
+}
+
+/// One lane's inputs to a frame round kept on the backend ([`Backend::round_write`] before each
+/// round), so that a captured round replays with new values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundLane {
+    /// Backbone rows consumed (the frame row's position; each backbone K/V cache's length).
+    pub rows: usize,
+    /// Tower positions filled (each tower K/V cache's length).
+    pub tower_rows: usize,
+    /// The lane's newest backbone row (tower layer 0 embeds its residual codes).
+    pub last: Row,
+    pub params: SamplingParams,
+    pub seed: u64,
+    /// The RNG counter (frame index within the request).
+    pub step: u64,
+    /// The newest main tokens, oldest first; `recent[..n_recent]` are valid.
+    pub recent: [i64; RAS_WINDOW],
+    pub n_recent: usize,
+}
+
+/// What the round's draws need to know of the model, fixed when the round is made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundSpec {
+    /// Token id of each main-head candidate (the main logits' columns).
+    pub candidates: Vec<u32>,
+    /// Semantic tokens are `semantic_start..=semantic_end`.
+    pub semantic_start: u32,
+    pub semantic_end: u32,
+}
+
+/// Where a round draw writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    /// The main token (frame column 0, with its semantic code in column 1), RAS per the lane.
+    Main,
+    /// Residual head r (frame column 2 + r).
+    Head(usize),
+}
+
+/// Which frame of a lane a [`CodeTerm`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame {
+    /// The frame this round is drawing.
+    Current,
+    /// The lane's newest backbone row ([`RoundLane::last`]).
+    Last,
+}
+
+/// One term of an embedding gathered from a round's frames: row `offset + frame[col]` of
+/// table `table`, included only when that frame's main token (column 0) is semantic if
+/// `guarded`; terms add in order from 0, as [`Backend::gather_sum`]'s picks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CodeTerm {
+    pub table: usize,
+    pub frame: Frame,
+    pub col: usize,
+    pub offset: u32,
+    pub guarded: bool,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("KV cache holds {len} rows and {add} more would need {need}, beyond its capacity of {capacity} rows")]
@@ -116,6 +187,8 @@ pub trait Backend: Send + Sync + Sized {
     type Gdn: Send + Sync;
     /// Router decisions, kept where the backend computes them (see [`Route`] for the host form).
     type Route: Send + Sync;
+    /// A frame round's per-lane inputs, frames and (where the backend records) its graph.
+    type Round: Send;
 
     fn name(&self) -> &'static str;
 
@@ -317,4 +390,75 @@ pub trait Backend: Send + Sync + Sized {
         experts: &[Option<Expert<Self::Weight>>],
         rows: Rows,
     ) -> BResult<Self::Buf>;
+
+    // ---- frame rounds kept on the backend (no host round trip inside a frame) ----
+
+    /// Whether the model should run frame rounds through the round ops below (draws on the
+    /// backend, one download per round) rather than drawing on the host after each head.
+    fn resident_rounds(&self) -> bool {
+        false
+    }
+    /// Row `i` of `src` into `dst[i]` (each `[1, cols]`), in place: a round's outputs stay at
+    /// the addresses a captured round wrote.
+    fn write_rows(&self, src: &Self::Buf, dst: &mut [&mut Self::Buf]) -> BResult<()>;
+    /// Records `rows` rows that a replayed round appended to `kv` (the host's copy of its
+    /// length; the device already holds them).
+    fn kv_note(&self, kv: &mut Self::Kv, rows: usize) -> BResult<()>;
+    /// Per-lane round inputs and outputs for `lanes` lanes.
+    fn round_new(&self, lanes: usize, spec: &RoundSpec) -> BResult<Self::Round>;
+    /// Writes each lane's inputs (outside any capture).
+    fn round_write(&self, round: &mut Self::Round, lanes: &[RoundLane]) -> BResult<()>;
+    /// The frames the round drew, `[lanes]` (one download: it waits for the round).
+    fn round_frames(&self, round: &Self::Round) -> BResult<Vec<Row>>;
+    /// One draw per lane from `logits` (`[lanes, n]`) into `slot` of the lane's frame, with the
+    /// lane's settings, counters and RNG (`sampling::sample_main` / `sample_head`, bit for bit).
+    fn round_sample(&self, logits: &Self::Buf, round: &mut Self::Round, slot: Slot) -> BResult<()>;
+    /// Row i = `s · Σ tables[t.table][t.offset + frame_i[t.col]]` over the included `terms`,
+    /// with `s = scale` when the current frame's main token is semantic, else 1.
+    fn round_embed(
+        &self,
+        tables: &[&Self::Weight],
+        round: &Self::Round,
+        terms: &[CodeTerm],
+        scale: f32,
+    ) -> BResult<Self::Buf>;
+    /// [`Backend::rope`] with row i at lane i's `counter`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_round(
+        &self,
+        x: &Self::Buf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        round: &Self::Round,
+        counter: Counter,
+    ) -> BResult<Self::Buf>;
+    /// [`Backend::attn_step`] with each cache's length taken from lane i's `counter`; the
+    /// host's copy of the lengths is left to [`Backend::kv_note`].
+    #[allow(clippy::too_many_arguments)]
+    fn attn_step_round(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        dims: &AttnDims,
+        caches: &mut [&mut Self::Kv],
+        round: &Self::Round,
+        counter: Counter,
+    ) -> BResult<Self::Buf>;
+    /// Starts recording the work that follows into the round's graph instead of running it
+    /// (`false`: this backend does not record; the work runs as it is issued).
+    fn capture_begin(&self) -> BResult<bool> {
+        Ok(false)
+    }
+    /// Ends a recording begun by [`Backend::capture_begin`] and keeps it in `round` (`keep`
+    /// false discards it: the recorded body failed).
+    fn capture_end(&self, _round: &mut Self::Round, _keep: bool) -> BResult<()> {
+        Ok(())
+    }
+    /// Runs the round's recording once; `false` if it has none.
+    fn round_replay(&self, _round: &Self::Round) -> BResult<bool> {
+        Ok(false)
+    }
 }

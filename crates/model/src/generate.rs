@@ -1,8 +1,8 @@
 //! The frame loop (DRAMA3.md §4.7): main token with RAS, the tower's 9 head draws, then the
 //! frame fed back through the backbone. Batched rounds give each lane exactly its solo result.
 
-use crate::backend::Backend;
-use crate::lane::LaneState;
+use crate::backend::{Backend, RoundLane};
+use crate::lane::{LaneState, RAS_WINDOW};
 use crate::model::{Model, Row};
 use crate::prof::Phase;
 use crate::sampling::{cfg_mix, sample_head, sample_main, SamplingParams};
@@ -129,9 +129,16 @@ impl<B: Backend> Model<B> {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
+        if guidance.is_none() && hook.is_none() && trace.is_none() && self.backend.resident_rounds()
+        {
+            return self.step_frames_kept(lanes, steps);
+        }
         for l in lanes.iter() {
             // Room for the frame's backbone row, checked before anything is sampled.
             l.check_room(1)?;
+            if l.ended {
+                return Err(ended());
+            }
         }
         if let Some(gd) = guidance.as_deref() {
             for u in gd.uncond.iter().flatten() {
@@ -290,6 +297,141 @@ impl<B: Backend> Model<B> {
             if let Some(t) = trace.as_deref_mut() {
                 // `heads` is [head][lane].
                 t[i].head_logits = heads.iter().skip(j).step_by(n).cloned().collect();
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn ended() -> ModelError {
+    ModelError::Unsupported(
+        "the lane drew EOS in a round kept on the backend, which also fed its state forward; \
+         it cannot continue"
+            .into(),
+    )
+}
+
+/// A frame round kept on the backend for one lane set (in order), with the lane buffers it
+/// reads and writes: rebuilt when the set, or any lane's newest-hidden buffer, changes.
+pub(crate) struct KeptRound<B: Backend> {
+    key: Vec<(u64, u64)>,
+    round: B::Round,
+    /// Rounds run through it (the first runs as issued: it compiles kernels and builds
+    /// tables, which a recording must not).
+    runs: u64,
+}
+
+impl<B: Backend> Model<B> {
+    /// [`Model::step_frames`] without a hook or trace on a backend that keeps rounds: the
+    /// draws run on the backend (same RNG counters and arithmetic), the round is recorded once
+    /// per lane set and replayed, and the frames come back in one download. Lanes that draw EOS
+    /// are spent: see [`LaneState`]'s `ended`.
+    pub fn step_frames_kept(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        steps: &[LaneStep],
+    ) -> Result<Vec<FrameOut>, ModelError> {
+        let be = &self.backend;
+        let g = &self.geometry;
+        let mut inputs = Vec::with_capacity(lanes.len());
+        for (l, s) in lanes.iter().zip(steps) {
+            l.check_room(1)?;
+            if l.ended {
+                return Err(ended());
+            }
+            if !l.has_tower() {
+                return Err(ModelError::Unsupported(
+                    "a backbone-only lane (guidance branch) cannot run the tower".into(),
+                ));
+            }
+            let last = l.last_row.ok_or(ModelError::NotPrefilled)?;
+            if l.last_hidden.is_none() {
+                return Err(ModelError::NotPrefilled);
+            }
+            let mut recent = [0i64; RAS_WINDOW];
+            for (d, r) in recent.iter_mut().zip(l.recent_main_tokens()) {
+                *d = r;
+            }
+            inputs.push(RoundLane {
+                rows: l.rows,
+                tower_rows: l.tower_rows,
+                last,
+                params: s.params,
+                seed: s.seed,
+                step: s.step,
+                recent,
+                n_recent: l.recent.len(),
+            });
+        }
+        crate::prof::round();
+        let _span = crate::prof::span(Phase::Tower);
+        let key: Vec<(u64, u64)> = lanes.iter().map(|l| (l.id, l.gen)).collect();
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.as_ref().is_some_and(|k| k.key != key) {
+            // the old round's recording and buffers go first
+            *kept = None;
+        }
+        if kept.is_none() {
+            *kept = Some(KeptRound {
+                key,
+                round: be.round_new(lanes.len(), &self.round_spec())?,
+                runs: 0,
+            });
+        }
+        let Some(k) = kept.as_mut() else {
+            unreachable!("set above")
+        };
+        be.round_write(&mut k.round, &inputs)?;
+        if !be.round_replay(&k.round)? {
+            let record = k.runs > 0
+                && !self.no_capture.load(std::sync::atomic::Ordering::Relaxed)
+                && be.capture_begin()?;
+            if record {
+                let t0 = std::time::Instant::now();
+                let body = self.round_body(lanes, &mut k.round);
+                let ended = be.capture_end(&mut k.round, body.is_ok());
+                tracing::info!(
+                    lanes = lanes.len(),
+                    ms = t0.elapsed().as_secs_f64() * 1e3,
+                    "recorded a frame round"
+                );
+                match body.and(ended.map_err(ModelError::from)) {
+                    Ok(()) => {
+                        if !be.round_replay(&k.round)? {
+                            return Err(ModelError::Unsupported(
+                                "the backend recorded a round but kept no graph".into(),
+                            ));
+                        }
+                    }
+                    Err(e) => {
+                        // Nothing ran and no host state moved (round ops leave the host
+                        // counters to the bookkeeping below): run the round as issued from now.
+                        tracing::warn!("frame round not recorded, running it as issued: {e}");
+                        self.no_capture
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        self.round_body(lanes, &mut k.round)?;
+                    }
+                }
+            } else {
+                self.round_body(lanes, &mut k.round)?;
+            }
+        }
+        k.runs += 1;
+        let frames = be.round_frames(&k.round)?;
+        let mut out = Vec::with_capacity(lanes.len());
+        for (l, f) in lanes.iter_mut().zip(frames) {
+            for kv in l.kv.iter_mut().chain(l.tower_kv.iter_mut()) {
+                be.kv_note(kv, 1)?;
+            }
+            l.rows += 1;
+            l.tower_rows += 1;
+            l.last_row = Some(f);
+            l.push_main(f[0]);
+            if g.is_semantic(f[0]) {
+                out.push(FrameOut::Frame(f));
+            } else {
+                l.ended = true;
+                out.push(FrameOut::Eos);
             }
         }
         Ok(out)

@@ -10,8 +10,19 @@ use crate::ModelError;
 /// Main tokens the repetition-aware resampling looks back over (DRAMA3.md §7).
 pub const RAS_WINDOW: usize = 16;
 
+/// Source of [`LaneState`] ids.
+static NEXT_LANE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// One sequence's state on backend `B`.
 pub struct LaneState<B: Backend> {
+    /// Unique for the process: with `gen`, what a kept frame round is keyed by.
+    pub(crate) id: u64,
+    /// Bumped whenever `last_hidden` is replaced by a new buffer (a kept round reads and
+    /// writes the buffer it was made with).
+    pub(crate) gen: u64,
+    /// Set when a round kept on the backend drew EOS: that round also fed the lane's state
+    /// forward, so the lane cannot continue.
+    pub(crate) ended: bool,
     pub(crate) capacity: usize,
     /// Backbone rows consumed so far (= next backbone position).
     pub(crate) rows: usize,
@@ -52,6 +63,9 @@ impl<B: Backend> LaneState<B> {
             .map(|_| be.kv_new(capacity, g.tower_attn.kv_heads, g.tower_attn.head_dim))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
+            id: NEXT_LANE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            gen: 0,
+            ended: false,
             capacity,
             rows: 0,
             tower_rows: 0,
@@ -93,6 +107,7 @@ impl<B: Backend> LaneState<B> {
         };
         out.last_row = self.last_row;
         out.recent = self.recent.clone();
+        out.ended = self.ended;
         Ok(out)
     }
 
@@ -114,6 +129,12 @@ impl<B: Backend> LaneState<B> {
     /// The newest main tokens, oldest first (at most [`RAS_WINDOW`]).
     pub fn recent_main_tokens(&self) -> impl Iterator<Item = i64> + '_ {
         self.recent.iter().copied()
+    }
+
+    /// Replaces the newest hidden (a new buffer: any kept round over this lane is stale).
+    pub(crate) fn set_hidden(&mut self, h: B::Buf) {
+        self.last_hidden = Some(h);
+        self.gen += 1;
     }
 
     /// Refuses, before any work, to go past the capacity.

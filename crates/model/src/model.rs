@@ -4,7 +4,10 @@
 
 use checkpoint::{Checkpoint, Config, ExpertFormat, LayerType};
 
-use crate::backend::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
+use crate::backend::{
+    AttnDims, Backend, CodeTerm, Counter, Expert, Frame, GatherRow, GdnDims, Rope, RoundSpec, Rows,
+    Slot,
+};
 use crate::lane::LaneState;
 use crate::ModelError;
 
@@ -182,6 +185,10 @@ pub struct Model<B: Backend> {
     candidates: Vec<u32>,
     tower: Vec<TowerLayer<B>>,
     heads: Vec<B::Weight>,
+    /// The frame round kept on the backend for the newest lane set (generate.rs).
+    pub(crate) kept: std::sync::Mutex<Option<crate::generate::KeptRound<B>>>,
+    /// Set when a round could not be recorded: later rounds run as issued.
+    pub(crate) no_capture: std::sync::atomic::AtomicBool,
 }
 
 /// Backbone outputs over a sequence, teacher-forced (for goldens).
@@ -210,6 +217,20 @@ pub struct TowerTrace {
 
 /// One layer's stored experts as (slot, original ID) pairs, and its router keep-mask.
 type ExpertSlots = (Vec<(usize, usize)>, Option<Vec<bool>>);
+
+/// Where a batch's positions (and, one row per lane, its cache lengths) come from.
+pub(crate) enum At<'a, B: Backend> {
+    Host(&'a [usize]),
+    /// Lane i's counter in a frame round kept on the backend.
+    Round(&'a B::Round, Counter),
+}
+
+impl<B: Backend> Clone for At<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for At<'_, B> {}
 
 fn w_name(prefix: &str, s: &str) -> String {
     format!("{prefix}.{s}")
@@ -366,6 +387,8 @@ impl<B: Backend> Model<B> {
             candidates,
             tower,
             heads,
+            kept: std::sync::Mutex::new(None),
+            no_capture: std::sync::atomic::AtomicBool::new(false),
             config: ck.config.clone(),
             geometry: g,
             backend,
@@ -474,19 +497,26 @@ impl<B: Backend> Model<B> {
 
     /// Runs the backbone layers over `x` (`[rows, H]`). `Rows::Bulk`: one lane, its next rows.
     /// `Rows::Exact`: one row per lane. Returns the final-normed hidden; advances the lanes.
-    fn backbone(
+    /// With `round`, positions and cache lengths come from the round's counters and the
+    /// lanes' host counters are left to the round's bookkeeping.
+    pub(crate) fn backbone(
         &self,
         lanes: &mut [&mut LaneState<B>],
         mut x: B::Buf,
         mode: Rows,
         mut trace: Option<&mut Vec<Vec<f32>>>,
+        round: Option<&B::Round>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let g = &self.geometry;
         let (n, _) = be.shape(&x);
-        let positions: Vec<usize> = match mode {
+        let host: Vec<usize> = match mode {
             Rows::Bulk => (0..n).map(|i| lanes[0].rows + i).collect(),
             Rows::Exact => lanes.iter().map(|l| l.rows).collect(),
+        };
+        let positions = match round {
+            Some(r) => At::Round(r, Counter::Backbone),
+            None => At::Host(&host),
         };
         // Each residual add is fused with the norm that follows it: the post-mixer norm, then
         // the next layer's input norm (the final norm after the last layer).
@@ -495,7 +525,7 @@ impl<B: Backend> Model<B> {
         for (li, layer) in self.layers.iter().enumerate() {
             let m = match &layer.mixer {
                 Mixer::Gdn(s, w) => self.gdn(lanes, *s, w, &h, mode)?,
-                Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, &positions, mode)?,
+                Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, positions, mode)?,
             };
             let (x1, h1) = be.add_rms_norm(&x, &m, &layer.post_norm, g.hidden, g.eps, true)?;
             let y = self.moe(&layer.moe, &h1, mode)?;
@@ -510,9 +540,10 @@ impl<B: Backend> Model<B> {
                 t.push(be.download(&x)?);
             }
         }
-        match mode {
-            Rows::Bulk => lanes[0].rows += n,
-            Rows::Exact => lanes.iter_mut().for_each(|l| l.rows += 1),
+        match (mode, round) {
+            (_, Some(_)) => {}
+            (Rows::Bulk, None) => lanes[0].rows += n,
+            (Rows::Exact, None) => lanes.iter_mut().for_each(|l| l.rows += 1),
         }
         Ok(h)
     }
@@ -560,18 +591,28 @@ impl<B: Backend> Model<B> {
         v: B::Buf,
         q_norm: &B::Vector,
         k_norm: &B::Vector,
-        positions: &[usize],
+        positions: At<'_, B>,
         mode: Rows,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let hd = dims.head_dim;
         let q = be.rms_norm(&q, q_norm, hd, eps, true)?;
         let k = be.rms_norm(&k, k_norm, hd, eps, true)?;
-        let q = be.rope(&q, hd, dims.rot_dims, dims.theta, dims.rope, positions)?;
-        let k = be.rope(&k, hd, dims.rot_dims, dims.theta, dims.rope, positions)?;
-        let o = match mode {
-            Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
-            Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
+        let (rot, th, st) = (dims.rot_dims, dims.theta, dims.rope);
+        let o = match positions {
+            At::Host(p) => {
+                let q = be.rope(&q, hd, rot, th, st, p)?;
+                let k = be.rope(&k, hd, rot, th, st, p)?;
+                match mode {
+                    Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
+                    Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
+                }
+            }
+            At::Round(r, c) => {
+                let q = be.rope_round(&q, hd, rot, th, st, r, c)?;
+                let k = be.rope_round(&k, hd, rot, th, st, r, c)?;
+                be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?
+            }
         };
         Ok(be.sigmoid_mul(&o, &gate)?)
     }
@@ -582,7 +623,7 @@ impl<B: Backend> Model<B> {
         slot: usize,
         w: &AttnWeights<B>,
         x: &B::Buf,
-        positions: &[usize],
+        positions: At<'_, B>,
         mode: Rows,
     ) -> Result<B::Buf> {
         let be = &self.backend;
@@ -664,13 +705,13 @@ impl<B: Backend> Model<B> {
 
     /// One tower layer: `h = out_norm(r + SwiGLU(ffn_norm(r)))`, `r = m + Attn(attn_norm(m))`,
     /// `m = eh_proj([enorm(e) ; hnorm(h)])`.
-    fn tower_layer(
+    pub(crate) fn tower_layer(
         &self,
         t: usize,
         kvs: &mut [&mut B::Kv],
         h: &B::Buf,
         e: &B::Buf,
-        positions: &[usize],
+        positions: At<'_, B>,
         mode: Rows,
     ) -> Result<B::Buf> {
         let be = &self.backend;
@@ -738,7 +779,7 @@ impl<B: Backend> Model<B> {
                 &mut [&mut lane.tower_kv[t]],
                 &h,
                 &e,
-                &positions,
+                At::Host(&positions),
                 Rows::Bulk,
             )?;
             if let Some(tr) = trace.as_deref_mut() {
@@ -790,7 +831,7 @@ impl<B: Backend> Model<B> {
         }
         lane.check_room(rows.len())?;
         let x = self.embed_rows(rows)?;
-        let hn = self.backbone(&mut [&mut *lane], x, Rows::Bulk, layer_trace)?;
+        let hn = self.backbone(&mut [&mut *lane], x, Rows::Bulk, layer_trace, None)?;
         // Tower positions: the lane's previous last row (if any) and all new rows but the last.
         let (mut inputs, mut hidden) = (Vec::new(), Vec::new());
         if let (Some(r), Some(h)) = (lane.last_row, lane.last_hidden.take()) {
@@ -812,7 +853,7 @@ impl<B: Backend> Model<B> {
             let h = be.concat_rows(&refs)?;
             self.tower_bulk(lane, &h, &inputs, &labels, tower_trace)?;
         }
-        lane.last_hidden = Some(be.rows(&hn, t - 1, 1)?);
+        lane.set_hidden(be.rows(&hn, t - 1, 1)?);
         lane.last_row = Some(rows[t - 1]);
         for r in rows {
             lane.push_main(r[0]);
@@ -828,7 +869,7 @@ impl<B: Backend> Model<B> {
         let x = self.embed_rows(rows)?;
         let input_embeds = be.download(&x)?;
         let mut layers = Vec::new();
-        let hn = self.backbone(&mut [&mut lane], x, Rows::Bulk, Some(&mut layers))?;
+        let hn = self.backbone(&mut [&mut lane], x, Rows::Bulk, Some(&mut layers), None)?;
         Ok(BackboneTrace {
             input_embeds,
             layer_outputs: layers,
@@ -923,7 +964,7 @@ impl<B: Backend> Model<B> {
         for t in 0..g.tower_layers {
             let e = self.tower_embed(t, &inputs, &frames)?;
             let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
-            h = self.tower_layer(t, &mut kvs, &h, &e, &positions, Rows::Exact)?;
+            h = self.tower_layer(t, &mut kvs, &h, &e, At::Host(&positions), Rows::Exact)?;
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
                 let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
@@ -944,6 +985,104 @@ impl<B: Backend> Model<B> {
         Ok(frames)
     }
 
+    /// What a frame round kept on the backend needs to know of the model.
+    pub(crate) fn round_spec(&self) -> RoundSpec {
+        RoundSpec {
+            candidates: self.candidates.clone(),
+            semantic_start: self.geometry.semantic_start,
+            semantic_end: self.geometry.semantic_end,
+        }
+    }
+
+    /// A whole frame round on the backend, with no host round trip: the main draw, the tower
+    /// with each head's draw, and the frame fed back through the backbone, each lane's newest
+    /// hidden written in place. The same ops and arithmetic as `step_frames` without a hook
+    /// (`main_logits`, `tower_step`, `advance`), except that the embeddings and draws read the
+    /// round's frames on the backend. Every lane runs the tower and the backbone, also one
+    /// that drew EOS (its state is then spent). Host counters are left to the caller.
+    pub(crate) fn round_body(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        round: &mut B::Round,
+    ) -> Result<()> {
+        let be = &self.backend;
+        let g = &self.geometry;
+        let cb = g.codebook as u32;
+        let h0 = {
+            let hs = lanes
+                .iter()
+                .map(|l| l.last_hidden.as_ref().ok_or(ModelError::NotPrefilled))
+                .collect::<Result<Vec<_>>>()?;
+            be.concat_rows(&hs)?
+        };
+        be.round_sample(&self.candidate_logits(&h0, Rows::Exact)?, round, Slot::Main)?;
+        let mut h = h0;
+        for t in 0..g.tower_layers {
+            // `tower_embed`'s picks: Emb_t[c_col] of the new frame, and at layer 0 the residual
+            // codes of the lane's previous row.
+            let col = t.saturating_sub(g.tower_shared);
+            let mut terms = vec![CodeTerm {
+                table: 0,
+                frame: Frame::Current,
+                col: 1 + col,
+                offset: 0,
+                guarded: true,
+            }];
+            if t == 0 {
+                terms.extend((g.backbone_codebooks + 1..g.codebooks).map(|c| CodeTerm {
+                    table: 1,
+                    frame: Frame::Last,
+                    col: 1 + c,
+                    offset: c as u32 * cb,
+                    guarded: true,
+                }));
+            }
+            let e = be.round_embed(&[&self.tower[t].emb, &self.codebooks], round, &terms, 1.0)?;
+            let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
+            h = self.tower_layer(
+                t,
+                &mut kvs,
+                &h,
+                &e,
+                At::Round(round, Counter::Tower),
+                Rows::Exact,
+            )?;
+            if t >= g.tower_shared {
+                let r = t - g.tower_shared;
+                be.round_sample(
+                    &be.linear(&h, &self.heads[r], Rows::Exact)?,
+                    round,
+                    Slot::Head(r),
+                )?;
+            }
+        }
+        // `embed_rows`: E[main], and for a semantic main the mixed codebook rows.
+        let k = g.backbone_codebooks;
+        let mut terms = vec![CodeTerm {
+            table: 0,
+            frame: Frame::Current,
+            col: 0,
+            offset: 0,
+            guarded: false,
+        }];
+        terms.extend((1..=k).map(|c| CodeTerm {
+            table: 1,
+            frame: Frame::Current,
+            col: 1 + c,
+            offset: c as u32 * cb,
+            guarded: true,
+        }));
+        let mix = 1.0 / ((1 + k) as f32).sqrt();
+        let x = be.round_embed(&[&self.embed, &self.codebooks], round, &terms, mix)?;
+        let hn = self.backbone(lanes, x, Rows::Exact, None, Some(round))?;
+        let mut outs = lanes
+            .iter_mut()
+            .map(|l| l.last_hidden.as_mut().ok_or(ModelError::NotPrefilled))
+            .collect::<Result<Vec<_>>>()?;
+        be.write_rows(&hn, &mut outs)?;
+        Ok(())
+    }
+
     /// Feeds one row per lane (a generated frame) through the backbone.
     pub fn advance(&self, lanes: &mut [&mut LaneState<B>], frames: &[Row]) -> Result<()> {
         let be = &self.backend;
@@ -951,9 +1090,9 @@ impl<B: Backend> Model<B> {
             l.check_room(1)?;
         }
         let x = self.embed_rows(frames)?;
-        let hn = self.backbone(lanes, x, Rows::Exact, None)?;
+        let hn = self.backbone(lanes, x, Rows::Exact, None, None)?;
         for (i, l) in lanes.iter_mut().enumerate() {
-            l.last_hidden = Some(be.rows(&hn, i, 1)?);
+            l.set_hidden(be.rows(&hn, i, 1)?);
             l.last_row = Some(frames[i]);
             l.push_main(frames[i][0]);
         }

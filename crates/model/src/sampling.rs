@@ -142,9 +142,9 @@ pub fn sample(
     let max = f64::from(scaled[order[0]]);
     let exps: Vec<f64> = order
         .iter()
-        .map(|&i| (f64::from(scaled[i]) - max).exp())
+        .map(|&i| exp_det(f64::from(scaled[i]) - max))
         .collect();
-    let total: f64 = exps.iter().sum();
+    let total = sum_det(&exps);
     let top_p = f64::from(top_p);
     let mut kept = 0usize;
     let mut cum = 0.0f64;
@@ -176,6 +176,77 @@ pub fn sample(
         }
     }
     order[kept - 1]
+}
+
+/// `e^x` from adds and multiplies only, each rounded once (no fused multiply-add), so the
+/// device sampler (`sample.cu`) computes the same bits: a platform `exp` may differ in the
+/// last place, which would move a draw that lands on a cumulative boundary. Cody-Waite
+/// reduction `x = k ln2 + r`, |r| <= ln2/2, and Taylor terms to r^13 (error below 2 ulp).
+pub fn exp_det(x: f64) -> f64 {
+    const LOG2E: f64 = std::f64::consts::LOG2_E;
+    // ln 2 split so that k * LN2_HI is exact for |k| < 2^11
+    const LN2_HI: f64 = 6.931_471_803_691_238_164_9e-1;
+    const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+    if x.is_nan() {
+        return x;
+    }
+    if x > 709.0 {
+        return f64::INFINITY;
+    }
+    if x < -745.0 {
+        return 0.0;
+    }
+    let k = (x * LOG2E + 0.5).floor();
+    let r = (x - k * LN2_HI) - k * LN2_LO;
+    // Horner from the r^13 term: 1/13!, 1/12!, ..., 1/1!, 1
+    let mut p = EXP_TAYLOR[0];
+    for &c in &EXP_TAYLOR[1..] {
+        p = p * r + c;
+    }
+    // p · 2^k in two exact power-of-two steps (k may be below the normal range)
+    let k = k as i64;
+    let (k1, k2) = (k / 2, k - k / 2);
+    p * pow2(k1) * pow2(k2)
+}
+
+/// 1/n! for n = 13 down to 0.
+const EXP_TAYLOR: [f64; 14] = [
+    1.0 / 6_227_020_800.0,
+    1.0 / 479_001_600.0,
+    1.0 / 39_916_800.0,
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    1.0 / 2.0,
+    1.0,
+    1.0,
+];
+
+/// 2^k for |k| <= 1022 (a normal power of two, built from its bits).
+fn pow2(k: i64) -> f64 {
+    f64::from_bits(((k + 1023) as u64) << 52)
+}
+
+/// The sum of `v` in a fixed order that 32 device threads reproduce: lane j adds the entries
+/// `j, j + 32, ...` in turn, then the 32 partials combine by the butterfly `a_j + a_(j^s)` for
+/// s = 16, 8, 4, 2, 1 (a warp's xor shuffles); the result is lane 0's.
+pub fn sum_det(v: &[f64]) -> f64 {
+    let mut a = [0.0f64; 32];
+    for (i, &x) in v.iter().enumerate() {
+        a[i % 32] += x;
+    }
+    for s in [16, 8, 4, 2, 1] {
+        let b = a;
+        for j in 0..32 {
+            a[j] = b[j] + b[j ^ s];
+        }
+    }
+    a[0]
 }
 
 /// Classifier-free guidance on the main logits, before temperature and truncation:
@@ -316,6 +387,58 @@ mod tests {
         assert_ne!(a, uniform(1, 1, 0));
         assert_ne!(a, uniform(1, 0, 1));
         assert_eq!(a, uniform(1, 0, 0));
+    }
+
+    #[test]
+    fn exp_det_is_within_two_ulp_of_exp() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut worst = 0u64;
+        for i in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // most draws in the sampler's range (a logit minus the max), some far out
+            let span = if i % 10 == 0 { 745.0 } else { 40.0 };
+            let x = -((state >> 11) as f64 / (1u64 << 53) as f64) * span;
+            let (a, b) = (exp_det(x), x.exp());
+            if b > f64::MIN_POSITIVE {
+                worst = worst.max(a.to_bits().abs_diff(b.to_bits()));
+            } else {
+                assert!(
+                    (a - b).abs() <= 2.0 * f64::from_bits(1),
+                    "x = {x}: {a} vs {b}"
+                );
+            }
+        }
+        assert!(worst <= 2, "worst {worst} ulp");
+        assert_eq!(exp_det(0.0), 1.0);
+        assert_eq!(exp_det(f64::NEG_INFINITY), 0.0);
+        assert!(exp_det(f64::NAN).is_nan());
+        assert_eq!(exp_det(1000.0), f64::INFINITY);
+    }
+
+    #[test]
+    fn sum_det_is_the_butterfly_of_32_strided_partials() {
+        // 33 ones and a large value: strided partials, then the tree, not a left fold
+        let mut v = vec![1.0f64; 40];
+        v[5] = 1e16;
+        let mut a = [0.0f64; 32];
+        for (i, x) in v.iter().enumerate() {
+            a[i % 32] += x;
+        }
+        let want = {
+            let mut a = a;
+            for s in [16, 8, 4, 2, 1] {
+                let b = a;
+                for j in 0..32 {
+                    a[j] = b[j] + b[j ^ s];
+                }
+            }
+            a[0]
+        };
+        assert_eq!(sum_det(&v), want);
+        assert_eq!(sum_det(&[]), 0.0);
+        assert_eq!(sum_det(&[0.25, 0.5]), 0.75);
     }
 
     #[test]

@@ -1,0 +1,301 @@
+// Frame-round kernels: the draws and the embeddings of a frame round kept on the device, so a
+// round needs no host round trip (model::generate's kept rounds). The draw is
+// model::sampling::sample bit for bit: the same Philox4x32-10 counters, the same f32 scaling,
+// the same total order of the sort keys, and f64 exps and sums by exp_det and sum_det, whose
+// every multiply and add is rounded once (explicit __d*_rn: no contraction into FMAs).
+// PLANT 1: draws from the next step's counter; embeddings drop their last term.
+// LOWP: exps and their sums in f32, which moves the draws that land near a cumulative
+// boundary (a few in a hundred on flat distributions over thousands of tokens).
+
+struct Tables {
+    unsigned long long p[8];
+};
+#ifdef LOWP
+typedef float real_t;
+#define RADD __fadd_rn
+#define RMUL __fmul_rn
+#define RDIV __fdiv_rn
+#define REXP(x) expf((float)(x))
+#else
+typedef double real_t;
+#define RADD __dadd_rn
+#define RMUL __dmul_rn
+#define RDIV __ddiv_rn
+#define REXP(x) exp_det(x)
+#endif
+#define ROW_W 11
+#define RAS_W 16
+// model::backend::RoundLane as the device reads it (backend.rs `LaneIn`, 272 bytes).
+struct LaneIn {
+    long long rows, tower_rows;
+    unsigned long long seed, step;
+    float temperature;
+    int top_k;
+    float top_p;
+    int ras;
+    int n_recent;
+    int pad;
+    long long last[ROW_W];
+    long long recent[RAS_W];
+};
+
+__device__ __forceinline__ void philox(unsigned int c[4], unsigned int k0, unsigned int k1) {
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        unsigned long long p0 = 0xD2511F53ull * (unsigned long long)c[0];
+        unsigned long long p1 = 0xCD9E8D57ull * (unsigned long long)c[2];
+        unsigned int hi0 = (unsigned int)(p0 >> 32), lo0 = (unsigned int)p0;
+        unsigned int hi1 = (unsigned int)(p1 >> 32), lo1 = (unsigned int)p1;
+        unsigned int n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
+    }
+}
+
+// sampling::uniform: 53 bits of Philox(step, stream) under the seed, in [0, 1).
+__device__ double uniform01(unsigned long long seed, unsigned int stream, unsigned long long step) {
+    unsigned int c[4] = {(unsigned int)step, (unsigned int)(step >> 32), stream, 0u};
+    philox(c, (unsigned int)seed, (unsigned int)(seed >> 32));
+    unsigned long long bits = (((unsigned long long)c[0] << 32) | c[1]) >> 11;
+    return (double)bits * __longlong_as_double(0x3CA0000000000000ll);  // 2^-53
+}
+
+__device__ __forceinline__ double pow2i(long long k) { return __longlong_as_double((k + 1023) << 52); }
+
+// sampling::exp_det.
+__device__ double exp_det(double x) {
+    if (isnan(x)) return x;
+    if (x > 709.0) return __longlong_as_double(0x7FF0000000000000ll);
+    if (x < -745.0) return 0.0;
+    const double LOG2E = __longlong_as_double(0x3ff71547652b82fell);
+    const double LN2_HI = __longlong_as_double(0x3fe62e42fee00000ll);
+    const double LN2_LO = __longlong_as_double(0x3dea39ef35793c76ll);
+    const long long T[14] = {0x3de6124613a86d09ll, 0x3e21eed8eff8d898ll, 0x3e5ae64567f544e4ll,
+                             0x3e927e4fb7789f5cll, 0x3ec71de3a556c734ll, 0x3efa01a01a01a01all,
+                             0x3f2a01a01a01a01all, 0x3f56c16c16c16c17ll, 0x3f81111111111111ll,
+                             0x3fa5555555555555ll, 0x3fc5555555555555ll, 0x3fe0000000000000ll,
+                             0x3ff0000000000000ll, 0x3ff0000000000000ll};
+    double k = floor(__dadd_rn(__dmul_rn(x, LOG2E), 0.5));
+    double r = __dsub_rn(__dsub_rn(x, __dmul_rn(k, LN2_HI)), __dmul_rn(k, LN2_LO));
+    double p = __longlong_as_double(T[0]);
+#pragma unroll
+    for (int i = 1; i < 14; ++i) p = __dadd_rn(__dmul_rn(p, r), __longlong_as_double(T[i]));
+    long long ki = (long long)k;
+    long long k1 = ki / 2, k2 = ki - ki / 2;
+    return __dmul_rn(__dmul_rn(p, pow2i(k1)), pow2i(k2));
+}
+
+// The draw's scaled logit: l / max(T, 1e-5) in f32, as the CPU.
+__device__ __forceinline__ float scaled(const float* row, int i, float t) { return __fdiv_rn(row[i], t); }
+
+// sampling::argmax over the block: index 0 if row[0] is NaN (a scan never leaves it), else the
+// first index of the largest non-NaN value.
+__device__ int block_argmax(const float* row, int n, float* sv, int* si) {
+    float best = -INFINITY;
+    int bi = -1;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = row[i];
+        if (isnan(v)) continue;
+        if (bi < 0 || v > best) {
+            best = v;
+            bi = i;
+        }
+    }
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = sv[threadIdx.x + s];
+            int oi = si[threadIdx.x + s];
+            float v = sv[threadIdx.x];
+            int i = si[threadIdx.x];
+            bool take = oi >= 0 && (i < 0 || ov > v || (!(v > ov) && oi < i));
+            if (take) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    int r = isnan(row[0]) ? 0 : (si[0] < 0 ? 0 : si[0]);
+    __syncthreads();
+    return r;
+}
+
+// sampling::sample with uniform u, for the whole block (every thread returns the index).
+// keys: npad u64 (reused as the f64 exps), order: npad ints.
+__device__ int block_draw(const float* row, int n, int npad, float temperature, int top_k, float top_p,
+                          bool keep_crossing, double u, unsigned long long* keys, int* order, float* sv,
+                          int* si, int* result) {
+    if (temperature <= 0.0f || n <= 1) return block_argmax(row, n, sv, si);
+    const float t = fmaxf(temperature, 1e-5f);
+    for (int i = threadIdx.x; i < npad; i += blockDim.x) {
+        unsigned long long key = ~0ull;
+        if (i < n) {
+            unsigned int b = __float_as_uint(scaled(row, i, t));
+            unsigned int ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+            key = ((unsigned long long)(~ord) << 32) | (unsigned int)i;
+        }
+        keys[i] = key;
+    }
+    __syncthreads();
+    // bitonic sort, ascending (keys are unique: the index is in the low bits)
+    for (int k = 2; k <= npad; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < npad; i += blockDim.x) {
+                int ixj = i ^ j;
+                if (ixj > i) {
+                    unsigned long long a = keys[i], b = keys[ixj];
+                    bool up = (i & k) == 0;
+                    if ((a > b) == up) {
+                        keys[i] = b;
+                        keys[ixj] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffull);
+    __syncthreads();
+    real_t* exps = (real_t*)keys;
+    const double mx = (double)scaled(row, order[0], t);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        double x = __dsub_rn((double)scaled(row, order[i], t), mx);
+        exps[i] = REXP(x);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        // sampling::sum_det: strided partials, then the xor butterfly
+        real_t acc = 0.0;
+        for (int i = threadIdx.x; i < n; i += 32) acc = RADD(acc, exps[i]);
+        for (int s = 16; s > 0; s >>= 1) acc = RADD(acc, __shfl_xor_sync(0xffffffffu, acc, s));
+        if (threadIdx.x == 0) {
+            const real_t total = acc, tp = (real_t)top_p;
+            int kept = 0;
+            real_t cum = 0.0;
+            for (int rank = 0; rank < n; ++rank) {
+                real_t p = RDIV(exps[rank], total);
+                real_t before = cum;
+                cum = RADD(cum, p);
+                if (rank > 0) {
+                    if (top_k > 0 && rank >= top_k) break;
+                    bool over = keep_crossing ? before > tp : cum > tp;
+                    if (over) break;
+                }
+                kept = rank + 1;
+            }
+            real_t mass = 0.0;
+            for (int rank = 0; rank < kept; ++rank) mass = RADD(mass, exps[rank]);
+            real_t target = RMUL((real_t)u, mass), a = 0.0;
+            int pick = order[kept - 1];
+            for (int rank = 0; rank < kept; ++rank) {
+                a = RADD(a, exps[rank]);
+                if (target < a) {
+                    pick = order[rank];
+                    break;
+                }
+            }
+            *result = pick;
+        }
+    }
+    __syncthreads();
+    int r = *result;
+    __syncthreads();
+    return r;
+}
+
+// One block per lane: a draw from logits [lanes, n] into the lane's frame (frames [lanes, 11]).
+// slot < 0: the main token (candidate ids `cands`, RAS against the lane's recent tokens),
+// columns 0 and 1; slot r >= 0: residual head r, column 2 + r. Dynamic shared memory: npad
+// u64 keys and npad ints (npad = n rounded up to a power of two).
+extern "C" __global__ void __launch_bounds__(1024) round_sample(const float* __restrict__ logits, int n, int npad,
+                                                                const LaneIn* __restrict__ lanes,
+                                                                long long* __restrict__ frames,
+                                                                const unsigned int* __restrict__ cands, int slot,
+                                                                unsigned int sem_start, unsigned int sem_end) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned long long* keys = (unsigned long long*)smem;
+    int* order = (int*)(keys + npad);
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    __shared__ int result;
+    const int lane = blockIdx.x;
+    const LaneIn& L = lanes[lane];
+    const float* row = logits + (long long)lane * n;
+    unsigned long long step = L.step;
+#if PLANT == 1
+    step += 1;
+#endif
+    long long* f = frames + (long long)lane * ROW_W;
+    if (slot < 0) {
+        int c = block_draw(row, n, npad, L.temperature, L.top_k, L.top_p, true, uniform01(L.seed, 0u, step), keys,
+                           order, sv, si, &result);
+        long long tok = cands[c];
+        bool sem = tok >= (long long)sem_start && tok <= (long long)sem_end;
+        bool seen = false;
+        for (int i = 0; i < L.n_recent && i < RAS_W; ++i) seen = seen || L.recent[i] == tok;
+        if (L.ras && sem && seen) {
+            c = block_draw(row, n, npad, 1.0f, 30, 0.95f, true, uniform01(L.seed, 1u, step), keys, order, sv, si,
+                           &result);
+            tok = cands[c];
+        }
+        if (threadIdx.x == 0) {
+            f[0] = tok;
+            f[1] = tok - (long long)sem_start;
+        }
+    } else {
+        int c = block_draw(row, n, npad, L.temperature, L.top_k, L.top_p, false,
+                           uniform01(L.seed, 2u + (unsigned int)slot, step), keys, order, sv, si, &result);
+        if (threadIdx.x == 0) f[2 + slot] = c;
+    }
+}
+
+#define MAX_TERMS 16
+struct Terms {
+    long long table_rows[8];
+    int n;
+    int table[MAX_TERMS];
+    int last[MAX_TERMS];
+    int col[MAX_TERMS];
+    unsigned int offset[MAX_TERMS];
+    int guarded[MAX_TERMS];
+};
+
+// One block per lane: out[lane, c] = s * sum over included terms of tables[t][offset + frame[col], c]
+// (bf16 tables [*, cols]), summed in term order from 0 as gather_sum; s = scale when the current
+// frame's main token is semantic, else 1. A code outside its table adds nothing and sets error
+// bit 2 (reported at the next download).
+extern "C" __global__ void round_embed(Tables tabs, Terms terms, const LaneIn* __restrict__ lanes,
+                                       const long long* __restrict__ frames, float* __restrict__ out, int cols,
+                                       float scale, unsigned int sem_start, unsigned int sem_end, int* err) {
+    const int lane = blockIdx.x;
+    const long long* cur = frames + (long long)lane * ROW_W;
+    const long long* last = lanes[lane].last;
+    int nt = terms.n;
+#if PLANT == 1
+    if (nt > 0) nt -= 1;
+#endif
+    const bool cur_sem = cur[0] >= (long long)sem_start && cur[0] <= (long long)sem_end;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int t = 0; t < nt; ++t) {
+            const long long* f = terms.last[t] ? last : cur;
+            if (terms.guarded[t] && !(f[0] >= (long long)sem_start && f[0] <= (long long)sem_end)) continue;
+            long long r = (long long)terms.offset[t] + f[terms.col[t]];
+            if (r < 0 || r >= terms.table_rows[terms.table[t]]) {
+                if (c == 0) atomicOr(err, 4);
+                continue;
+            }
+            const bf16_t* tb = (const bf16_t*)tabs.p[terms.table[t]];
+            acc = lowp(acc + bf16_to_f32(tb[r * cols + c]));
+        }
+        out[(long long)lane * cols + c] = acc * (cur_sem ? scale : 1.0f);
+    }
+}
