@@ -585,14 +585,19 @@ __device__ __forceinline__ long long decode_chunk(long long keys) {
 template <typename T>
 __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
                                  float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
-                                 int* __restrict__ count, int nh, int nkv, int hd, long long cap, float scale) {
+                                 int* __restrict__ count, int nh, int nkv, int hd, long long cap, float scale,
+                                 int hpb) {
     __shared__ __align__(16) float qs[DG * DHD];
     __shared__ __align__(16) float ks[4][32 * DLD];
     __shared__ float ps[4][32][DG];
     __shared__ float wm[4][DG], wl[4][DG];
     __shared__ int last;
-    const int nchunks = gridDim.x, c = blockIdx.x, kvh = blockIdx.y, lane_id = blockIdx.z;
-    const int G = nh / nkv, ne = hd >> 5;
+    const int nchunks = gridDim.x, c = blockIdx.x, lane_id = blockIdx.z;
+    // block y takes heads h0 .. h0 + hpb of kv head kvh (hpb divides the group): a head's bits
+    // do not depend on how many heads share its block
+    const int G = hpb, per_kv = (nh / nkv) / hpb;
+    const int kvh = blockIdx.y / per_kv, h0 = (blockIdx.y % per_kv) * hpb;
+    const int ne = hd >> 5;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long keys = tab_len(tab, lane_id);
     long long limit = keys;
@@ -603,7 +608,7 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     const long long chunk = decode_chunk(keys);
     const long long k0 = (long long)c * chunk;
     const long long k1 = k0 + chunk < limit ? k0 + chunk : limit;
-    const long long row0 = (long long)lane_id * nh + (long long)kvh * G;  // head hh is row row0 + hh
+    const long long row0 = (long long)lane_id * nh + (long long)kvh * (nh / nkv) + h0;  // head hh: row0 + hh
     float m[DG], l[DG], acc[DG][DHD / 32];
 #pragma unroll
     for (int hh = 0; hh < DG; ++hh) {
@@ -737,7 +742,7 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     // the last block of (kvh, lane) combines the lane's chunks in chunk order
     __threadfence();
     __syncthreads();
-    int* ctr = count + (long long)lane_id * nkv + kvh;
+    int* ctr = count + (long long)lane_id * gridDim.y + blockIdx.y;
     if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == nchunks - 1;
     __syncthreads();
     if (!last) return;
@@ -763,16 +768,16 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_f32(KvTab tab, con
                                                                    float* __restrict__ out, float* __restrict__ pm,
                                                                    float* __restrict__ pl, float* __restrict__ pacc,
                                                                    int* __restrict__ count, int nh, int nkv, int hd,
-                                                                   long long cap, float scale) {
-    attn_decode_body<float>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale);
+                                                                   long long cap, float scale, int hpb) {
+    attn_decode_body<float>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_decode_bf16(KvTab tab, const float* __restrict__ q,
                                                                     float* __restrict__ out, float* __restrict__ pm,
                                                                     float* __restrict__ pl, float* __restrict__ pacc,
                                                                     int* __restrict__ count, int nh, int nkv, int hd,
-                                                                    long long cap, float scale) {
-    attn_decode_body<bf16_t>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale);
+                                                                    long long cap, float scale, int hpb) {
+    attn_decode_body<bf16_t>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb);
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet

@@ -832,7 +832,10 @@ impl CudaBackend {
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
-        be.decode_count = be.zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS).ok();
+        // one counter per (lane, block row): at most a block per query head
+        be.decode_count = be
+            .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
+            .ok();
         be
     }
 
@@ -1604,7 +1607,14 @@ impl CudaBackend {
         nchunks: usize,
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv).map_err(dev)?;
+        let hpb = kernels::decode_heads_per_block(
+            lanes,
+            nh,
+            nkv,
+            nchunks,
+            self.gpu.info.sm_count.max(1) as usize,
+        );
+        let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv, hpb).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
         }
@@ -1625,7 +1635,8 @@ impl CudaBackend {
             u32v("attention", p.grid[2] as usize)?,
         );
         go!(self, Source::Ops, p.kernel, grid, p.block as u32, 0;
-            tab, &q, &out, &pm, &pl, &pacc, &counters, &nh32, &nkv32, &hd32, &cap64, &scale);
+            tab, &q, &out, &pm, &pl, &pacc, &counters, &nh32, &nkv32, &hd32, &cap64, &scale,
+            &(hpb as i32));
         Ok(())
     }
 

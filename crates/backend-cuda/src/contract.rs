@@ -1091,6 +1091,7 @@ pub fn nominal_limits() -> Vec<(String, Vec<String>)> {
             262_144,
             k::decode_chunks([262_144], true),
             true,
+            1,
         ),
         k::plan_decode(
             32,
@@ -1100,6 +1101,7 @@ pub fn nominal_limits() -> Vec<(String, Vec<String>)> {
             262_144,
             k::decode_chunks([262_144], true),
             false,
+            1,
         ),
     ]
     .into_iter()

@@ -1898,7 +1898,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
                 "{lanes} lanes x {nh}/{nkv} heads x {hd}, C = 262144, {} cache",
                 if f32kv { "f32" } else { "bf16" }
             ),
-            crate::kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv),
+            crate::kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv, 1),
         );
     }
     Ok(())

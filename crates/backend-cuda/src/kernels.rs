@@ -1004,6 +1004,27 @@ pub fn decode_workspace(lanes: usize, nh: usize, hd: usize, nchunks: usize) -> R
 
 /// `attn_decode_{f32,bf16}` (ops.cu): one query row per lane, `nchunks` key chunks per
 /// (kv head, lane), caches of `cap` rows.
+/// Query heads per block of `attn_decode_*`: the whole group of a kv head (its K/V read once)
+/// unless that leaves fewer than two blocks per multiprocessor, then halved down to one head
+/// (short contexts: few chunks, and the block's serial work is per head). A head's bits do not
+/// depend on it.
+pub fn decode_heads_per_block(
+    lanes: usize,
+    nh: usize,
+    nkv: usize,
+    nchunks: usize,
+    sms: usize,
+) -> usize {
+    let g = if nkv == 0 { 1 } else { (nh / nkv).max(1) };
+    let mut hpb = g;
+    while hpb > 1 && hpb.is_multiple_of(2) && lanes * nkv * (g / hpb) * nchunks < 2 * sms {
+        hpb /= 2;
+    }
+    hpb
+}
+
+/// `hpb` query heads per block ([`decode_heads_per_block`]).
+#[allow(clippy::too_many_arguments)]
 pub fn plan_decode(
     lanes: usize,
     nh: usize,
@@ -1012,6 +1033,7 @@ pub fn plan_decode(
     cap: usize,
     nchunks: usize,
     f32kv: bool,
+    hpb: usize,
 ) -> Result<LaunchPlan> {
     let kernel = if f32kv {
         "attn_decode_f32"
@@ -1025,9 +1047,19 @@ pub fn plan_decode(
              multiple of 32 up to {DECODE_MAX_HEAD_DIM}"
         )
     })?;
+    need(kernel, hpb > 0 && (nh / nkv).is_multiple_of(hpb), || {
+        format!(
+            "{hpb} heads per block do not divide the group of {}",
+            nh / nkv
+        )
+    })?;
     Ok(LaunchPlan {
         kernel,
-        grid: [nchunks as u64, nkv as u64, lanes as u64],
+        grid: [
+            nchunks as u64,
+            (nkv * (nh / nkv / hpb)) as u64,
+            lanes as u64,
+        ],
         block: 128,
         // q [8][256], K staging [4][32][68], p [4][32][8], per-warp m and l, the last flag
         smem: ((8 * 256 + 4 * 32 * 68 + 4 * 32 * 8 + 2 * 4 * 8) * 4 + 4) as u64,
@@ -1059,6 +1091,26 @@ pub fn plan_gemm(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn decode_heads_per_block_splits_groups_only_when_blocks_are_few() {
+        // one lane, 2 kv heads of 8 query heads, 1 chunk: a block per head
+        assert_eq!(decode_heads_per_block(1, 16, 2, 1, 132), 1);
+        // 2 chunks x 2 kv heads x 8 lanes = 32 blocks per group: a block per head (256)
+        assert_eq!(decode_heads_per_block(8, 16, 2, 2, 132), 1);
+        // 32 lanes: 2 heads a block already make 512 blocks
+        assert_eq!(decode_heads_per_block(32, 16, 2, 2, 132), 2);
+        // long contexts keep the whole group (K/V read once)
+        assert_eq!(decode_heads_per_block(1, 16, 2, 256, 132), 8);
+        assert_eq!(decode_heads_per_block(32, 16, 2, 8, 132), 8);
+        // a group of 3 is not halved
+        assert_eq!(decode_heads_per_block(1, 6, 2, 1, 132), 3);
+        for (lanes, nh, nkv, nc) in [(1, 16, 2, 1), (3, 32, 4, 5), (32, 16, 16, 1)] {
+            let hpb = decode_heads_per_block(lanes, nh, nkv, nc, 132);
+            assert!(plan_decode(lanes, nh, nkv, 256, 4096, nc, true, hpb).is_ok());
+        }
+        assert!(plan_decode(1, 16, 2, 256, 4096, 1, true, 3).is_err());
+    }
+
     #[test]
     fn decode_chunks_upto_covers_every_length_to_the_capacity() {
         for cap in [1usize, 127, 128, 129, 300, 32_768, 32_769, 65_537, 262_144] {
