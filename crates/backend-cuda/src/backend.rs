@@ -526,6 +526,10 @@ pub struct CudaOptions {
     /// Kept rounds are recorded once per lane set as a CUDA graph and replayed:
     /// `DRAMATIS_CUDA_GRAPH=0` issues every launch instead.
     pub graphs: bool,
+    /// Split decode attention's head groups over more blocks when blocks are few
+    /// (`kernels::decode_heads_per_block`): `DRAMATIS_CUDA_HEAD_SPLIT=1`. Off by default until
+    /// the contract has run it on the device (written after the session's device time ran out).
+    pub decode_head_split: bool,
 }
 
 impl CudaOptions {
@@ -553,6 +557,7 @@ impl CudaOptions {
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             kept_rounds: !get("DRAMATIS_CUDA_ROUNDS").is_some_and(|v| v.trim() == "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
+            decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_some_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -1607,13 +1612,18 @@ impl CudaBackend {
         nchunks: usize,
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        let hpb = kernels::decode_heads_per_block(
-            lanes,
-            nh,
-            nkv,
-            nchunks,
-            self.gpu.info.sm_count.max(1) as usize,
-        );
+        // the whole group per block unless the split is asked for (not yet run on the device)
+        let hpb = if self.opts.decode_head_split {
+            kernels::decode_heads_per_block(
+                lanes,
+                nh,
+                nkv,
+                nchunks,
+                self.gpu.info.sm_count.max(1) as usize,
+            )
+        } else {
+            nh / nkv.max(1)
+        };
         let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv, hpb).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
@@ -3003,6 +3013,7 @@ mod tests {
         assert!(!one("DRAMATIS_CUDA_ROUNDS", "host").kept_rounds);
         assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
+        assert!(!d.decode_head_split && one("DRAMATIS_CUDA_HEAD_SPLIT", "1").decode_head_split);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

@@ -21,6 +21,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         tc_gemv: true,
         kept_rounds: true,
         graphs: true,
+        decode_head_split: false,
     }
 }
 
@@ -1699,8 +1700,9 @@ fn experts_grouped_case(
     Ok(())
 }
 
-/// A backend whose decode (one row per lane) takes the split-key kernel at any length, and whose
-/// prefill takes the flash kernel.
+/// A backend whose decode (one row per lane) takes the split-key kernel at any length, with
+/// head groups split over blocks where blocks are few (short cases: a block per head; the
+/// 262144-key cases: whole groups), and whose prefill takes the flash kernel.
 fn decode_backend(
     gpu: &std::sync::Arc<crate::runtime::Gpu>,
     v: Variant,
@@ -1709,6 +1711,7 @@ fn decode_backend(
     let o = CudaOptions {
         split_min_keys: 1,
         flash_min_rows: 2,
+        decode_head_split: true,
         ..base_opts(kv_f32)
     };
     CudaBackend::with_gpu(gpu.clone(), v, o)
