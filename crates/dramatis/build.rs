@@ -19,4 +19,7 @@ fn main() {
     );
     println!("cargo:rerun-if-changed=../../.git/HEAD");
     println!("cargo:rerun-if-changed=../../.git/index");
+    // an edit after the last commit must turn the name into `-dirty` (a receipt from an
+    // uncommitted tree otherwise named the previous commit)
+    println!("cargo:rerun-if-changed=../../crates");
 }
