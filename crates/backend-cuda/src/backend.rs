@@ -235,7 +235,12 @@ impl SmallPool {
         };
         ctx.bind_to_thread().map_err(dev)?;
         // SAFETY: a plain device allocation, freed in Drop.
-        let p = unsafe { cu::malloc_sync(1usize << class) }.map_err(dev)?;
+        let p = unsafe { cu::malloc_sync(1usize << class) }.map_err(|e| {
+            dev(format!(
+                "a recorded round's buffer of {} bytes could not be allocated: {e}",
+                1usize << class
+            ))
+        })?;
         blocks.lock().unwrap_or_else(|p| p.into_inner()).push(p);
         Ok(p)
     }
@@ -990,7 +995,7 @@ impl CudaBackend {
                 unsafe { cu::memset_d8_async(e.ptr, 0, 4, self.cu_stream()) }.map_err(dev)?;
             }
             return Err(BackendError::NonFinite {
-                op: if flag[0] & 4 != 0 {
+                op: if flag[0] & 3 == 0 {
                     "round_embed"
                 } else {
                     "route"
@@ -999,10 +1004,12 @@ impl CudaBackend {
                     "a router row had every kept logit NaN or -inf; the hidden state feeding \
                      the router is not finite"
                         .into()
-                } else if flag[0] & 4 != 0 {
-                    "a frame round embedded a code outside its table".into()
-                } else {
+                } else if flag[0] & 2 != 0 {
                     "a routing named a pruned or out-of-range expert".into()
+                } else {
+                    "a frame round embedded a code outside its table (a drawn code past the \
+                     table's rows)"
+                        .into()
                 },
             });
         }
@@ -1273,14 +1280,8 @@ impl CudaBackend {
         }
         let dev_tab = self.htod(&host)?;
         let ptr = dev_tab.ptr;
-        if tabs.len() >= 512 {
-            tabs.remove(0);
-            // a cached key may name the table just freed
-            self.expert_keys
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clear();
-        }
+        // Tables live as long as the backend: a recorded round holds their addresses. There is
+        // one per layer's expert list (a few KiB each).
         tabs.push(ExpertTable {
             nvfp4,
             host,
@@ -1344,7 +1345,8 @@ impl CudaBackend {
         };
         go!(self, Source::Ops, app, grid_app, 128, 0; &tab, &kp, &vp, &t32, &nkv32, &hd32, &cap64);
         // check::attn (in every caller) already made the heads whole groups of the kv heads
-        let flash = t >= self.opts.flash_min_rows && kernels::flash_fits(hd);
+        // a round's one row per lane takes the decode kernels (its lengths are on the device)
+        let flash = dev_lens.is_none() && t >= self.opts.flash_min_rows && kernels::flash_fits(hd);
         if flash {
             self.attend_flash(&tab, qp, op, d, lanes, t, cap, f32kv)?;
             for c in caches.iter_mut() {
@@ -2602,7 +2604,9 @@ impl Backend for CudaBackend {
     }
 
     fn resident_rounds(&self) -> bool {
-        self.opts.kept_rounds
+        // a round always takes the split-key decode; a higher threshold sends short host-path
+        // steps to the generic kernel, whose bits differ, so rounds stay on the host then
+        self.opts.kept_rounds && self.opts.split_min_keys <= 1
     }
 
     fn write_rows(&self, src: &CudaBuf, dst: &mut [&mut CudaBuf]) -> BResult<()> {
@@ -2818,12 +2822,15 @@ impl Backend for CudaBackend {
                     tabs.p[i] = mem.ptr;
                     tm.table_rows[i] = i64v(op, *rows)?;
                 }
-                _ => {
-                    return Err(shape_err(
-                        op,
-                        format!("table {i} must be BF16 with {cols} cols"),
-                    ))
-                }
+                w => return Err(shape_err(
+                    op,
+                    format!(
+                        "table {i} is {} [{}, {}]; tables must be BF16 with table 0's {cols} cols",
+                        w.format_name(),
+                        w.rows(),
+                        w.cols()
+                    ),
+                )),
             }
         }
         for (i, t) in terms.iter().enumerate() {
@@ -2831,10 +2838,11 @@ impl Backend for CudaBackend {
                 return Err(shape_err(
                     op,
                     format!(
-                        "term {i}: table {} of {}, column {}",
+                        "term {i}: table {} of {} tables, frame column {} of {}",
                         t.table,
                         tables.len(),
-                        t.col
+                        t.col,
+                        model::ROW_WIDTH
                     ),
                 ));
             }

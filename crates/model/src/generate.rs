@@ -405,11 +405,13 @@ impl<B: Backend> Model<B> {
                     }
                     Err(e) => {
                         // Nothing ran and no host state moved (round ops leave the host
-                        // counters to the bookkeeping below): run the round as issued from now.
-                        tracing::warn!("frame round not recorded, running it as issued: {e}");
+                        // counters to the bookkeeping below): run the round as issued. Only if
+                        // that works was the failure the recording's, and later rounds are
+                        // issued too; otherwise the error is the round's and is returned.
+                        self.round_body(lanes, &mut k.round)?;
+                        tracing::warn!("frame round not recorded, running rounds as issued: {e}");
                         self.no_capture
                             .store(true, std::sync::atomic::Ordering::Relaxed);
-                        self.round_body(lanes, &mut k.round)?;
                     }
                 }
             } else {
@@ -420,11 +422,22 @@ impl<B: Backend> Model<B> {
         let frames = be.round_frames(&k.round)?;
         let mut out = Vec::with_capacity(lanes.len());
         for (l, f) in lanes.iter_mut().zip(frames) {
-            for kv in l.kv.iter_mut().chain(l.tower_kv.iter_mut()) {
-                be.kv_note(kv, 1)?;
-            }
             l.rows += 1;
             l.tower_rows += 1;
+            for (kv, want) in
+                l.kv.iter_mut()
+                    .map(|k| (k, l.rows))
+                    .chain(l.tower_kv.iter_mut().map(|k| (k, l.tower_rows)))
+            {
+                be.kv_note(kv, 1)?;
+                // a round op that also counted its append would leave the cache ahead here
+                if be.kv_len(kv) != want {
+                    return Err(ModelError::Unsupported(format!(
+                        "after a kept round a cache holds {} rows where its lane has {want}",
+                        be.kv_len(kv)
+                    )));
+                }
+            }
             l.last_row = Some(f);
             l.push_main(f[0]);
             if g.is_semantic(f[0]) {

@@ -419,24 +419,24 @@ mod tests {
 
     #[test]
     fn sum_det_is_the_butterfly_of_32_strided_partials() {
-        // 33 ones and a large value: strided partials, then the tree, not a left fold
-        let mut v = vec![1.0f64; 40];
-        v[5] = 1e16;
-        let mut a = [0.0f64; 32];
-        for (i, x) in v.iter().enumerate() {
-            a[i % 32] += x;
-        }
-        let want = {
-            let mut a = a;
-            for s in [16, 8, 4, 2, 1] {
-                let b = a;
-                for j in 0..32 {
-                    a[j] = b[j] + b[j ^ s];
-                }
-            }
-            a[0]
-        };
-        assert_eq!(sum_det(&v), want);
+        // 1e16 has a spacing of 2: a left fold adds each 1.0 to 1e16 and loses both (ties to
+        // even), while the strided partials add the two ones first (lane 1: entries 1 and 33)
+        let mut v = vec![0.0f64; 34];
+        v[0] = 1e16;
+        v[1] = 1.0;
+        v[33] = 1.0;
+        let left: f64 = v.iter().sum();
+        assert_eq!(left, 1e16);
+        assert_eq!(sum_det(&v), 1e16 + 2.0);
+        // the butterfly, not a left fold of the partials: lanes 0, 16 and 8 hold 0.1, 0.2 and
+        // 0.7, zeros elsewhere
+        let mut w = vec![0.0f64; 32];
+        w[0] = 0.1;
+        w[16] = 0.2;
+        w[8] = 0.7;
+        // pairs first: (0.1 + 0.2) + 0.7, as lane 0 combines (j, j^16), then (j, j^8)
+        assert_eq!(sum_det(&w), (0.1 + 0.2) + 0.7);
+        assert_ne!((0.1 + 0.2) + 0.7, 0.1 + (0.7 + 0.2));
         assert_eq!(sum_det(&[]), 0.0);
         assert_eq!(sum_det(&[0.25, 0.5]), 0.75);
     }
