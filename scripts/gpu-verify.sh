@@ -10,6 +10,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 grep '^SUMMARY' "$out/contract.log" >> "$out/summary.txt"
 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-cuda.log" 2>&1; echo "golden rc=$?" >> "$out/summary.txt"
 grep '^GOLDEN' "$out/golden-cuda.log" >> "$out/summary.txt"
+# decode attention with head groups split over blocks (off by default until this passes)
+DRAMATIS_CUDA_HEAD_SPLIT=1 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-cuda-split.log" 2>&1; echo "golden head-split rc=$?" >> "$out/summary.txt"
+grep '^GOLDEN' "$out/golden-cuda-split.log" >> "$out/summary.txt"
+# kept rounds with a graph, without, and host-drawn rounds give the same audio
+for mode in kept nograph host; do
+  case $mode in kept) e="DRAMATIS_CUDA_ROUNDS=device";; nograph) e="DRAMATIS_CUDA_GRAPH=0";; host) e="DRAMATIS_CUDA_ROUNDS=host";; esac
+  env $e "$bin" say "Hello there. A second sentence." --backend cuda --frames 48 --seed 3 --out "$out/say-$mode.wav" > "$out/say-$mode.log" 2>&1
+done
+echo "say kept/nograph/host: $(cat "$out"/say-*.log | grep -o 'pcm_sha256 [0-9a-f]*' | sort -u | wc -l) distinct hash(es)" >> "$out/summary.txt"
 for i in 1 2; do "$bin" say "Hello there. A second sentence." --backend cuda --frames 24 --seed 3 --out "$out/say$i.wav" >> "$out/say.log" 2>&1; done
 echo "say twice on cuda: $(grep -o 'pcm_sha256 [0-9a-f]*' "$out/say.log" | sort -u | wc -l) distinct hash(es)" >> "$out/summary.txt"
 timeout 150 "$bin" qualify-window --backend cuda --context 8192 --compare-cpu --out "$out/window-cuda-tiny-8192.json" > /dev/null 2>"$out/window8k.err"; echo "window 8192 rc=$?" >> "$out/summary.txt"

@@ -2822,15 +2822,17 @@ impl Backend for CudaBackend {
                     tabs.p[i] = mem.ptr;
                     tm.table_rows[i] = i64v(op, *rows)?;
                 }
-                w => return Err(shape_err(
-                    op,
-                    format!(
+                w => {
+                    return Err(shape_err(
+                        op,
+                        format!(
                         "table {i} is {} [{}, {}]; tables must be BF16 with table 0's {cols} cols",
                         w.format_name(),
                         w.rows(),
                         w.cols()
                     ),
-                )),
+                    ))
+                }
             }
         }
         for (i, t) in terms.iter().enumerate() {

@@ -56,7 +56,10 @@ fn golden_fixture_passes() {
         .unwrap();
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    assert!(t.contains("23 pass, 0 fail"), "{t}");
+    assert!(t.contains("GOLDEN 25 cases: 25 pass, 0 fail"), "{t}");
+    // the kept-round cases ran (greedy against the golden, sampled against host rounds)
+    assert!(t.contains("PASS gen_frames (greedy, kept rounds)"), "{t}");
+    assert!(t.contains("PASS kept rounds = host rounds"), "{t}");
     assert!(!t.contains("FAIL"), "{t}");
 }
 

@@ -101,7 +101,27 @@ impl<B: Backend> Model<B> {
     /// from `l_c + γ_i (l_c − l_u)`; the tower and heads run on the conditional branch alone, and
     /// both branches advance with the same frame. Rows are exact, so batching the two branches in
     /// one backbone call (`guidance.batched`) gives the same bits as separate calls.
+    ///
+    /// Without guidance, hook or trace, a backend that keeps rounds runs the round there
+    /// ([`Model::step_frames_kept`]); otherwise [`Model::step_frames_host`].
     pub fn step_frames_guided(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        steps: &[LaneStep],
+        guidance: Option<&mut Guidance<'_, B>>,
+        hook: Option<LogitsHook<'_>>,
+        trace: Option<&mut Vec<StepTrace>>,
+    ) -> Result<Vec<FrameOut>, ModelError> {
+        if guidance.is_none() && hook.is_none() && trace.is_none() && self.backend.resident_rounds()
+        {
+            return self.step_frames_kept(lanes, steps);
+        }
+        self.step_frames_host(lanes, steps, guidance, hook, trace)
+    }
+
+    /// [`Model::step_frames_guided`] with every draw on the host after its head's logits are
+    /// downloaded, whatever the backend (the reference for kept rounds).
+    pub fn step_frames_host(
         &self,
         lanes: &mut [&mut LaneState<B>],
         steps: &[LaneStep],
@@ -128,10 +148,6 @@ impl<B: Backend> Model<B> {
         }
         if lanes.is_empty() {
             return Ok(Vec::new());
-        }
-        if guidance.is_none() && hook.is_none() && trace.is_none() && self.backend.resident_rounds()
-        {
-            return self.step_frames_kept(lanes, steps);
         }
         for l in lanes.iter() {
             // Room for the frame's backbone row, checked before anything is sampled.
@@ -333,6 +349,16 @@ impl<B: Backend> Model<B> {
     ) -> Result<Vec<FrameOut>, ModelError> {
         let be = &self.backend;
         let g = &self.geometry;
+        if lanes.len() != steps.len() {
+            return Err(ModelError::Unsupported(format!(
+                "{} lanes but {} step settings",
+                lanes.len(),
+                steps.len()
+            )));
+        }
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut inputs = Vec::with_capacity(lanes.len());
         for (l, s) in lanes.iter().zip(steps) {
             l.check_room(1)?;

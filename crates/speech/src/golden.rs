@@ -6,7 +6,7 @@ use std::path::Path;
 
 use checkpoint::{Checkpoint, Store};
 use codec::{Codec, Codes};
-use model::{Backend, FrameOut, Model, Row, SamplingParams, ROW_WIDTH};
+use model::{Backend, FrameOut, LaneStep, Model, Row, SamplingParams, ROW_WIDTH};
 
 /// Hidden states and logits: |a − g| ≤ atol + rtol·|g|.
 pub const ATOL: f64 = 1e-3;
@@ -162,6 +162,7 @@ pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, Stri
     let model = Model::load(&ck, backend).map_err(|e| e.to_string())?;
     backbone_cases(&mut r, &g, &model)?;
     generation_cases(&mut r, &g, &model)?;
+    kept_round_cases(&mut r, &g, &model)?;
     prompt_case(&mut r, &g, dir, &ck)?;
     codec_cases(&mut r, &g, dir)?;
     Ok(r)
@@ -272,6 +273,115 @@ fn generation_cases<B: Backend>(
             None => r.push(name, false, "golden tensor missing".into()),
         }
     }
+    Ok(())
+}
+
+/// Frame rounds kept on the backend (draws there, the round recorded and replayed where the
+/// backend records): greedy frames equal the golden's, and sampled rounds over three lanes equal
+/// host-drawn rounds frame for frame while the lane set changes (a lane leaves after round 3, a
+/// new lane joins after round 5), so recording, replay and re-keying all run.
+fn kept_round_cases<B: Backend>(
+    r: &mut GoldenReport,
+    g: &Goldens,
+    m: &Model<B>,
+) -> Result<(), String> {
+    let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
+        r.push("kept rounds", false, "golden tensor missing".into());
+        return Ok(());
+    };
+    let rows = rows_of(
+        &g.i64("prompt_rows").unwrap_or_default(),
+        width(&pshape, "prompt_rows")?,
+    )?;
+    let want = g.i64("gen_frames").unwrap_or_default();
+    let n = *fshape.first().ok_or("gen_frames has no dimensions")?;
+    let e = |e: model::ModelError| e.to_string();
+    let mut lane = m.new_lane(rows.len() + n + 1).map_err(e)?;
+    m.prefill(&mut lane, &rows).map_err(e)?;
+    let mut frames = Vec::new();
+    for step in 0..n {
+        let s = [LaneStep {
+            params: SamplingParams::greedy(),
+            seed: 0,
+            step: step as u64,
+        }];
+        match m.step_frames_kept(&mut [&mut lane], &s).map_err(e)?[0] {
+            FrameOut::Frame(f) => frames.extend_from_slice(&f),
+            FrameOut::Eos => break,
+        }
+    }
+    r.exact("gen_frames (greedy, kept rounds)", &frames, &want);
+
+    let prompts: [&[Row]; 4] = [
+        &rows,
+        &rows[..rows.len() * 2 / 3],
+        &rows[..rows.len() / 2],
+        &rows,
+    ];
+    let params = SamplingParams::default();
+    let rounds = 10usize;
+    let mk = |p: &[Row]| -> Result<model::LaneState<B>, String> {
+        let mut l = m.new_lane(p.len() + rounds + 1).map_err(e)?;
+        m.prefill(&mut l, p).map_err(e)?;
+        Ok(l)
+    };
+    // which lanes step in round t: 0..3 first, lane 2 leaves after round 3, lane 3 joins at 6
+    let live = |t: usize, i: usize| match i {
+        2 => t < 4,
+        3 => t >= 6,
+        _ => true,
+    };
+    let run = |kept: bool| -> Result<Vec<Vec<FrameOut>>, String> {
+        let mut lanes: Vec<Option<model::LaneState<B>>> = Vec::new();
+        for p in &prompts[..3] {
+            lanes.push(Some(mk(p)?));
+        }
+        lanes.push(None);
+        let mut out = vec![Vec::new(); prompts.len()];
+        for t in 0..rounds {
+            if t == 6 {
+                lanes[3] = Some(mk(prompts[3])?);
+            }
+            let idx: Vec<usize> = (0..prompts.len())
+                .filter(|&i| live(t, i) && !matches!(out[i].last(), Some(FrameOut::Eos)))
+                .collect();
+            let steps: Vec<LaneStep> = idx
+                .iter()
+                .map(|&i| LaneStep {
+                    params,
+                    seed: 100 + i as u64,
+                    step: t as u64,
+                })
+                .collect();
+            let mut ls: Vec<&mut model::LaneState<B>> = lanes
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| idx.contains(i))
+                .filter_map(|(_, l)| l.as_mut())
+                .collect();
+            let f = if kept {
+                m.step_frames_kept(&mut ls, &steps)
+            } else {
+                m.step_frames_host(&mut ls, &steps, None, None, None)
+            }
+            .map_err(e)?;
+            for (&i, fo) in idx.iter().zip(f) {
+                out[i].push(fo);
+            }
+        }
+        Ok(out)
+    };
+    let host = run(false)?;
+    let kept = run(true)?;
+    let drawn: usize = host.iter().map(Vec::len).sum();
+    r.push(
+        "kept rounds = host rounds (sampled, lane set changing)",
+        host == kept,
+        format!(
+            "{drawn} lane-rounds over 4 lanes, frames equal: {}",
+            host == kept
+        ),
+    );
     Ok(())
 }
 
