@@ -1472,22 +1472,7 @@ impl CudaBackend {
         f32kv: bool,
     ) -> BResult<()> {
         let p = kernels::plan_flash(t, d.q_heads, lanes, d.head_dim, cap, f32kv).map_err(dev)?;
-        if let Some(why) = p.problems(&self.gpu.info).first() {
-            return Err(dev(format!("{}: {why}", p.kernel)));
-        }
-        let f = self
-            .gpu
-            .func(Source::Ops, self.variant, p.kernel)
-            .map_err(dev)?;
-        self.prof
-            .launches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let smem = i32v("attention", p.dyn_smem as usize)?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem,
-        )
-        .map_err(dev)?;
+        let (f, smem) = self.optin_func(Source::Ops, &p)?;
         let (t32, nh, nkv, hd) = (
             i32v("attention", t)?,
             i32v("attention", d.q_heads)?,
@@ -1587,6 +1572,29 @@ impl CudaBackend {
             kernels::decode_chunks(keys.iter().copied(), self.variant == Variant::Planted),
         )?;
         Ok(out)
+    }
+
+    /// The kernel of a plan that raises its dynamic shared memory limit, checked against the
+    /// device, with the limit set; counts the launch that follows.
+    fn optin_func(
+        &self,
+        src: Source,
+        p: &kernels::LaunchPlan,
+    ) -> BResult<(cudarc::driver::CudaFunction, i32)> {
+        if let Some(why) = p.problems(&self.gpu.info).first() {
+            return Err(dev(format!("{}: {why}", p.kernel)));
+        }
+        let f = self.gpu.func(src, self.variant, p.kernel).map_err(dev)?;
+        let smem = i32v(p.kernel, p.dyn_smem as usize)?;
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem,
+        )
+        .map_err(dev)?;
+        self.prof
+            .launches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok((f, smem))
     }
 
     fn decode_counters(&self) -> BResult<u64> {
@@ -2741,22 +2749,7 @@ impl Backend for CudaBackend {
             }
         };
         let p = kernels::plan_round_sample(round.lanes, n).map_err(dev)?;
-        if let Some(why) = p.problems(&self.gpu.info).first() {
-            return Err(dev(format!("{}: {why}", p.kernel)));
-        }
-        let f = self
-            .gpu
-            .func(Source::Round, self.variant, p.kernel)
-            .map_err(dev)?;
-        let smem = i32v(op, p.dyn_smem as usize)?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem,
-        )
-        .map_err(dev)?;
-        self.prof
-            .launches
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (f, smem) = self.optin_func(Source::Round, &p)?;
         let (n32, npad32) = (i32v(op, n)?, i32v(op, n.next_power_of_two())?);
         let cfg = LaunchConfig {
             grid_dim: (u32v(op, round.lanes)?, 1, 1),

@@ -2164,31 +2164,29 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
             reference.push(s * if sem(f[0]) { f64::from(scale) } else { 1.0 });
         }
     }
+    // the round's greedy frames embedded on `be`
+    let embed = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let a = be.weight_bf16(cb, cols, &t0)?;
+        let b = be.weight_bf16(3 * cb, cols, &t1)?;
+        let mut round = be.round_new(lanes, &spec)?;
+        be.round_write(&mut round, &inputs)?;
+        be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
+        be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
+        Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale)?)?)
+    };
     triple3(
         c,
         "12 lanes, 4 guarded/unguarded terms of the current and previous frames",
         tol_f32(4),
         &reference,
-        |be| {
-            let a = be.weight_bf16(cb, cols, &t0)?;
-            let b = be.weight_bf16(3 * cb, cols, &t1)?;
-            let mut round = be.round_new(lanes, &spec)?;
-            be.round_write(&mut round, &inputs)?;
-            be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
-            be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
-            Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale)?)?)
-        },
+        embed,
         false,
     )?;
     // The model relies on round_embed giving gather_sum's bits for the same picks.
     let be = backend(c, Variant::Exact, false);
+    let kept = embed(&be)?;
     let a = be.weight_bf16(cb, cols, &t0)?;
     let b = be.weight_bf16(3 * cb, cols, &t1)?;
-    let mut round = be.round_new(lanes, &spec)?;
-    be.round_write(&mut round, &inputs)?;
-    be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
-    be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
-    let kept = be.download(&be.round_embed(&[&a, &b], &round, &terms, scale)?)?;
     let sem = |t: i64| t >= i64::from(sem0) && t < i64::from(sem0) + cb as i64;
     let rows: Vec<GatherRow> = frames
         .iter()

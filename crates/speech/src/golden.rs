@@ -228,14 +228,11 @@ fn backbone_cases<B: Backend>(
     Ok(())
 }
 
-fn generation_cases<B: Backend>(
-    r: &mut GoldenReport,
-    g: &Goldens,
-    m: &Model<B>,
-) -> Result<(), String> {
+/// The greedy generation golden: prompt rows, the frames (flat) and their count; `None` when a
+/// tensor is missing.
+fn generation_golden(g: &Goldens) -> Result<Option<(Vec<Row>, Vec<i64>, usize)>, String> {
     let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
-        r.push("gen_frames", false, "golden tensor missing".into());
-        return Ok(());
+        return Ok(None);
     };
     let rows = rows_of(
         &g.i64("prompt_rows").unwrap_or_default(),
@@ -243,6 +240,18 @@ fn generation_cases<B: Backend>(
     )?;
     let want = g.i64("gen_frames").unwrap_or_default();
     let n = *fshape.first().ok_or("gen_frames has no dimensions")?;
+    Ok(Some((rows, want, n)))
+}
+
+fn generation_cases<B: Backend>(
+    r: &mut GoldenReport,
+    g: &Goldens,
+    m: &Model<B>,
+) -> Result<(), String> {
+    let Some((rows, want, n)) = generation_golden(g)? else {
+        r.push("gen_frames", false, "golden tensor missing".into());
+        return Ok(());
+    };
     let mut lane = m.new_lane(rows.len() + n + 1).map_err(|e| e.to_string())?;
     m.prefill(&mut lane, &rows).map_err(|e| e.to_string())?;
     let (mut frames, mut hidden, mut sem, mut heads) =
@@ -285,16 +294,10 @@ fn kept_round_cases<B: Backend>(
     g: &Goldens,
     m: &Model<B>,
 ) -> Result<(), String> {
-    let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
+    let Some((rows, want, n)) = generation_golden(g)? else {
         r.push("kept rounds", false, "golden tensor missing".into());
         return Ok(());
     };
-    let rows = rows_of(
-        &g.i64("prompt_rows").unwrap_or_default(),
-        width(&pshape, "prompt_rows")?,
-    )?;
-    let want = g.i64("gen_frames").unwrap_or_default();
-    let n = *fshape.first().ok_or("gen_frames has no dimensions")?;
     let e = |e: model::ModelError| e.to_string();
     let mut lane = m.new_lane(rows.len() + n + 1).map_err(e)?;
     m.prefill(&mut lane, &rows).map_err(e)?;
