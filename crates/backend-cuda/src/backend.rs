@@ -1597,6 +1597,29 @@ impl CudaBackend {
         Ok((f, smem))
     }
 
+    /// `rope` of `x` into `out`, row r at position `pos.0[r · pos.1]` (i64 words).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_launch(
+        &self,
+        x: &CudaBuf,
+        out: &CudaBuf,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        pos: (u64, i64),
+    ) -> BResult<()> {
+        let (c32, hd32, rot32) = (
+            i32v("rope", x.cols)?,
+            i32v("rope", head_dim)?,
+            i32v("rope", rot_dims)?,
+        );
+        let inter = i32::from(style == Rope::Interleaved);
+        go!(self, Source::Ops, "rope", rope_grid(x, head_dim, rot_dims)?, 128, 0;
+            &x.ptr(), &out.ptr(), &pos.0, &pos.1, &c32, &hd32, &rot32, &theta, &inter);
+        Ok(())
+    }
+
     fn decode_counters(&self) -> BResult<u64> {
         self.decode_count
             .as_ref()
@@ -2371,14 +2394,7 @@ impl Backend for CudaBackend {
             .map(|&p| i64v("rope", p))
             .collect::<BResult<_>>()?;
         let pd = self.htod(&pos)?;
-        let (c32, hd32, rot32) = (
-            i32v("rope", x.cols)?,
-            i32v("rope", head_dim)?,
-            i32v("rope", rot_dims)?,
-        );
-        let inter = i32::from(style == Rope::Interleaved);
-        go!(self, Source::Ops, "rope", rope_grid(x, head_dim, rot_dims)?, 128, 0;
-            &x.ptr(), &out.ptr(), &pd.ptr, &1i64, &c32, &hd32, &rot32, &theta, &inter);
+        self.rope_launch(x, &out, head_dim, rot_dims, theta, style, (pd.ptr, 1))?;
         Ok(out)
     }
 
@@ -2875,15 +2891,8 @@ impl Backend for CudaBackend {
         if x.cols == 0 {
             return Ok(out);
         }
-        let (c32, hd32, rot32) = (
-            i32v("rope", x.cols)?,
-            i32v("rope", head_dim)?,
-            i32v("rope", rot_dims)?,
-        );
-        let inter = i32::from(style == Rope::Interleaved);
-        let (pp, stride) = (round.counter_ptr(counter, 0), LANE_IN_WORDS as i64);
-        go!(self, Source::Ops, "rope", rope_grid(x, head_dim, rot_dims)?, 128, 0;
-            &x.ptr(), &out.ptr(), &pp, &stride, &c32, &hd32, &rot32, &theta, &inter);
+        let pos = (round.counter_ptr(counter, 0), LANE_IN_WORDS as i64);
+        self.rope_launch(x, &out, head_dim, rot_dims, theta, style, pos)?;
         Ok(out)
     }
 
