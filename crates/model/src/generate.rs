@@ -327,13 +327,18 @@ fn ended() -> ModelError {
     )
 }
 
+/// Rounds a lane set runs as issued before it is recorded (see [`KeptRound`]'s `runs`).
+const RECORD_AFTER: u64 = 2;
+
 /// A frame round kept on the backend for one lane set (in order), with the lane buffers it
 /// reads and writes: rebuilt when the set, or any lane's newest-hidden buffer, changes.
 pub(crate) struct KeptRound<B: Backend> {
     key: Vec<(u64, u64)>,
     round: B::Round,
-    /// Rounds run through it (the first runs as issued: it compiles kernels and builds
-    /// tables, which a recording must not).
+    /// Rounds run through it. The first runs as issued: it compiles kernels and builds
+    /// tables, which a recording must not. A lane set is recorded only once it has run
+    /// [`RECORD_AFTER`] rounds: recording costs about a third of a 32-lane round and pays back
+    /// only over several replays, and lanes joining and leaving change the set often.
     runs: u64,
 }
 
@@ -409,7 +414,7 @@ impl<B: Backend> Model<B> {
         };
         be.round_write(&mut k.round, &inputs)?;
         if !be.round_replay(&k.round)? {
-            let record = k.runs > 0
+            let record = k.runs >= RECORD_AFTER
                 && !self.no_capture.load(std::sync::atomic::Ordering::Relaxed)
                 && be.capture_begin()?;
             if record {
