@@ -428,15 +428,14 @@ mod tests {
         let left: f64 = v.iter().sum();
         assert_eq!(left, 1e16);
         assert_eq!(sum_det(&v), 1e16 + 2.0);
-        // the butterfly, not a left fold of the partials: lanes 0, 16 and 8 hold 0.1, 0.2 and
-        // 0.7, zeros elsewhere
+        // the butterfly, not a left fold of the partials: lanes 0, 8 and 16 hold 1e16, 1.0 and
+        // -1e16; the butterfly cancels lanes 0 and 16 first (1.0), a left fold loses the 1.0
         let mut w = vec![0.0f64; 32];
-        w[0] = 0.1;
-        w[16] = 0.2;
-        w[8] = 0.7;
-        // pairs first: (0.1 + 0.2) + 0.7, as lane 0 combines (j, j^16), then (j, j^8)
-        assert_eq!(sum_det(&w), (0.1 + 0.2) + 0.7);
-        assert_ne!((0.1 + 0.2) + 0.7, 0.1 + (0.7 + 0.2));
+        w[0] = 1e16;
+        w[8] = 1.0;
+        w[16] = -1e16;
+        assert_eq!(w.iter().sum::<f64>(), 0.0);
+        assert_eq!(sum_det(&w), 1.0);
         assert_eq!(sum_det(&[]), 0.0);
         assert_eq!(sum_det(&[0.25, 0.5]), 0.75);
     }
