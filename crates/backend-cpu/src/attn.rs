@@ -42,9 +42,21 @@ impl CpuKv {
     }
 
     pub fn append(&mut self, k: &[f32], v: &[f32], rows: usize) -> Result<(), BackendError> {
+        self.len = self.write(k, v, rows)?;
+        Ok(())
+    }
+
+    /// Writes one row at index `len` without counting it (a kept frame round's append; the
+    /// round's bookkeeping counts it with [`CpuKv::note`]).
+    pub fn stage(&mut self, k: &[f32], v: &[f32]) -> Result<(), BackendError> {
+        self.write(k, v, 1).map(drop)
+    }
+
+    /// Writes `rows` rows from index `len` (over any staged row) and returns the length that
+    /// counts them.
+    fn write(&mut self, k: &[f32], v: &[f32], rows: usize) -> Result<usize, BackendError> {
         let need = model::check::kv_room(self.len, rows, self.capacity)?;
         let n = rows * self.width;
-        // a row staged by a round that was never noted is dropped
         self.k.truncate(self.len * self.width);
         self.v.truncate(self.len * self.width);
         if self.round_bf16 {
@@ -55,16 +67,7 @@ impl CpuKv {
             self.k.extend_from_slice(&k[..n]);
             self.v.extend_from_slice(&v[..n]);
         }
-        self.len = need;
-        Ok(())
-    }
-
-    /// Writes one row at index `len` without counting it (a kept frame round's append; the
-    /// round's bookkeeping counts it with [`CpuKv::note`]).
-    pub fn stage(&mut self, k: &[f32], v: &[f32]) -> Result<(), BackendError> {
-        self.append(k, v, 1)?;
-        self.len -= 1;
-        Ok(())
+        Ok(need)
     }
 
     /// Counts `rows` rows already written past `len` (by [`CpuKv::stage`]).

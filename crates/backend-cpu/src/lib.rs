@@ -58,6 +58,16 @@ fn shape_err(op: &'static str, why: String) -> BackendError {
     BackendError::Shape { op, why }
 }
 
+/// Row i of `q` attends over lane i's cache: its counted rows plus `staged`.
+fn attend_lanes(q: &CpuBuf, d: &AttnDims, caches: &[&mut CpuKv], staged: usize) -> CpuBuf {
+    let width = d.q_heads * d.head_dim;
+    let mut out = vec![0f32; q.rows * width];
+    out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+        attn::attend_row(q.row(i), caches[i], caches[i].len + staged, d, o);
+    });
+    CpuBuf::new(q.rows, width, out)
+}
+
 fn same_shape(op: &'static str, a: &CpuBuf, b: &CpuBuf) -> BResult<()> {
     check::same_shape(op, a.shape(), b.shape())
 }
@@ -396,13 +406,7 @@ impl Backend for CpuBackend {
             check_attn(q, k, v, d, c.width)?;
             c.append(k.row(i), v.row(i), 1)?;
         }
-        let width = d.q_heads * d.head_dim;
-        let mut out = vec![0f32; q.rows * width];
-        let caches: Vec<&CpuKv> = caches.iter().map(|c| &**c).collect();
-        out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
-            attn::attend_row(q.row(i), caches[i], caches[i].len, d, o);
-        });
-        Ok(CpuBuf::new(q.rows, width, out))
+        Ok(attend_lanes(q, d, caches, 0))
     }
 
     fn gdn_conv(
@@ -630,7 +634,7 @@ impl Backend for CpuBackend {
         terms: &[CodeTerm],
         scale: f32,
     ) -> BResult<CpuBuf> {
-        round.embed(tables, terms, scale)
+        self.gather_sum(tables, &round.embed_rows(terms, scale)?)
     }
 
     fn rope_round(
@@ -672,13 +676,8 @@ impl Backend for CpuBackend {
             }
             c.stage(k.row(i), v.row(i))?;
         }
-        let width = d.q_heads * d.head_dim;
-        let mut out = vec![0f32; q.rows * width];
-        let caches: Vec<&CpuKv> = caches.iter().map(|c| &**c).collect();
-        out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
-            attn::attend_row(q.row(i), caches[i], caches[i].len + 1, d, o);
-        });
-        Ok(CpuBuf::new(q.rows, width, out))
+        // the staged row is seen, not yet counted
+        Ok(attend_lanes(q, d, caches, 1))
     }
 }
 

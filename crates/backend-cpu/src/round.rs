@@ -1,12 +1,12 @@
 //! Frame rounds on the CPU: the reference for the device's round ops. The round's inputs and
 //! frames are host memory, and the draws are `model::sampling`'s own functions.
 
-use model::backend::{BResult, CodeTerm, Counter, Frame, RoundLane, RoundSpec, Slot};
+use model::backend::{gather_row, BResult, CodeTerm, Counter, RoundLane, RoundSpec, Slot};
 use model::sampling::{sample_head, sample_main};
-use model::{BackendError, Row, ROW_WIDTH};
+use model::{BackendError, GatherRow, Row, ROW_WIDTH};
 use rayon::prelude::*;
 
-use crate::{CpuBuf, CpuWeight};
+use crate::CpuBuf;
 
 /// A round's per-lane inputs (written before each round) and the frames it draws.
 pub struct CpuRound {
@@ -39,14 +39,24 @@ impl CpuRound {
         Ok(())
     }
 
-    /// The lanes' counter, checked to be written.
-    pub fn counter(&self, op: &'static str, rows: usize, c: Counter) -> BResult<Vec<usize>> {
-        if self.lanes.len() != rows {
+    /// Refuses `rows` rows unless the round's lanes are written and as many.
+    fn check_written(&self, op: &'static str, rows: usize) -> BResult<()> {
+        if self.lanes.len() != rows || rows != self.frames.len() {
             return Err(shape_err(
                 op,
-                format!("{rows} rows for {} written round lanes", self.lanes.len()),
+                format!(
+                    "{rows} rows for a round of {} lanes ({} written)",
+                    self.frames.len(),
+                    self.lanes.len()
+                ),
             ));
         }
+        Ok(())
+    }
+
+    /// The lanes' counter, checked to be written.
+    pub fn counter(&self, op: &'static str, rows: usize, c: Counter) -> BResult<Vec<usize>> {
+        self.check_written(op, rows)?;
         Ok(self
             .lanes
             .iter()
@@ -55,10 +65,6 @@ impl CpuRound {
                 Counter::Tower => l.tower_rows,
             })
             .collect())
-    }
-
-    fn is_semantic(&self, tok: i64) -> bool {
-        tok >= i64::from(self.spec.semantic_start) && tok <= i64::from(self.spec.semantic_end)
     }
 
     pub fn sample(&mut self, logits: &CpuBuf, slot: Slot) -> BResult<()> {
@@ -96,7 +102,7 @@ impl CpuRound {
                         let c = sample_main(
                             row,
                             &this.spec.candidates,
-                            |t| this.is_semantic(i64::from(t)),
+                            |t| this.spec.is_semantic(i64::from(t)),
                             l.recent[..l.n_recent].iter().copied(),
                             &l.params,
                             l.seed,
@@ -120,43 +126,14 @@ impl CpuRound {
         Ok(())
     }
 
-    pub fn embed(&self, tables: &[&CpuWeight], terms: &[CodeTerm], scale: f32) -> BResult<CpuBuf> {
-        let cols = tables.first().map_or(0, |t| t.cols);
-        let n = self
-            .counter("round_embed", self.frames.len(), Counter::Backbone)?
-            .len();
-        let mut d = vec![0f32; n * cols];
-        let mut tmp = vec![0f32; cols];
-        for (i, out) in d.chunks_mut(cols.max(1)).enumerate() {
-            let cur = &self.frames[i];
-            for t in terms {
-                let f = match t.frame {
-                    Frame::Current => cur,
-                    Frame::Last => &self.lanes[i].last,
-                };
-                if t.guarded && !self.is_semantic(f[0]) {
-                    continue;
-                }
-                let table = tables.get(t.table).ok_or_else(|| {
-                    shape_err(
-                        "round_embed",
-                        format!("table {} of {}", t.table, tables.len()),
-                    )
-                })?;
-                let code = f.get(t.col).copied().unwrap_or(-1);
-                let row = i64::from(t.offset) + code;
-                if row < 0 || row as usize >= table.rows || table.cols != cols {
-                    return Err(shape_err(
-                        "round_embed",
-                        format!("row {row} of a {}x{} table", table.rows, table.cols),
-                    ));
-                }
-                table.row_f32(row as usize, &mut tmp);
-                out.iter_mut().zip(&tmp).for_each(|(o, x)| *o += x);
-            }
-            let s = if self.is_semantic(cur[0]) { scale } else { 1.0 };
-            out.iter_mut().for_each(|o| *o *= s);
-        }
-        Ok(CpuBuf::new(n, cols, d))
+    /// The picks of each lane's row (`model::backend::gather_row`).
+    pub fn embed_rows(&self, terms: &[CodeTerm], scale: f32) -> BResult<Vec<GatherRow>> {
+        self.check_written("round_embed", self.frames.len())?;
+        Ok(self
+            .frames
+            .iter()
+            .zip(&self.lanes)
+            .map(|(f, l)| gather_row(terms, scale, f, &l.last, |t| self.spec.is_semantic(t)))
+            .collect())
     }
 }

@@ -148,6 +148,39 @@ pub struct CodeTerm {
     pub guarded: bool,
 }
 
+impl RoundSpec {
+    pub fn is_semantic(&self, tok: i64) -> bool {
+        tok >= i64::from(self.semantic_start) && tok <= i64::from(self.semantic_end)
+    }
+}
+
+/// The [`GatherRow`] that `terms` pick for a row whose drawn frame is `cur` and whose previous
+/// row is `last`: what [`Backend::round_embed`] computes from a round's frames.
+pub fn gather_row(
+    terms: &[CodeTerm],
+    scale: f32,
+    cur: &Row,
+    last: &Row,
+    is_semantic: impl Fn(i64) -> bool,
+) -> GatherRow {
+    let mut picks = Vec::with_capacity(terms.len());
+    for t in terms {
+        let f = match t.frame {
+            Frame::Current => cur,
+            Frame::Last => last,
+        };
+        if !t.guarded || is_semantic(f[0]) {
+            // a code outside the table wraps past its rows, which gather_sum refuses
+            let row = i64::from(t.offset) + f.get(t.col).copied().unwrap_or(-1);
+            picks.push((t.table, row as u32));
+        }
+    }
+    GatherRow {
+        picks,
+        scale: if is_semantic(cur[0]) { scale } else { 1.0 },
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("KV cache holds {len} rows and {add} more would need {need}, beyond its capacity of {capacity} rows")]

@@ -129,13 +129,7 @@ impl<B: Backend> Model<B> {
         hook: Option<LogitsHook<'_>>,
         mut trace: Option<&mut Vec<StepTrace>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
-        if lanes.len() != steps.len() {
-            return Err(ModelError::Unsupported(format!(
-                "{} lanes but {} step settings",
-                lanes.len(),
-                steps.len()
-            )));
-        }
+        check_lanes(lanes, steps)?;
         if let Some(gd) = guidance.as_deref() {
             if gd.uncond.len() != lanes.len() || gd.gamma.len() != lanes.len() {
                 return Err(ModelError::Unsupported(format!(
@@ -148,13 +142,6 @@ impl<B: Backend> Model<B> {
         }
         if lanes.is_empty() {
             return Ok(Vec::new());
-        }
-        for l in lanes.iter() {
-            // Room for the frame's backbone row, checked before anything is sampled.
-            l.check_room(1)?;
-            if l.ended {
-                return Err(ended());
-            }
         }
         if let Some(gd) = guidance.as_deref() {
             for u in gd.uncond.iter().flatten() {
@@ -319,12 +306,30 @@ impl<B: Backend> Model<B> {
     }
 }
 
-fn ended() -> ModelError {
-    ModelError::Unsupported(
-        "the lane drew EOS in a round kept on the backend, which also fed its state forward; \
-         it cannot continue"
-            .into(),
-    )
+/// Step settings for each lane, and each lane able to take a frame: room for its backbone row
+/// (checked before anything is drawn) and not spent by an EOS in a kept round.
+fn check_lanes<B: Backend>(
+    lanes: &[&mut LaneState<B>],
+    steps: &[LaneStep],
+) -> Result<(), ModelError> {
+    if lanes.len() != steps.len() {
+        return Err(ModelError::Unsupported(format!(
+            "{} lanes but {} step settings",
+            lanes.len(),
+            steps.len()
+        )));
+    }
+    for l in lanes {
+        l.check_room(1)?;
+        if l.ended {
+            return Err(ModelError::Unsupported(
+                "the lane drew EOS in a round kept on the backend, which also fed its state \
+                 forward; it cannot continue"
+                    .into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Rounds a lane set runs as issued before it is recorded (see [`KeptRound`]'s `runs`).
@@ -354,22 +359,12 @@ impl<B: Backend> Model<B> {
     ) -> Result<Vec<FrameOut>, ModelError> {
         let be = &self.backend;
         let g = &self.geometry;
-        if lanes.len() != steps.len() {
-            return Err(ModelError::Unsupported(format!(
-                "{} lanes but {} step settings",
-                lanes.len(),
-                steps.len()
-            )));
-        }
+        check_lanes(lanes, steps)?;
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
         let mut inputs = Vec::with_capacity(lanes.len());
         for (l, s) in lanes.iter().zip(steps) {
-            l.check_room(1)?;
-            if l.ended {
-                return Err(ended());
-            }
             if !l.has_tower() {
                 return Err(ModelError::Unsupported(
                     "a backbone-only lane (guidance branch) cannot run the tower".into(),

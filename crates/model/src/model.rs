@@ -5,8 +5,8 @@
 use checkpoint::{Checkpoint, Config, ExpertFormat, LayerType};
 
 use crate::backend::{
-    AttnDims, Backend, CodeTerm, Counter, Expert, Frame, GatherRow, GdnDims, Rope, RoundSpec, Rows,
-    Slot,
+    gather_row, AttnDims, Backend, CodeTerm, Counter, Expert, Frame, GdnDims, Rope, RoundSpec,
+    Rows, Slot,
 };
 use crate::lane::LaneState;
 use crate::ModelError;
@@ -469,28 +469,61 @@ impl<B: Backend> Model<B> {
     /// Backbone input: `E[tok]`, or for semantic rows `(E[tok] + Σ_{c=1..k} CB[c][code_c]) / √(1+k)`.
     pub fn embed_rows(&self, rows: &[Row]) -> Result<B::Buf> {
         let g = &self.geometry;
-        let k = g.backbone_codebooks;
-        let mix = 1.0 / ((1 + k) as f32).sqrt();
+        let (terms, mix) = self.embed_terms();
         let mut out = Vec::with_capacity(rows.len());
         for (i, r) in rows.iter().enumerate() {
             self.check_row(i, r)?;
-            let mut picks = vec![(0usize, r[0] as u32)];
-            let mut scale = 1.0;
-            if g.is_semantic(r[0]) {
-                for c in 1..=k {
-                    picks.push((1, self.codebook_row(c, r[1 + c])));
-                }
-                scale = mix;
-            }
-            out.push(GatherRow { picks, scale });
+            out.push(gather_row(&terms, mix, r, r, |t| g.is_semantic(t)));
         }
         Ok(self
             .backend
             .gather_sum(&[&self.embed, &self.codebooks], &out)?)
     }
 
-    fn codebook_row(&self, c: usize, code: i64) -> u32 {
-        (c * self.geometry.codebook + code as usize) as u32
+    /// The backbone input's terms over `[embed, codebooks]` (a row is its own `cur`): `E[main]`,
+    /// and for a semantic main `CB[c][code_c]`, c = 1..=k, scaled by `1/√(1+k)`.
+    fn embed_terms(&self) -> (Vec<CodeTerm>, f32) {
+        let g = &self.geometry;
+        let k = g.backbone_codebooks;
+        let mut terms = vec![CodeTerm {
+            table: 0,
+            frame: Frame::Current,
+            col: 0,
+            offset: 0,
+            guarded: false,
+        }];
+        terms.extend((1..=k).map(|c| CodeTerm {
+            table: 1,
+            frame: Frame::Current,
+            col: 1 + c,
+            offset: (c * g.codebook) as u32,
+            guarded: true,
+        }));
+        (terms, 1.0 / ((1 + k) as f32).sqrt())
+    }
+
+    /// Tower layer `t`'s embedding terms over `[Emb_t, codebooks]`: `Emb_t[c_col]` of the
+    /// frame (shared layers embed c0, residual layer r embeds c_r), and at layer 0 the
+    /// residual codes of the lane's previous row that the backbone did not see.
+    fn tower_terms(&self, t: usize) -> Vec<CodeTerm> {
+        let g = &self.geometry;
+        let mut terms = vec![CodeTerm {
+            table: 0,
+            frame: Frame::Current,
+            col: 1 + t.saturating_sub(g.tower_shared),
+            offset: 0,
+            guarded: true,
+        }];
+        if t == 0 {
+            terms.extend((g.backbone_codebooks + 1..g.codebooks).map(|c| CodeTerm {
+                table: 1,
+                frame: Frame::Last,
+                col: 1 + c,
+                offset: (c * g.codebook) as u32,
+                guarded: true,
+            }));
+        }
+        terms
     }
 
     // ---------------------------------------------------------------- §4.2 backbone
@@ -499,7 +532,7 @@ impl<B: Backend> Model<B> {
     /// `Rows::Exact`: one row per lane. Returns the final-normed hidden; advances the lanes.
     /// With `round`, positions and cache lengths come from the round's counters and the
     /// lanes' host counters are left to the round's bookkeeping.
-    pub(crate) fn backbone(
+    fn backbone(
         &self,
         lanes: &mut [&mut LaneState<B>],
         mut x: B::Buf,
@@ -510,9 +543,10 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let g = &self.geometry;
         let (n, _) = be.shape(&x);
-        let host: Vec<usize> = match mode {
-            Rows::Bulk => (0..n).map(|i| lanes[0].rows + i).collect(),
-            Rows::Exact => lanes.iter().map(|l| l.rows).collect(),
+        let host: Vec<usize> = match (round, mode) {
+            (Some(_), _) => Vec::new(),
+            (None, Rows::Bulk) => (0..n).map(|i| lanes[0].rows + i).collect(),
+            (None, Rows::Exact) => lanes.iter().map(|l| l.rows).collect(),
         };
         let positions = match round {
             Some(r) => At::Round(r, Counter::Backbone),
@@ -680,23 +714,11 @@ impl<B: Backend> Model<B> {
     /// semantic, plus (layer 0, semantic input row) the residual codes the backbone did not see.
     fn tower_embed(&self, t: usize, inputs: &[Row], labels: &[Row]) -> Result<B::Buf> {
         let g = &self.geometry;
-        // Shared layers embed c0; residual layer r embeds c_r.
-        let col = t.saturating_sub(g.tower_shared);
+        let terms = self.tower_terms(t);
         let rows = inputs
             .iter()
             .zip(labels)
-            .map(|(inp, lab)| {
-                let mut picks = Vec::new();
-                if g.is_semantic(lab[0]) {
-                    picks.push((0usize, lab[1 + col] as u32));
-                }
-                if t == 0 && g.is_semantic(inp[0]) {
-                    for c in g.backbone_codebooks + 1..g.codebooks {
-                        picks.push((1, self.codebook_row(c, inp[1 + c])));
-                    }
-                }
-                GatherRow { picks, scale: 1.0 }
-            })
+            .map(|(inp, lab)| gather_row(&terms, 1.0, lab, inp, |t| g.is_semantic(t)))
             .collect::<Vec<_>>();
         Ok(self
             .backend
@@ -705,7 +727,7 @@ impl<B: Backend> Model<B> {
 
     /// One tower layer: `h = out_norm(r + SwiGLU(ffn_norm(r)))`, `r = m + Attn(attn_norm(m))`,
     /// `m = eh_proj([enorm(e) ; hnorm(h)])`.
-    pub(crate) fn tower_layer(
+    fn tower_layer(
         &self,
         t: usize,
         kvs: &mut [&mut B::Kv],
@@ -1007,7 +1029,6 @@ impl<B: Backend> Model<B> {
     ) -> Result<()> {
         let be = &self.backend;
         let g = &self.geometry;
-        let cb = g.codebook as u32;
         let h0 = {
             let hs = lanes
                 .iter()
@@ -1018,25 +1039,7 @@ impl<B: Backend> Model<B> {
         be.round_sample(&self.candidate_logits(&h0, Rows::Exact)?, round, Slot::Main)?;
         let mut h = h0;
         for t in 0..g.tower_layers {
-            // `tower_embed`'s picks: Emb_t[c_col] of the new frame, and at layer 0 the residual
-            // codes of the lane's previous row.
-            let col = t.saturating_sub(g.tower_shared);
-            let mut terms = vec![CodeTerm {
-                table: 0,
-                frame: Frame::Current,
-                col: 1 + col,
-                offset: 0,
-                guarded: true,
-            }];
-            if t == 0 {
-                terms.extend((g.backbone_codebooks + 1..g.codebooks).map(|c| CodeTerm {
-                    table: 1,
-                    frame: Frame::Last,
-                    col: 1 + c,
-                    offset: c as u32 * cb,
-                    guarded: true,
-                }));
-            }
+            let terms = self.tower_terms(t);
             let e = be.round_embed(&[&self.tower[t].emb, &self.codebooks], round, &terms, 1.0)?;
             let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
             h = self.tower_layer(
@@ -1056,23 +1059,7 @@ impl<B: Backend> Model<B> {
                 )?;
             }
         }
-        // `embed_rows`: E[main], and for a semantic main the mixed codebook rows.
-        let k = g.backbone_codebooks;
-        let mut terms = vec![CodeTerm {
-            table: 0,
-            frame: Frame::Current,
-            col: 0,
-            offset: 0,
-            guarded: false,
-        }];
-        terms.extend((1..=k).map(|c| CodeTerm {
-            table: 1,
-            frame: Frame::Current,
-            col: 1 + c,
-            offset: c as u32 * cb,
-            guarded: true,
-        }));
-        let mix = 1.0 / ((1 + k) as f32).sqrt();
+        let (terms, mix) = self.embed_terms();
         let x = be.round_embed(&[&self.embed, &self.codebooks], round, &terms, mix)?;
         let hn = self.backbone(lanes, x, Rows::Exact, None, Some(round))?;
         let mut outs = lanes
