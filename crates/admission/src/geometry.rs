@@ -173,6 +173,10 @@ pub struct GeometryError {
     pub reason: &'static str,
 }
 
+/// The H200's device-to-device copy rate that GPU.md measured (bytes read + written per
+/// second): what the weight-read floor divides by.
+pub const H200_COPY_BYTES_PER_S: f64 = 4.3e12;
+
 impl ModelGeometry {
     /// The synthetic full-size Drama 3 geometry (DRAMA3.md §2.4).
     pub fn drama3() -> Self {

@@ -185,8 +185,8 @@ extern "C" __global__ void add_sigmoid_mul(const float* __restrict__ a, const fl
 // Rotary embedding of the first `rot` dims of each `hd` head of row r at position
 // pos[r * pstride]; angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved
 // pairs (2i, 2i+1). Products are rounded separately (no fused multiply-add) as the CPU reference
-// does. Grid (rows, heads): each block computes the row's rot/2 angles once into shared memory
-// (rot <= 512) and rotates one head. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
+// does. Grid (rows, heads): each block computes the row's rot/2 angles into shared memory (rot
+// <= 512; once per block, where each element used to compute its own) and rotates one head. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
 #define ROPE_MAX_HALF 256
 extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
                                 const long long* __restrict__ pos, long long pstride, int cols, int hd, int rot,

@@ -11,7 +11,7 @@ use crate::rng::Rng;
 use crate::runtime::{Gpu, Variant};
 
 /// The device-to-device copy rate GPU.md measured on an H200 (bytes read + written).
-pub const COPY_FLOOR_BYTES_PER_S: f64 = 4.3e12;
+pub use admission::geometry::H200_COPY_BYTES_PER_S as COPY_FLOOR_BYTES_PER_S;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
@@ -20,8 +20,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Per-call seconds of `f` over `reps` timed rounds of `inner` calls each, after a warm-up.
 /// The `inner` calls are captured once into a CUDA graph and each round replays it, so host
-/// launch cost stays out of the figure (a kernel's device time, not the frame loop's, which
-/// launches op by op).
+/// launch cost stays out of the figure (a kernel's device time in isolation).
 fn time(
     gpu: &Gpu,
     reps: usize,

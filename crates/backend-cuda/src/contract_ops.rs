@@ -2188,40 +2188,18 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
     let a = be.weight_bf16(cb, cols, &t0)?;
     let b = be.weight_bf16(3 * cb, cols, &t1)?;
     let sem = |t: i64| t >= i64::from(sem0) && t < i64::from(sem0) + cb as i64;
+    // the picks the host path makes for the same frames (`embed_rows`, `tower_embed`)
     let rows: Vec<GatherRow> = frames
         .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let mut picks = Vec::new();
-            for t in &terms {
-                let fr = match t.frame {
-                    Frame::Current => f,
-                    Frame::Last => &inputs[i].last,
-                };
-                if !t.guarded || sem(fr[0]) {
-                    picks.push((t.table, (i64::from(t.offset) + fr[t.col]) as u32));
-                }
-            }
-            GatherRow {
-                picks,
-                scale: if sem(f[0]) { scale } else { 1.0 },
-            }
-        })
+        .zip(&inputs)
+        .map(|(f, l)| model::backend::gather_row(&terms, scale, f, &l.last, sem))
         .collect();
     let gathered = be.download(&be.gather_sum(&[&a, &b], &rows)?)?;
-    let same = kept
-        .iter()
-        .zip(&gathered)
-        .all(|(x, y)| x.to_bits() == y.to_bits());
-    c.push(
-        "12 lanes: bitwise = gather_sum of the same picks",
-        Kind::Check,
-        same,
-        if same {
-            "every value equal".into()
-        } else {
-            "differs from gather_sum".into()
-        },
+    same_bits(
+        c,
+        "12 lanes: round_embed bitwise = gather_sum of the same picks".into(),
+        &kept,
+        &gathered,
     );
     Ok(())
 }

@@ -1002,8 +1002,6 @@ pub fn decode_workspace(lanes: usize, nh: usize, hd: usize, nchunks: usize) -> R
     mul("decode partials", &[lanes, nh, nchunks, hd + 2])
 }
 
-/// `attn_decode_{f32,bf16}` (ops.cu): one query row per lane, `nchunks` key chunks per
-/// (kv head, lane), caches of `cap` rows.
 /// Query heads per block of `attn_decode_*`: the whole group of a kv head (its K/V read once)
 /// unless that leaves fewer than two blocks per multiprocessor, then halved down to one head
 /// (short contexts: few chunks, and the block's serial work is per head). A head's bits do not
@@ -1023,7 +1021,9 @@ pub fn decode_heads_per_block(
     hpb
 }
 
-/// `hpb` query heads per block ([`decode_heads_per_block`]).
+/// `attn_decode_{f32,bf16}` (ops.cu): one query row per lane, `nchunks` key chunks per
+/// (kv head, lane), `hpb` query heads per block ([`decode_heads_per_block`]), caches of `cap`
+/// rows.
 #[allow(clippy::too_many_arguments)]
 pub fn plan_decode(
     lanes: usize,
@@ -1062,7 +1062,12 @@ pub fn plan_decode(
         ],
         block: 128,
         // q [8][256], K staging [4][32][68], p [4][32][8], per-warp m and l, the last flag
-        smem: ((8 * 256 + 4 * 32 * 68 + 4 * 32 * 8 + 2 * 4 * 8) * 4 + 4) as u64,
+        smem: ((DECODE_MAX_GROUP * DECODE_MAX_HEAD_DIM
+            + 4 * 32 * 68
+            + 4 * 32 * DECODE_MAX_GROUP
+            + 2 * 4 * DECODE_MAX_GROUP)
+            * 4
+            + 4) as u64,
         dyn_smem: 0,
         optin: false,
         i32_max: [nh, hd, nchunks, 8 * hd].into_iter().max().unwrap_or(0) as u64,

@@ -238,8 +238,7 @@ fn device_memory_line(m: &DeviceMemory) -> String {
     }
 }
 
-/// The H200's device-to-device copy rate (GPU.md), the bandwidth the floor divides by.
-const H200_BYTES_PER_S: f64 = 4.3e12;
+use admission::geometry::H200_COPY_BYTES_PER_S as H200_BYTES_PER_S;
 
 /// The weight-read floor of one lane count (DRAMA3.md section 5): `lanes` frames per round over
 /// the bytes a round reads at `bytes_per_s`; `None` when the geometry gives no figure.
