@@ -19,11 +19,12 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("dramatis-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A scratch folder removed when the test ends (pass or fail).
+fn tmp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("dramatis-cli-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn text(o: &Output) -> String {
@@ -66,7 +67,8 @@ fn golden_fixture_passes() {
 #[test]
 fn golden_fails_on_a_broken_fixture() {
     // A fixture folder whose golden greedy frames were altered must fail (the runner can fail).
-    let d = tmp("broken-golden");
+    let dir = tmp("broken-golden");
+    let d = dir.path();
     let src = root().join("testdata/drama3-tiny");
     for e in std::fs::read_dir(&src).unwrap() {
         let p = e.unwrap().path();
@@ -89,7 +91,8 @@ fn golden_fails_on_a_broken_fixture() {
 
 #[test]
 fn say_is_deterministic_per_seed() {
-    let d = tmp("say");
+    let dir = tmp("say");
+    let d = dir.path();
     let take = |seed: &str, name: &str| {
         let out = d.join(name);
         say(&[
@@ -122,7 +125,8 @@ fn say_is_deterministic_per_seed() {
 
 #[test]
 fn say_with_a_reference_clip() {
-    let d = tmp("ref");
+    let dir = tmp("ref");
+    let d = dir.path();
     // A 0.5 s tone at 22.05 kHz: resampled to 44.1 kHz and encoded.
     let pcm: Vec<i16> = (0..11025)
         .map(|i| ((i as f32 * 0.05).sin() * 12000.0) as i16)
@@ -146,7 +150,8 @@ fn say_with_a_reference_clip() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let d = tmp("bad");
+    let dir = tmp("bad");
+    let d = dir.path();
     let out = d.join("x.wav");
     let o = out.to_str().unwrap();
     let notaudio = d.join("not.wav");
@@ -268,7 +273,8 @@ fn inspect_and_capabilities() {
 
 #[test]
 fn cpu_bench_receipt_has_no_device_memory() {
-    let out = tmp("bench").join("bench.json");
+    let dir = tmp("bench");
+    let out = dir.path().join("bench.json");
     let o = bin()
         .args([
             "bench", "--runs", "1", "--frames", "2", "--lanes", "1", "--out",
@@ -356,7 +362,8 @@ fn plan_boundaries() {
 
 #[test]
 fn fixture_round_trips_through_inspect() {
-    let d = tmp("fixture");
+    let dir = tmp("fixture");
+    let d = dir.path();
     let a = d.join("a");
     let b = d.join("b");
     for p in [&a, &b] {
