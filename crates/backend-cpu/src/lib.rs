@@ -615,7 +615,7 @@ impl Backend for CpuBackend {
     }
 
     fn round_frames(&self, round: &round::CpuRound) -> BResult<Vec<model::Row>> {
-        Ok(round.frames.clone())
+        Ok(round.frames())
     }
 
     fn round_sample(
@@ -633,8 +633,9 @@ impl Backend for CpuBackend {
         round: &round::CpuRound,
         terms: &[CodeTerm],
         scale: f32,
+        lanes: Counter,
     ) -> BResult<CpuBuf> {
-        self.gather_sum(tables, &round.embed_rows(terms, scale)?)
+        self.gather_sum(tables, &round.embed_rows(terms, scale, lanes)?)
     }
 
     fn rope_round(

@@ -1,8 +1,11 @@
 //! Frame rounds on the CPU: the reference for the device's round ops. The round's inputs and
 //! frames are host memory, and the draws are `model::sampling`'s own functions.
 
-use model::backend::{gather_row, BResult, CodeTerm, Counter, RoundLane, RoundSpec, Slot};
-use model::sampling::{sample_head, sample_main};
+use model::backend::{
+    gather_row, round_frames_of, round_leaders, BResult, Branch, CodeTerm, Counter, RoundLane,
+    RoundSpec, Slot,
+};
+use model::sampling::{cfg_mix, sample_head, sample_main};
 use model::{BackendError, GatherRow, Row, ROW_WIDTH};
 use rayon::prelude::*;
 
@@ -12,7 +15,9 @@ use crate::CpuBuf;
 pub struct CpuRound {
     pub spec: RoundSpec,
     pub lanes: Vec<RoundLane>,
-    pub frames: Vec<Row>,
+    /// The drawing lanes (`lanes[..leaders]`; the rest are unconditional branches).
+    leaders: usize,
+    frames: Vec<Row>,
 }
 
 fn shape_err(op: &'static str, why: String) -> BackendError {
@@ -24,6 +29,7 @@ impl CpuRound {
         Self {
             spec: spec.clone(),
             lanes: Vec::with_capacity(lanes),
+            leaders: 0,
             frames: vec![[0; ROW_WIDTH]; lanes],
         }
     }
@@ -35,30 +41,45 @@ impl CpuRound {
                 format!("{} lanes for a round of {}", lanes.len(), self.frames.len()),
             ));
         }
+        self.leaders = round_leaders(lanes)?;
         self.lanes = lanes.to_vec();
         Ok(())
     }
 
-    /// Refuses `rows` rows unless the round's lanes are written and as many.
-    fn check_written(&self, op: &'static str, rows: usize) -> BResult<()> {
-        if self.lanes.len() != rows || rows != self.frames.len() {
+    /// The frames drawn, each unconditional branch's being its drawing lane's.
+    pub fn frames(&self) -> Vec<Row> {
+        round_frames_of(&self.lanes, &self.frames)
+    }
+
+    /// How many lanes `c` covers: all for the backbone, the drawing ones for the tower.
+    fn covered(&self, c: Counter) -> usize {
+        match c {
+            Counter::Backbone => self.lanes.len(),
+            Counter::Tower => self.leaders,
+        }
+    }
+
+    /// Refuses `rows` rows unless the round's lanes are written and `rows` is what `c` covers.
+    fn check_written(&self, op: &'static str, rows: usize, c: Counter) -> BResult<()> {
+        if self.lanes.len() != self.frames.len() || rows != self.covered(c) {
             return Err(shape_err(
                 op,
                 format!(
-                    "{rows} rows for a round of {} lanes ({} written)",
+                    "{rows} rows for a round of {} lanes ({} written, {} drawing; {c:?} rows \
+                     wanted)",
                     self.frames.len(),
-                    self.lanes.len()
+                    self.lanes.len(),
+                    self.leaders
                 ),
             ));
         }
         Ok(())
     }
 
-    /// The lanes' counter, checked to be written.
+    /// The covered lanes' counter, checked to be written.
     pub fn counter(&self, op: &'static str, rows: usize, c: Counter) -> BResult<Vec<usize>> {
-        self.check_written(op, rows)?;
-        Ok(self
-            .lanes
+        self.check_written(op, rows, c)?;
+        Ok(self.lanes[..rows]
             .iter()
             .map(|l| match c {
                 Counter::Backbone => l.rows,
@@ -68,9 +89,14 @@ impl CpuRound {
     }
 
     pub fn sample(&mut self, logits: &CpuBuf, slot: Slot) -> BResult<()> {
-        let n = self
-            .counter("round_sample", logits.rows, Counter::Backbone)?
-            .len();
+        // main logits cover every lane (a guided lane mixes in its branch's row), a head's
+        // only the drawing lanes
+        let covers = match slot {
+            Slot::Main => Counter::Backbone,
+            Slot::Head(_) => Counter::Tower,
+        };
+        self.check_written("round_sample", logits.rows, covers)?;
+        let n = self.leaders;
         if let Slot::Main = slot {
             if logits.cols != self.spec.candidates.len() {
                 return Err(shape_err(
@@ -99,6 +125,16 @@ impl CpuRound {
                 let row = logits.row(i);
                 match slot {
                     Slot::Main => {
+                        let mixed;
+                        let row = match l.branch {
+                            Branch::Guided { uncond, gamma } => {
+                                let mut m = row.to_vec();
+                                cfg_mix(&mut m, logits.row(uncond), gamma);
+                                mixed = m;
+                                &mixed[..]
+                            }
+                            _ => row,
+                        };
                         let c = sample_main(
                             row,
                             &this.spec.candidates,
@@ -126,13 +162,20 @@ impl CpuRound {
         Ok(())
     }
 
-    /// The picks of each lane's row (`model::backend::gather_row`).
-    pub fn embed_rows(&self, terms: &[CodeTerm], scale: f32) -> BResult<Vec<GatherRow>> {
-        self.check_written("round_embed", self.frames.len())?;
+    /// The picks of each covered lane's row (`model::backend::gather_row`).
+    pub fn embed_rows(
+        &self,
+        terms: &[CodeTerm],
+        scale: f32,
+        lanes: Counter,
+    ) -> BResult<Vec<GatherRow>> {
+        let rows = self.covered(lanes);
+        self.check_written("round_embed", rows, lanes)?;
         Ok(self
-            .frames
+            .frames()
             .iter()
             .zip(&self.lanes)
+            .take(rows)
             .map(|(f, l)| gather_row(terms, scale, f, &l.last, |t| self.spec.is_semantic(t)))
             .collect())
     }

@@ -25,7 +25,9 @@ typedef double real_t;
 #endif
 #define ROW_W 11
 #define RAS_W 16
-// model::backend::RoundLane as the device reads it (backend.rs `LaneIn`, 272 bytes).
+// model::backend::RoundLane as the device reads it (backend.rs `LaneIn`, 280 bytes). follow:
+// an unconditional branch's drawing lane (else -1); guide: a guided lane's unconditional
+// branch, whose main logits it mixes in with gamma (else -1).
 struct LaneIn {
     long long rows, tower_rows;
     unsigned long long seed, step;
@@ -34,7 +36,9 @@ struct LaneIn {
     float top_p;
     int ras;
     int n_recent;
-    int pad;
+    int follow;
+    int guide;
+    float gamma;
     long long last[ROW_W];
     long long recent[RAS_W];
 };
@@ -211,11 +215,14 @@ __device__ int block_draw(const float* row, int n, int npad, float temperature, 
     return r;
 }
 
-// One block per lane: a draw from logits [lanes, n] into the lane's frame (frames [lanes, 11]).
-// slot < 0: the main token (candidate ids `cands`, RAS against the lane's recent tokens),
-// columns 0 and 1; slot r >= 0: residual head r, column 2 + r. Dynamic shared memory: npad
-// u64 keys and npad ints (npad = n rounded up to a power of two).
-extern "C" __global__ void __launch_bounds__(1024) round_sample(const float* __restrict__ logits, int n, int npad,
+// One block per covered lane: a draw from logits [rows, n] into the lane's frame (frames
+// [lanes, 11]). slot < 0: the main token (candidate ids `cands`, RAS against the lane's recent
+// tokens), columns 0 and 1, rows = every lane: an unconditional branch draws nothing, and a
+// guided lane first rewrites its row as l + gamma (l - l_u) (sampling::cfg_mix, each step
+// rounded once) from its branch's row, which no block writes. slot r >= 0: residual head r,
+// column 2 + r, rows = the drawing lanes. Dynamic shared memory: npad u64 keys and npad ints
+// (npad = n rounded up to a power of two).
+extern "C" __global__ void __launch_bounds__(1024) round_sample(float* __restrict__ logits, int n, int npad,
                                                                 const LaneIn* __restrict__ lanes,
                                                                 long long* __restrict__ frames,
                                                                 const unsigned int* __restrict__ cands, int slot,
@@ -228,7 +235,14 @@ extern "C" __global__ void __launch_bounds__(1024) round_sample(const float* __r
     __shared__ int result;
     const int lane = blockIdx.x;
     const LaneIn& L = lanes[lane];
-    const float* row = logits + (long long)lane * n;
+    if (L.follow >= 0) return;
+    float* row = logits + (long long)lane * n;
+    if (slot < 0 && L.guide >= 0 && L.gamma != 0.0f) {
+        const float* u = logits + (long long)L.guide * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x)
+            row[i] = __fadd_rn(row[i], __fmul_rn(L.gamma, __fsub_rn(row[i], u[i])));
+        __syncthreads();
+    }
     unsigned long long step = L.step;
 #if PLANT == 1
     step += 1;
@@ -268,15 +282,17 @@ struct Terms {
     int guarded[MAX_TERMS];
 };
 
-// One block per lane: out[lane, c] = s * sum over included terms of tables[t][offset + frame[col], c]
-// (bf16 tables [*, cols]), summed in term order from 0 as gather_sum; s = scale when the current
-// frame's main token is semantic, else 1. A code outside its table adds nothing and sets error
-// bit 2 (reported at the next download).
+// One block per covered lane: out[lane, c] = s * sum over included terms of
+// tables[t][offset + frame[col], c] (bf16 tables [*, cols]), summed in term order from 0 as
+// gather_sum; s = scale when the current frame's main token is semantic, else 1. An
+// unconditional branch's current frame is its drawing lane's. A code outside its table adds
+// nothing and sets error bit 2 (reported at the next download).
 extern "C" __global__ void round_embed(Tables tabs, Terms terms, const LaneIn* __restrict__ lanes,
                                        const long long* __restrict__ frames, float* __restrict__ out, int cols,
                                        float scale, unsigned int sem_start, unsigned int sem_end, int* err) {
     const int lane = blockIdx.x;
-    const long long* cur = frames + (long long)lane * ROW_W;
+    const int src = lanes[lane].follow >= 0 ? lanes[lane].follow : lane;
+    const long long* cur = frames + (long long)src * ROW_W;
     const long long* last = lanes[lane].last;
     int nt = terms.n;
 #if PLANT == 1

@@ -74,7 +74,7 @@ impl KvTab {
     }
 }
 
-/// `model::backend::RoundLane` as round.cu's `LaneIn` reads it (272 bytes).
+/// `model::backend::RoundLane` as round.cu's `LaneIn` reads it (280 bytes).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct LaneIn {
@@ -87,7 +87,11 @@ struct LaneIn {
     top_p: f32,
     ras: i32,
     n_recent: i32,
-    pad: i32,
+    /// An unconditional branch: the drawing lane whose frame it takes (else −1).
+    follow: i32,
+    /// A guided lane: the row of its unconditional branch's main logits (else −1), and γ.
+    guide: i32,
+    gamma: f32,
     last: [i64; model::ROW_WIDTH],
     recent: [i64; model::RAS_WINDOW],
 }
@@ -437,6 +441,8 @@ pub struct CudaRound {
     graph: Option<Graph>,
     pool: Option<Arc<SmallPool>>,
     lanes: usize,
+    /// The drawing lanes (the first ones; the rest are unconditional branches).
+    leaders: usize,
     lane_in: Mem,
     frames: Mem,
     cands: Mem,
@@ -467,14 +473,30 @@ impl CudaRound {
         }
     }
 
-    fn check_rows(&self, op: &'static str, rows: usize) -> BResult<()> {
-        if rows != self.lanes || self.host.len() != self.lanes {
+    /// How many lanes `c` covers: all for the backbone, the drawing ones for the tower.
+    fn covered(&self, c: model::backend::Counter) -> usize {
+        match c {
+            model::backend::Counter::Backbone => self.lanes,
+            model::backend::Counter::Tower => self.leaders,
+        }
+    }
+
+    /// Refuses `rows` rows unless the round's lanes are written and `rows` is what `c` covers.
+    fn check_rows(
+        &self,
+        op: &'static str,
+        rows: usize,
+        c: model::backend::Counter,
+    ) -> BResult<()> {
+        if self.host.len() != self.lanes || rows != self.covered(c) {
             return Err(shape_err(
                 op,
                 format!(
-                    "{rows} rows for a round of {} lanes ({} written)",
+                    "{rows} rows for a round of {} lanes ({} written, {} drawing; {c:?} rows \
+                     wanted)",
                     self.lanes,
-                    self.host.len()
+                    self.host.len(),
+                    self.leaders
                 ),
             ));
         }
@@ -560,7 +582,7 @@ impl CudaOptions {
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
             gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
-            kept_rounds: !get("DRAMATIS_CUDA_ROUNDS").is_some_and(|v| v.trim() == "host"),
+            kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_some_and(|v| v.trim() == "1"),
         }
@@ -2668,6 +2690,7 @@ impl Backend for CudaBackend {
             graph: None,
             pool: None,
             lanes,
+            leaders: 0,
             lane_in,
             frames,
             cands,
@@ -2691,9 +2714,17 @@ impl Backend for CudaBackend {
         if self.is_recording() {
             return Err(dev("round_write inside a recorded frame round"));
         }
+        let leaders = model::backend::round_leaders(lanes)?;
         let host: Vec<LaneIn> = lanes
             .iter()
             .map(|l| {
+                let (follow, guide, gamma) = match l.branch {
+                    model::backend::Branch::Own => (-1, -1, 0.0),
+                    model::backend::Branch::Guided { uncond, gamma } => {
+                        (-1, i32v("round_write", uncond)?, gamma)
+                    }
+                    model::backend::Branch::Uncond { of } => (i32v("round_write", of)?, -1, 0.0),
+                };
                 Ok(LaneIn {
                     rows: i64v("round_write", l.rows)?,
                     tower_rows: i64v("round_write", l.tower_rows)?,
@@ -2704,7 +2735,9 @@ impl Backend for CudaBackend {
                     top_p: l.params.top_p,
                     ras: i32::from(l.params.ras),
                     n_recent: l.n_recent.min(model::RAS_WINDOW) as i32,
-                    pad: 0,
+                    follow,
+                    guide,
+                    gamma,
                     last: l.last,
                     recent: l.recent,
                 })
@@ -2716,19 +2749,25 @@ impl Backend for CudaBackend {
         unsafe { cu::memcpy_htod_async(round.lane_in.ptr, &host, self.cu_stream()) }
             .map_err(dev)?;
         round.host = lanes.to_vec();
+        round.leaders = leaders;
         Ok(())
     }
 
     fn round_frames(&self, round: &CudaRound) -> BResult<Vec<model::Row>> {
         let _p = self.prof.guard("download");
         let v: Vec<i64> = self.dtoh(round.frames.ptr, round.lanes * model::ROW_WIDTH)?;
-        Ok(v.chunks_exact(model::ROW_WIDTH)
+        let drawn: Vec<model::Row> = v
+            .chunks_exact(model::ROW_WIDTH)
             .map(|c| {
                 let mut r = [0i64; model::ROW_WIDTH];
                 r.copy_from_slice(c);
                 r
             })
-            .collect())
+            .collect();
+        if round.host.len() != round.lanes {
+            return Err(shape_err("round_frames", "the round's lanes were never written".into()));
+        }
+        Ok(model::backend::round_frames_of(&round.host, &drawn))
     }
 
     fn round_sample(
@@ -2739,7 +2778,14 @@ impl Backend for CudaBackend {
     ) -> BResult<()> {
         let _p = self.prof.guard("round_sample");
         let op = "round_sample";
-        round.check_rows(op, logits.rows)?;
+        // main logits cover every lane (a guided lane mixes in its branch's row in place), a
+        // head's only the drawing lanes; one block per covered lane, an unconditional
+        // branch's block returning at once
+        let covers = match slot {
+            model::backend::Slot::Main => model::backend::Counter::Backbone,
+            model::backend::Slot::Head(_) => model::backend::Counter::Tower,
+        };
+        round.check_rows(op, logits.rows, covers)?;
         let n = logits.cols;
         let slot32 = match slot {
             model::backend::Slot::Main => {
@@ -2764,18 +2810,19 @@ impl Backend for CudaBackend {
                 r as i32
             }
         };
-        let p = kernels::plan_round_sample(round.lanes, n).map_err(dev)?;
+        let p = kernels::plan_round_sample(logits.rows, n).map_err(dev)?;
         let (f, smem) = self.optin_func(Source::Round, &p)?;
         let (n32, npad32) = (i32v(op, n)?, i32v(op, n.next_power_of_two())?);
         let cfg = LaunchConfig {
-            grid_dim: (u32v(op, round.lanes)?, 1, 1),
+            grid_dim: (u32v(op, logits.rows)?, 1, 1),
             block_dim: (p.block as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
         let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
-        // SAFETY: the arguments match round_sample in kernels/round.cu: logits [lanes, n],
-        // lane_in [lanes], frames [lanes, 11], cands [n] (main); the plan sized the shared
-        // memory for n rounded up to a power of two.
+        // SAFETY: the arguments match round_sample in kernels/round.cu: logits [rows, n] (rows
+        // the covered lanes; a guided lane's row is rewritten in place), lane_in [lanes],
+        // frames [lanes, 11], cands [n] (main); the plan sized the shared memory for n rounded
+        // up to a power of two.
         unsafe {
             self.gpu
                 .stream
@@ -2801,9 +2848,12 @@ impl Backend for CudaBackend {
         round: &CudaRound,
         terms: &[model::backend::CodeTerm],
         scale: f32,
+        lanes: model::backend::Counter,
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("round_embed");
         let op = "round_embed";
+        let rows = round.covered(lanes);
+        round.check_rows(op, rows, lanes)?;
         if tables.len() > 8 || terms.len() > MAX_TERMS {
             return Err(shape_err(
                 op,
@@ -2863,13 +2913,13 @@ impl Backend for CudaBackend {
             tm.offset[i] = t.offset;
             tm.guarded[i] = i32::from(t.guarded);
         }
-        let out = self.buf(round.lanes, cols)?;
-        if cols == 0 {
+        let out = self.buf(rows, cols)?;
+        if cols == 0 || rows == 0 {
             return Ok(out);
         }
         let (c32, ep) = (i32v(op, cols)?, self.err_ptr()?);
         let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
-        go!(self, Source::Round, "round_embed", (u32v(op, round.lanes)?, 1, 1), 128, 0;
+        go!(self, Source::Round, "round_embed", (u32v(op, rows)?, 1, 1), 128, 0;
             &tabs, &tm, &round.lane_in.ptr, &round.frames.ptr, &out.ptr(), &c32, &scale, &ss, &se, &ep);
         Ok(out)
     }
@@ -2885,7 +2935,7 @@ impl Backend for CudaBackend {
         counter: model::backend::Counter,
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("rope");
-        round.check_rows("rope_round", x.rows)?;
+        round.check_rows("rope_round", x.rows, counter)?;
         check::rope(x.shape(), x.rows, head_dim, rot_dims)?;
         let out = self.buf(x.rows, x.cols)?;
         if x.cols == 0 {
@@ -2908,7 +2958,7 @@ impl Backend for CudaBackend {
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("attn_step");
         check::lanes("attn_step_round", q.rows, caches.len())?;
-        round.check_rows("attn_step_round", q.rows)?;
+        round.check_rows("attn_step_round", q.rows, counter)?;
         for (i, c) in caches.iter().enumerate() {
             check_attn(q, k, v, d, c)?;
             let want = round.host_counter(counter, i);
@@ -2986,9 +3036,9 @@ mod tests {
         // ops.cu `KvTab`: three arrays, then lenp, lstride, ladd
         assert_eq!(std::mem::size_of::<KvTab>(), 24 * MAX_LANES + 24);
         assert_eq!(std::mem::offset_of!(KvTab, lenp), 24 * MAX_LANES);
-        // round.cu `LaneIn`: 4 words, 6 ints, then last[11] and recent[16]
-        assert_eq!(std::mem::size_of::<LaneIn>(), 272);
-        assert_eq!(std::mem::offset_of!(LaneIn, last), 56);
+        // round.cu `LaneIn`: 4 words, 8 ints/floats, then last[11] and recent[16]
+        assert_eq!(std::mem::size_of::<LaneIn>(), 280);
+        assert_eq!(std::mem::offset_of!(LaneIn, last), 64);
         assert_eq!(LANE_IN_WORDS, 34);
         // round.cu `Terms`: table_rows[8], n, then five arrays of 16 ints
         assert_eq!(

@@ -1912,11 +1912,15 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
 /// counters, sort order and f64 arithmetic), over lanes of peaky, flat, tied and masked logits
 /// and mixed settings (greedy, top-k, top-p, RAS against a recent repeat). Half the lanes draw
 /// from flat distributions over every token, where f32 sums (the low-precision build) move a
-/// few draws in a hundred; the planted build draws from the next step's counter.
+/// few draws in a hundred; the planted build draws from the next step's counter. The last
+/// `uncond` lanes are the unconditional branches of the first ones (classifier-free guidance):
+/// those lanes draw from `sampling::cfg_mix` of the two rows, the branches draw nothing and
+/// read back their lane's frame.
 pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
-    use model::backend::{RoundLane, RoundSpec, Slot};
-    use model::sampling::{sample_head, sample_main, SamplingParams};
-    let (lanes, cb, sem0, eos) = (32usize, 4096usize, 1000u32, 7u32);
+    use model::backend::{Branch, RoundLane, RoundSpec, Slot};
+    use model::sampling::{cfg_mix, sample_head, sample_main, SamplingParams};
+    let (lanes, uncond, cb, sem0, eos) = (32usize, 8usize, 4096usize, 1000u32, 7u32);
+    let leaders = lanes - uncond;
     let cands: Vec<u32> = (0..cb as u32).map(|i| sem0 + i).chain([eos]).collect();
     let spec = RoundSpec {
         candidates: cands.clone(),
@@ -1980,6 +1984,19 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
                     *x = i64::from(top);
                 }
             }
+            // lanes 0..uncond are guided by the last `uncond` lanes (γ 0 included: no mix)
+            let branch = if lane < uncond {
+                Branch::Guided {
+                    uncond: leaders + lane,
+                    gamma: [0.0, 0.5, 1.5, 3.0][(rep + lane) % 4],
+                }
+            } else if lane >= leaders {
+                Branch::Uncond {
+                    of: lane - leaders,
+                }
+            } else {
+                Branch::Own
+            };
             inputs.push(RoundLane {
                 rows: 0,
                 tower_rows: 0,
@@ -1989,15 +2006,22 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
                 step: rep as u64 * 3 + lane as u64,
                 recent,
                 n_recent,
+                branch,
             });
             main.extend_from_slice(&m);
-            head.extend_from_slice(&h);
+            if lane < leaders {
+                head.extend_from_slice(&h);
+            }
         }
-        let want = (0..lanes)
+        let want = (0..leaders)
             .map(|i| {
                 let l = &inputs[i];
+                let mut row = main[i * (cb + 1)..(i + 1) * (cb + 1)].to_vec();
+                if let Branch::Guided { uncond, gamma } = l.branch {
+                    cfg_mix(&mut row, &main[uncond * (cb + 1)..(uncond + 1) * (cb + 1)], gamma);
+                }
                 let mc = sample_main(
-                    &main[i * (cb + 1)..(i + 1) * (cb + 1)],
+                    &row,
                     &cands,
                     is_sem,
                     l.recent[..l.n_recent].iter().copied(),
@@ -2017,7 +2041,7 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
             want,
         });
     }
-    let draws = 2 * lanes * reps;
+    let draws = 2 * leaders * reps;
     let mismatches = |c: &Ctx, v: Variant| -> Result<usize> {
         let be = backend(c, v, true);
         let mut round = be.round_new(lanes, &spec)?;
@@ -2026,16 +2050,24 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
             be.round_write(&mut round, &rep.inputs)?;
             let m = be.upload(&rep.main, lanes, cb + 1)?;
             be.round_sample(&m, &mut round, Slot::Main)?;
-            let h = be.upload(&rep.head, lanes, cb)?;
+            let h = be.upload(&rep.head, leaders, cb)?;
             be.round_sample(&h, &mut round, Slot::Head(rep.r))?;
-            for (f, w) in be.round_frames(&round)?.iter().zip(&rep.want) {
+            let frames = be.round_frames(&round)?;
+            for (f, w) in frames.iter().zip(&rep.want) {
                 bad += usize::from(f[0] != w.0 || f[1] != w.0 - i64::from(sem0))
                     + usize::from(f[2 + rep.r] != w.1);
+            }
+            // an unconditional branch reads back its lane's frame
+            for (j, f) in frames[leaders..].iter().enumerate() {
+                bad += usize::from(*f != frames[j]);
             }
         }
         Ok(bad)
     };
-    let case = format!("{draws} draws over {lanes} lanes of {cb}/{} logits", cb + 1);
+    let case = format!(
+        "{draws} draws over {leaders} lanes ({uncond} guided by {uncond} more) of {cb}/{} logits",
+        cb + 1
+    );
     let e = mismatches(c, Variant::Exact)?;
     c.push(
         case.clone(),
@@ -2102,6 +2134,7 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
                 step: 0,
                 recent: [0; model::RAS_WINDOW],
                 n_recent: 0,
+                branch: model::backend::Branch::Own,
             }
         })
         .collect();
@@ -2172,7 +2205,7 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
         be.round_write(&mut round, &inputs)?;
         be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
         be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
-        Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale)?)?)
+        Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale, model::backend::Counter::Backbone)?)?)
     };
     triple3(
         c,

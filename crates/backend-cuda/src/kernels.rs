@@ -1013,7 +1013,7 @@ pub fn decode_heads_per_block(
     nchunks: usize,
     sms: usize,
 ) -> usize {
-    let g = if nkv == 0 { 1 } else { (nh / nkv).max(1) };
+    let g = nh.checked_div(nkv).unwrap_or(1).max(1);
     let mut hpb = g;
     while hpb > 1 && hpb.is_multiple_of(2) && lanes * nkv * (g / hpb) * nchunks < 2 * sms {
         hpb /= 2;

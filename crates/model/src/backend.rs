@@ -83,6 +83,8 @@ pub struct Route {
 
 /// Which of a lane's counters a round op reads: the backbone's rows (the position of the
 /// frame's backbone row and the length of every backbone K/V cache before it) or the tower's.
+/// It also names the rows the op covers: every lane of the round for the backbone, the
+/// drawing lanes (those before the first [`Branch::Uncond`]) for the tower.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counter {
     Backbone,
@@ -106,6 +108,90 @@ pub struct RoundLane {
     /// The newest main tokens, oldest first; `recent[..n_recent]` are valid.
     pub recent: [i64; RAS_WINDOW],
     pub n_recent: usize,
+    /// The lane's part in classifier-free guidance.
+    pub branch: Branch,
+}
+
+/// A lane's part in a guided round (DRAMA3.md section 7). A round lists its drawing lanes
+/// ([`Branch::Own`], [`Branch::Guided`]) first and the unconditional branches after them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Branch {
+    /// Draws its frame from its own main logits.
+    Own,
+    /// Draws its main token from `l + γ (l − l_u)` (`sampling::cfg_mix`), `l_u` the main
+    /// logits of round lane `uncond` (a [`Branch::Uncond`] of this lane).
+    Guided { uncond: usize, gamma: f32 },
+    /// An unconditional branch (backbone only): draws nothing, and its backbone row is round
+    /// lane `of`'s frame.
+    Uncond { of: usize },
+}
+
+/// The drawing lanes of a round (the first `n`), after checking that the branches pair up:
+/// every [`Branch::Uncond`] after every drawing lane, each the branch of exactly the one
+/// [`Branch::Guided`] lane that names it, and every γ finite.
+pub fn round_leaders(lanes: &[RoundLane]) -> BResult<usize> {
+    let bad = |why: String| BackendError::Shape {
+        op: "round_write",
+        why,
+    };
+    let n = lanes
+        .iter()
+        .position(|l| matches!(l.branch, Branch::Uncond { .. }))
+        .unwrap_or(lanes.len());
+    let mut claimed = vec![false; lanes.len()];
+    for (i, l) in lanes.iter().enumerate() {
+        match l.branch {
+            Branch::Own => {
+                if i >= n {
+                    return Err(bad(format!(
+                        "lane {i} draws but comes after unconditional lane {n}"
+                    )));
+                }
+            }
+            Branch::Guided { uncond, gamma } => {
+                if i >= n {
+                    return Err(bad(format!(
+                        "lane {i} draws but comes after unconditional lane {n}"
+                    )));
+                }
+                if !gamma.is_finite() {
+                    return Err(bad(format!("lane {i}'s guidance scale {gamma} is not finite")));
+                }
+                let ok = lanes
+                    .get(uncond)
+                    .is_some_and(|u| u.branch == Branch::Uncond { of: i });
+                if !ok || claimed[uncond] {
+                    return Err(bad(format!(
+                        "lane {i}'s unconditional branch {uncond} is not an unclaimed \
+                         unconditional lane of it ({} lanes)",
+                        lanes.len()
+                    )));
+                }
+                claimed[uncond] = true;
+            }
+            Branch::Uncond { of } => {
+                if i < n || !matches!(lanes.get(of).map(|l| l.branch), Some(Branch::Guided { uncond, .. }) if uncond == i)
+                {
+                    return Err(bad(format!(
+                        "unconditional lane {i} follows lane {of}, which does not name it"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// Each lane's frame, an unconditional branch's being its drawing lane's.
+pub fn round_frames_of(lanes: &[RoundLane], frames: &[Row]) -> Vec<Row> {
+    lanes
+        .iter()
+        .enumerate()
+        .map(|(i, l)| match l.branch {
+            Branch::Uncond { of } => frames[of],
+            _ => frames[i],
+        })
+        .collect()
 }
 
 /// What the round's draws need to know of the model, fixed when the round is made.
@@ -441,19 +527,25 @@ pub trait Backend: Send + Sync + Sized {
     fn round_new(&self, lanes: usize, spec: &RoundSpec) -> BResult<Self::Round>;
     /// Writes each lane's inputs (outside any capture).
     fn round_write(&self, round: &mut Self::Round, lanes: &[RoundLane]) -> BResult<()>;
-    /// The frames the round drew, `[lanes]` (one download: it waits for the round).
+    /// The frames the round drew, `[lanes]`, an unconditional branch's being its drawing
+    /// lane's (one download: it waits for the round).
     fn round_frames(&self, round: &Self::Round) -> BResult<Vec<Row>>;
-    /// One draw per lane from `logits` (`[lanes, n]`) into `slot` of the lane's frame, with the
-    /// lane's settings, counters and RNG (`sampling::sample_main` / `sample_head`, bit for bit).
+    /// One draw per drawing lane into `slot` of its frame, with the lane's settings, counters
+    /// and RNG (`sampling::sample_main` / `sample_head`, bit for bit). Main: `logits` is
+    /// `[lanes, n]`, every lane's row (a guided lane draws from its row mixed with its
+    /// unconditional branch's; the backend may mix in place). Head: `[drawing lanes, n]`.
     fn round_sample(&self, logits: &Self::Buf, round: &mut Self::Round, slot: Slot) -> BResult<()>;
     /// Row i = `s · Σ tables[t.table][t.offset + frame_i[t.col]]` over the included `terms`,
-    /// with `s = scale` when the current frame's main token is semantic, else 1.
+    /// with `s = scale` when the current frame's main token is semantic, else 1; one row per
+    /// lane that `lanes` covers ([`Counter`]), an unconditional branch reading its drawing
+    /// lane's frame as its current one.
     fn round_embed(
         &self,
         tables: &[&Self::Weight],
         round: &Self::Round,
         terms: &[CodeTerm],
         scale: f32,
+        lanes: Counter,
     ) -> BResult<Self::Buf>;
     /// [`Backend::rope`] with row i at lane i's `counter`.
     #[allow(clippy::too_many_arguments)]

@@ -212,6 +212,21 @@ pub fn route(e: usize, k: usize, keep: Option<&[bool]>) -> BResult<usize> {
     Ok(kept)
 }
 
+/// The length after appending `add` rows to a cache of `len` rows, or [`BackendError::KvFull`]
+/// past its capacity.
+pub fn kv_room(len: usize, add: usize, capacity: usize) -> BResult<usize> {
+    let need = len.saturating_add(add);
+    if need > capacity {
+        return Err(BackendError::KvFull {
+            len,
+            add,
+            need,
+            capacity,
+        });
+    }
+    Ok(need)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -303,19 +318,4 @@ mod tests {
         assert!(is_shape_err(route(4, 0, None), "route"));
         assert!(is_shape_err(route(4, 1, Some(&[true])), "route"));
     }
-}
-
-/// The length after appending `add` rows to a cache of `len` rows, or [`BackendError::KvFull`]
-/// past its capacity.
-pub fn kv_room(len: usize, add: usize, capacity: usize) -> BResult<usize> {
-    let need = len.saturating_add(add);
-    if need > capacity {
-        return Err(BackendError::KvFull {
-            len,
-            add,
-            need,
-            capacity,
-        });
-    }
-    Ok(need)
 }

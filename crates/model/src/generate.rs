@@ -1,7 +1,7 @@
 //! The frame loop (DRAMA3.md §4.7): main token with RAS, the tower's 9 head draws, then the
 //! frame fed back through the backbone. Batched rounds give each lane exactly its solo result.
 
-use crate::backend::{Backend, RoundLane};
+use crate::backend::{Backend, Branch, RoundLane};
 use crate::lane::{LaneState, RAS_WINDOW};
 use crate::model::{Model, Row};
 use crate::prof::Phase;
@@ -102,8 +102,8 @@ impl<B: Backend> Model<B> {
     /// both branches advance with the same frame. Rows are exact, so batching the two branches in
     /// one backbone call (`guidance.batched`) gives the same bits as separate calls.
     ///
-    /// Without guidance, hook or trace, a backend that keeps rounds runs the round there
-    /// ([`Model::step_frames_kept`]); otherwise [`Model::step_frames_host`].
+    /// Without a hook or trace, a backend that keeps rounds runs the round there, guidance
+    /// included ([`Model::step_frames_kept_guided`]); otherwise [`Model::step_frames_host`].
     pub fn step_frames_guided(
         &self,
         lanes: &mut [&mut LaneState<B>],
@@ -112,9 +112,8 @@ impl<B: Backend> Model<B> {
         hook: Option<LogitsHook<'_>>,
         trace: Option<&mut Vec<StepTrace>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
-        if guidance.is_none() && hook.is_none() && trace.is_none() && self.backend.resident_rounds()
-        {
-            return self.step_frames_kept(lanes, steps);
+        if hook.is_none() && trace.is_none() && self.backend.resident_rounds() {
+            return self.step_frames_kept_guided(lanes, steps, guidance);
         }
         self.step_frames_host(lanes, steps, guidance, hook, trace)
     }
@@ -357,15 +356,70 @@ impl<B: Backend> Model<B> {
         lanes: &mut [&mut LaneState<B>],
         steps: &[LaneStep],
     ) -> Result<Vec<FrameOut>, ModelError> {
+        self.step_frames_kept_guided(lanes, steps, None)
+    }
+
+    /// [`Model::step_frames_kept`] with classifier-free guidance: each guided lane's
+    /// unconditional branch joins the round after the drawing lanes (its backbone row batched
+    /// with theirs, its main logits mixed into its lane's on the backend), and follows with the
+    /// lane's frame. A branch is spent with its lane when the lane draws EOS.
+    pub fn step_frames_kept_guided(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        steps: &[LaneStep],
+        guidance: Option<&mut Guidance<'_, B>>,
+    ) -> Result<Vec<FrameOut>, ModelError> {
+        check_lanes(lanes, steps)?;
+        let leaders = lanes.len();
+        let mut branch = vec![Branch::Own; leaders];
+        let mut all: Vec<&mut LaneState<B>> = lanes.iter_mut().map(|l| &mut **l).collect();
+        let mut all_steps = steps.to_vec();
+        if let Some(gd) = guidance {
+            if gd.uncond.len() != leaders || gd.gamma.len() != leaders {
+                return Err(ModelError::Unsupported(format!(
+                    "{leaders} lanes but guidance for {} (gamma for {})",
+                    gd.uncond.len(),
+                    gd.gamma.len()
+                )));
+            }
+            for (i, u) in gd.uncond.iter_mut().enumerate() {
+                if let Some(u) = u.as_deref_mut() {
+                    u.check_room(1)?;
+                    if u.ended {
+                        return Err(ModelError::Unsupported(
+                            "an unconditional branch was spent with its lane's EOS".into(),
+                        ));
+                    }
+                    branch[i] = Branch::Guided {
+                        uncond: all.len(),
+                        gamma: gd.gamma[i],
+                    };
+                    branch.push(Branch::Uncond { of: i });
+                    all.push(u);
+                    all_steps.push(steps[i]);
+                }
+            }
+        }
+        self.kept_round(&mut all, &all_steps, &branch, leaders)
+    }
+
+    /// A kept round over `lanes` (the first `leaders` draw; the rest are their unconditional
+    /// branches), with each lane's part in `branch`.
+    fn kept_round(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        steps: &[LaneStep],
+        branch: &[Branch],
+        leaders: usize,
+    ) -> Result<Vec<FrameOut>, ModelError> {
         let be = &self.backend;
         let g = &self.geometry;
-        check_lanes(lanes, steps)?;
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
         let mut inputs = Vec::with_capacity(lanes.len());
-        for (l, s) in lanes.iter().zip(steps) {
-            if !l.has_tower() {
+        for (i, ((l, s), &b)) in lanes.iter().zip(steps).zip(branch).enumerate() {
+            if i < leaders && !l.has_tower() {
                 return Err(ModelError::Unsupported(
                     "a backbone-only lane (guidance branch) cannot run the tower".into(),
                 ));
@@ -387,6 +441,7 @@ impl<B: Backend> Model<B> {
                 step: s.step,
                 recent,
                 n_recent: l.recent.len(),
+                branch: b,
             });
         }
         crate::prof::round();
@@ -414,7 +469,7 @@ impl<B: Backend> Model<B> {
                 && be.capture_begin()?;
             if record {
                 let t0 = std::time::Instant::now();
-                let body = self.round_body(lanes, &mut k.round);
+                let body = self.round_body(lanes, &mut k.round, leaders);
                 let ended = be.capture_end(&mut k.round, body.is_ok());
                 tracing::info!(
                     lanes = lanes.len(),
@@ -434,22 +489,24 @@ impl<B: Backend> Model<B> {
                         // counters to the bookkeeping below): run the round as issued. Only if
                         // that works was the failure the recording's, and later rounds are
                         // issued too; otherwise the error is the round's and is returned.
-                        self.round_body(lanes, &mut k.round)?;
+                        self.round_body(lanes, &mut k.round, leaders)?;
                         tracing::warn!("frame round not recorded, running rounds as issued: {e}");
                         self.no_capture
                             .store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
             } else {
-                self.round_body(lanes, &mut k.round)?;
+                self.round_body(lanes, &mut k.round, leaders)?;
             }
         }
         k.runs += 1;
         let frames = be.round_frames(&k.round)?;
-        let mut out = Vec::with_capacity(lanes.len());
-        for (l, f) in lanes.iter_mut().zip(frames) {
+        let mut out = Vec::with_capacity(leaders);
+        for (i, (l, f)) in lanes.iter_mut().zip(frames).enumerate() {
             l.rows += 1;
-            l.tower_rows += 1;
+            if i < leaders {
+                l.tower_rows += 1;
+            }
             for (kv, want) in
                 l.kv.iter_mut()
                     .map(|k| (k, l.rows))
@@ -466,11 +523,14 @@ impl<B: Backend> Model<B> {
             }
             l.last_row = Some(f);
             l.push_main(f[0]);
-            if g.is_semantic(f[0]) {
-                out.push(FrameOut::Frame(f));
+            let frame = if g.is_semantic(f[0]) {
+                FrameOut::Frame(f)
             } else {
                 l.ended = true;
-                out.push(FrameOut::Eos);
+                FrameOut::Eos
+            };
+            if i < leaders {
+                out.push(frame);
             }
         }
         Ok(out)

@@ -1026,6 +1026,7 @@ impl<B: Backend> Model<B> {
         &self,
         lanes: &mut [&mut LaneState<B>],
         round: &mut B::Round,
+        leaders: usize,
     ) -> Result<()> {
         let be = &self.backend;
         let g = &self.geometry;
@@ -1036,12 +1037,27 @@ impl<B: Backend> Model<B> {
                 .collect::<Result<Vec<_>>>()?;
             be.concat_rows(&hs)?
         };
+        // every lane's main logits (the unconditional branches' are mixed into their lanes')
         be.round_sample(&self.candidate_logits(&h0, Rows::Exact)?, round, Slot::Main)?;
-        let mut h = h0;
+        // the tower runs on the drawing lanes only
+        let mut h = if leaders == lanes.len() {
+            h0
+        } else {
+            be.rows(&h0, 0, leaders)?
+        };
         for t in 0..g.tower_layers {
             let terms = self.tower_terms(t);
-            let e = be.round_embed(&[&self.tower[t].emb, &self.codebooks], round, &terms, 1.0)?;
-            let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
+            let e = be.round_embed(
+                &[&self.tower[t].emb, &self.codebooks],
+                round,
+                &terms,
+                1.0,
+                Counter::Tower,
+            )?;
+            let mut kvs: Vec<&mut B::Kv> = lanes[..leaders]
+                .iter_mut()
+                .map(|l| &mut l.tower_kv[t])
+                .collect();
             h = self.tower_layer(
                 t,
                 &mut kvs,
@@ -1060,7 +1076,13 @@ impl<B: Backend> Model<B> {
             }
         }
         let (terms, mix) = self.embed_terms();
-        let x = be.round_embed(&[&self.embed, &self.codebooks], round, &terms, mix)?;
+        let x = be.round_embed(
+            &[&self.embed, &self.codebooks],
+            round,
+            &terms,
+            mix,
+            Counter::Backbone,
+        )?;
         let hn = self.backbone(lanes, x, Rows::Exact, None, Some(round))?;
         let mut outs = lanes
             .iter_mut()

@@ -179,14 +179,15 @@ pub fn sample(
 }
 
 /// `e^x` from adds and multiplies only, each rounded once (no fused multiply-add), so the
-/// device sampler (`sample.cu`) computes the same bits: a platform `exp` may differ in the
+/// device sampler (`round.cu`) computes the same bits: a platform `exp` may differ in the
 /// last place, which would move a draw that lands on a cumulative boundary. Cody-Waite
 /// reduction `x = k ln2 + r`, |r| <= ln2/2, and Taylor terms to r^13 (error below 2 ulp).
 pub fn exp_det(x: f64) -> f64 {
     const LOG2E: f64 = std::f64::consts::LOG2_E;
     // ln 2 split so that k * LN2_HI is exact for |k| < 2^11
-    const LN2_HI: f64 = 6.931_471_803_691_238_164_9e-1;
-    const LN2_LO: f64 = 1.908_214_929_270_587_700_02e-10;
+    // (the bit patterns round.cu uses: 6.9314718036912381649e-1 and 1.90821492927058770002e-10)
+    const LN2_HI: f64 = f64::from_bits(0x3fe6_2e42_fee0_0000);
+    const LN2_LO: f64 = f64::from_bits(0x3dea_39ef_3579_3c76);
     if x.is_nan() {
         return x;
     }
