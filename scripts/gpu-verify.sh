@@ -22,6 +22,14 @@ done
 # three hashes (one per run, so a crashed run shows), and how many distinct: must be 3 and 1
 hashes=$(cat "$out"/say-*.log | grep -o 'pcm_sha256 [0-9a-f]*')
 echo "say kept/nograph/host: $(echo "$hashes" | grep -c pcm_sha256) hash(es), $(echo "$hashes" | sort -u | grep -c pcm_sha256) distinct" >> "$out/summary.txt"
+# guided (classifier-free guidance) rounds kept on the device = host-drawn guided rounds
+for mode in kept host; do
+  case $mode in kept) e="DRAMATIS_CUDA_ROUNDS=device";; host) e="DRAMATIS_CUDA_ROUNDS=host";; esac
+  env $e "$bin" say "Hello there. A second sentence." --backend cuda --frames 48 --seed 5 --cfg-gamma 1.5 --out "$out/cfg-$mode.wav" > "$out/cfg-$mode.log" 2>&1
+  echo "say cfg $mode rc=$?" >> "$out/summary.txt"
+done
+hashes=$(cat "$out"/cfg-*.log | grep -o 'pcm_sha256 [0-9a-f]*')
+echo "say cfg kept/host: $(echo "$hashes" | grep -c pcm_sha256) hash(es), $(echo "$hashes" | sort -u | grep -c pcm_sha256) distinct" >> "$out/summary.txt"
 for i in 1 2; do "$bin" say "Hello there. A second sentence." --backend cuda --frames 24 --seed 3 --out "$out/say$i.wav" >> "$out/say.log" 2>&1; done
 echo "say twice on cuda: $(grep -o 'pcm_sha256 [0-9a-f]*' "$out/say.log" | sort -u | wc -l) distinct hash(es)" >> "$out/summary.txt"
 timeout 150 "$bin" qualify-window --backend cuda --context 8192 --compare-cpu --out "$out/window-cuda-tiny-8192.json" > /dev/null 2>"$out/window8k.err"; echo "window 8192 rc=$?" >> "$out/summary.txt"
