@@ -254,8 +254,13 @@ fn whole_replies_are_checked_against_host_memory() {
     .unwrap();
     // The CPU plan is all host memory: nothing for a device receipt to compare with.
     assert_eq!(e.planned_device_bytes(), None);
-    let host = e.memory_plan().total(admission::Memory::Host).unwrap();
-    assert!(host.needed.0 > 0, "{host:?}");
+    let plan = e.memory_plan();
+    let host = plan.total(admission::Memory::Host).unwrap();
+    // the host total is the sum of the plan's classes, against the 4 GiB given
+    let summed: u64 = plan.classes.iter().map(|c| c.bytes.0).sum();
+    assert_eq!(host.needed.0, summed, "{host:?}");
+    assert!(summed > 0);
+    assert_eq!(host.budget.map(|b| b.bytes.0), Some(4 << 30), "{host:?}");
     // 200000 frames x 2048 samples x 4 bytes = 1.6 GB: more than one of 5 in-flight replies
     // may hold in what 4 GiB leaves beside the plan.
     let mut r = req("Long.", 1, 200_000);
