@@ -482,12 +482,7 @@ impl CudaRound {
     }
 
     /// Refuses `rows` rows unless the round's lanes are written and `rows` is what `c` covers.
-    fn check_rows(
-        &self,
-        op: &'static str,
-        rows: usize,
-        c: model::backend::Counter,
-    ) -> BResult<()> {
+    fn check_rows(&self, op: &'static str, rows: usize, c: model::backend::Counter) -> BResult<()> {
         if self.host.len() != self.lanes || rows != self.covered(c) {
             return Err(shape_err(
                 op,
@@ -2765,7 +2760,10 @@ impl Backend for CudaBackend {
             })
             .collect();
         if round.host.len() != round.lanes {
-            return Err(shape_err("round_frames", "the round's lanes were never written".into()));
+            return Err(shape_err(
+                "round_frames",
+                "the round's lanes were never written".into(),
+            ));
         }
         Ok(model::backend::round_frames_of(&round.host, &drawn))
     }
@@ -3039,7 +3037,7 @@ mod tests {
         // round.cu `LaneIn`: 4 words, 8 ints/floats, then last[11] and recent[16]
         assert_eq!(std::mem::size_of::<LaneIn>(), 280);
         assert_eq!(std::mem::offset_of!(LaneIn, last), 64);
-        assert_eq!(LANE_IN_WORDS, 34);
+        assert_eq!(LANE_IN_WORDS, 35);
         // round.cu `Terms`: table_rows[8], n, then five arrays of 16 ints
         assert_eq!(
             std::mem::size_of::<Terms>(),

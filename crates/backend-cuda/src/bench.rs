@@ -6,7 +6,7 @@ use cudarc::driver::CudaSlice;
 use serde_json::{json, Value};
 
 use crate::error::Result;
-use crate::kernels::{self as k, AttnGeom, AttnWorkspace, ExpertWeights};
+use crate::kernels::{self as k, ExpertWeights};
 use crate::rng::Rng;
 use crate::runtime::{Gpu, Variant};
 
@@ -210,60 +210,5 @@ pub fn run(gpu: &Gpu, reps: usize) -> Result<(Vec<Value>, f64)> {
         secs,
         copy_rate,
     ));
-    drop(w);
-
-    // attention decode at 4096 and 262144 keys (16 q heads, 2 kv heads, hd 256)
-    for (keys, copies) in [(4096usize, 16usize), (262_144, 1)] {
-        let g = AttnGeom {
-            nh: 16,
-            nkv: 2,
-            hd: 256,
-            rot: 64,
-            cap: keys,
-            theta: 1e7,
-            eps: 1e-6,
-        };
-        let per = g.nkv * keys * g.hd;
-        let ksrc = gpu.stream.clone_htod(&rng.normals_bf16(1 << 22, 1.0))?;
-        let mut kc = gpu.stream.alloc_zeros::<u16>(per * copies)?;
-        tile(gpu, &ksrc, &mut kc)?;
-        let mut vc = gpu.stream.alloc_zeros::<u16>(per * copies)?;
-        tile(gpu, &ksrc, &mut vc)?;
-        let kcs: Vec<CudaSlice<u16>> = (0..copies)
-            .map(|c| gpu.stream.clone_dtod(&kc.slice(c * per..(c + 1) * per)))
-            .collect::<std::result::Result<_, _>>()?;
-        let vcs: Vec<CudaSlice<u16>> = (0..copies)
-            .map(|c| gpu.stream.clone_dtod(&vc.slice(c * per..(c + 1) * per)))
-            .collect::<std::result::Result<_, _>>()?;
-        drop((kc, vc));
-        let q = gpu.stream.clone_htod(&rng.normals_f32(g.nh * g.hd, 1.0))?;
-        let qg = gpu
-            .stream
-            .clone_htod(&rng.normals_f32(g.nh * 2 * g.hd, 1.0))?;
-        let (chunk, nc) = k::attn_chunks(1, g.nkv, keys);
-        let mut ws = AttnWorkspace::new(gpu, 1, &g, nc)?;
-        let mut out = gpu.stream.alloc_zeros::<f32>(g.nh * g.hd)?;
-        let inner = copies.max(8);
-        let secs = time(gpu, reps, inner, |c| {
-            let c = c % copies;
-            k::attention(
-                gpu,
-                Variant::Exact,
-                &g,
-                &q,
-                &kcs[c],
-                &vcs[c],
-                Some(&qg),
-                &mut out,
-                &mut ws,
-                1,
-                keys,
-                chunk,
-                nc,
-            )
-        })?;
-        let bytes = (2 * per * 2) as f64;
-        results.push(record(&format!("attn_split (not the engine path) {keys} keys"), json!({"keys": keys, "nh": 16, "nkv": 2, "hd": 256, "chunk": chunk, "chunks": nc, "cache_copies_rotated": copies}), bytes, secs, copy_rate));
-    }
     Ok((results, copy_rate))
 }

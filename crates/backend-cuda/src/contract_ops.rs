@@ -1991,9 +1991,7 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
                     gamma: [0.0, 0.5, 1.5, 3.0][(rep + lane) % 4],
                 }
             } else if lane >= leaders {
-                Branch::Uncond {
-                    of: lane - leaders,
-                }
+                Branch::Uncond { of: lane - leaders }
             } else {
                 Branch::Own
             };
@@ -2018,7 +2016,11 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
                 let l = &inputs[i];
                 let mut row = main[i * (cb + 1)..(i + 1) * (cb + 1)].to_vec();
                 if let Branch::Guided { uncond, gamma } = l.branch {
-                    cfg_mix(&mut row, &main[uncond * (cb + 1)..(uncond + 1) * (cb + 1)], gamma);
+                    cfg_mix(
+                        &mut row,
+                        &main[uncond * (cb + 1)..(uncond + 1) * (cb + 1)],
+                        gamma,
+                    );
                 }
                 let mc = sample_main(
                     &row,
@@ -2205,7 +2207,13 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
         be.round_write(&mut round, &inputs)?;
         be.round_sample(&be.upload(&main, lanes, cb + 1)?, &mut round, Slot::Main)?;
         be.round_sample(&be.upload(&head, lanes, cb)?, &mut round, Slot::Head(2))?;
-        Ok(be.download(&be.round_embed(&[&a, &b], &round, &terms, scale, model::backend::Counter::Backbone)?)?)
+        Ok(be.download(&be.round_embed(
+            &[&a, &b],
+            &round,
+            &terms,
+            scale,
+            model::backend::Counter::Backbone,
+        )?)?)
     };
     triple3(
         c,

@@ -59,8 +59,3 @@ pub(crate) fn u32_of(what: &'static str, v: usize) -> Result<u32> {
 pub(crate) fn i32_of(what: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| CudaError::Overflow { what })
 }
-
-/// usize to i64 for kernel long long parameters.
-pub(crate) fn i64_of(what: &'static str, v: usize) -> Result<i64> {
-    i64::try_from(v).map_err(|_| CudaError::Overflow { what })
-}

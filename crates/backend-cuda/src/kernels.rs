@@ -3,15 +3,11 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-use crate::error::{i32_of, i64_of, mul, u32_of, CudaError, Result};
+use crate::error::{i32_of, mul, u32_of, CudaError, Result};
 use crate::runtime::{DeviceInfo, Gpu, Source, Variant};
 
 /// Geometry fixed by the kernels' code.
 pub const GDN_HEAD_DIM: usize = 128;
-pub const ATTN_HEAD_DIM: usize = 256;
-pub const ATTN_GROUP: usize = 8;
-const ATTN_SPLIT_SMEM: u64 = 8 * 256 * 4 + 4 * 32 * 136 * 2 + 4 * 32 * 8 * 4 + 2 * 4 * 8 * 4;
-const ATTN_MIN_CHUNK: usize = 128;
 /// Largest head dim of the flash-style prefill kernel (8 float4 column groups per thread).
 pub const FLASH_MAX_HEAD_DIM: usize = 256;
 /// Query rows per block and keys per tile of the flash-style prefill kernel (ops.cu FQ, FK).
@@ -596,290 +592,6 @@ pub fn gated_norm(
     Ok(())
 }
 
-// ---------------------------------------------------------------- attention
-
-/// Attention geometry of one layer.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnGeom {
-    pub nh: usize,
-    pub nkv: usize,
-    pub hd: usize,
-    pub rot: usize,
-    pub cap: usize,
-    pub theta: f32,
-    pub eps: f32,
-}
-
-impl AttnGeom {
-    fn validate(&self, kernel: &'static str) -> Result<()> {
-        need(kernel, self.hd == ATTN_HEAD_DIM, || {
-            format!("head dim {} must be {ATTN_HEAD_DIM}", self.hd)
-        })?;
-        need(
-            kernel,
-            self.nkv > 0 && self.nh == self.nkv * ATTN_GROUP,
-            || {
-                format!(
-                    "{} query heads over {} kv heads: the kernel needs groups of {ATTN_GROUP}",
-                    self.nh, self.nkv
-                )
-            },
-        )?;
-        need(
-            kernel,
-            self.rot.is_multiple_of(2) && self.rot <= self.hd,
-            || format!("rotary dims {} must be even and <= {}", self.rot, self.hd),
-        )
-    }
-}
-
-pub fn plan_prep(t: usize, g: &AttnGeom) -> Result<LaunchPlan> {
-    Ok(LaunchPlan {
-        kernel: "attn_prep",
-        grid: [mul("prep blocks", &[t, g.nh + g.nkv])? as u64, 1, 1],
-        block: g.hd as u64,
-        smem: (g.hd * 4 + 128) as u64,
-        dyn_smem: (g.hd * 4) as u64,
-        optin: false,
-        i32_max: (g.nh + g.nkv).max(g.hd) as u64,
-        offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(mul("qg", &[t, g.nh, 2 * g.hd])?)
-            as u64,
-    })
-}
-
-/// q_out [t, nh, hd] = rope(rms(q)); K/V cache rows pos0..pos0+t = rope(rms(k)), v (bf16).
-#[allow(clippy::too_many_arguments)]
-pub fn attn_prep(
-    gpu: &Gpu,
-    v: Variant,
-    g: &AttnGeom,
-    qg: &CudaSlice<f32>,
-    k: &CudaSlice<f32>,
-    vv: &CudaSlice<f32>,
-    q_norm: &CudaSlice<u16>,
-    k_norm: &CudaSlice<u16>,
-    q_out: &mut CudaSlice<f32>,
-    kc: &mut CudaSlice<u16>,
-    vc: &mut CudaSlice<u16>,
-    t: usize,
-    pos0: usize,
-) -> Result<()> {
-    let kn = "attn_prep";
-    g.validate(kn)?;
-    need(kn, pos0.checked_add(t).is_some_and(|e| e <= g.cap), || {
-        format!("rows {pos0}..{pos0}+{t} exceed cache capacity {}", g.cap)
-    })?;
-    len_at_least(kn, "qg", qg, mul("qg", &[t, g.nh, 2 * g.hd])?)?;
-    len_at_least(kn, "k", k, mul("k", &[t, g.nkv, g.hd])?)?;
-    len_at_least(kn, "v", vv, mul("v", &[t, g.nkv, g.hd])?)?;
-    len_at_least(kn, "q_norm", q_norm, g.hd)?;
-    len_at_least(kn, "k_norm", k_norm, g.hd)?;
-    len_at_least(kn, "q_out", q_out, mul("q_out", &[t, g.nh, g.hd])?)?;
-    let cache = mul("kv cache", &[g.nkv, g.cap, g.hd])?;
-    len_at_least(kn, "k cache", kc, cache)?;
-    len_at_least(kn, "v cache", vc, cache)?;
-    let p = plan_prep(t, g)?;
-    let (nh, nkv, hd, rot) = (
-        i32_of("nh", g.nh)?,
-        i32_of("nkv", g.nkv)?,
-        i32_of("hd", g.hd)?,
-        i32_of("rot", g.rot)?,
-    );
-    let (cap, pos) = (i64_of("cap", g.cap)?, i64_of("pos", pos0)?);
-    launch!(
-        gpu,
-        &p,
-        Source::Attention,
-        v,
-        qg,
-        k,
-        vv,
-        q_norm,
-        k_norm,
-        q_out,
-        kc,
-        vc,
-        &nh,
-        &nkv,
-        &hd,
-        &rot,
-        &cap,
-        &pos,
-        &g.theta,
-        &g.eps
-    );
-    Ok(())
-}
-
-/// Keys per split chunk and chunk count for `t` rows whose longest sees `max_len` keys: enough
-/// blocks to fill the device at decode, one chunk per row once rows alone fill it.
-pub fn attn_chunks(t: usize, nkv: usize, max_len: usize) -> (usize, usize) {
-    let target_blocks = 1024usize;
-    let max_chunks = cdiv(max_len.max(1), ATTN_MIN_CHUNK);
-    let want = cdiv(target_blocks, t.max(1) * nkv.max(1)).clamp(1, max_chunks);
-    let chunk = cdiv(cdiv(max_len.max(1), want), ATTN_MIN_CHUNK) * ATTN_MIN_CHUNK;
-    (chunk, cdiv(max_len.max(1), chunk))
-}
-
-/// Workspace floats for split attention: (m, l, acc).
-pub fn attn_workspace(t: usize, g: &AttnGeom, nchunks: usize) -> Result<(usize, usize)> {
-    let ml = mul("attention partials", &[t, g.nh, nchunks])?;
-    Ok((ml, mul("attention partial acc", &[ml, g.hd])?))
-}
-
-pub fn plan_split(t: usize, g: &AttnGeom, nchunks: usize, chunk: usize) -> Result<LaunchPlan> {
-    let (_, acc) = attn_workspace(t, g, nchunks)?;
-    Ok(LaunchPlan {
-        kernel: "attn_split",
-        grid: [mul("split blocks", &[t, nchunks])? as u64, g.nkv as u64, 1],
-        block: 128,
-        smem: ATTN_SPLIT_SMEM,
-        dyn_smem: 0,
-        optin: false,
-        i32_max: [nchunks, chunk, g.nh].into_iter().max().unwrap_or(0) as u64,
-        offset_max: mul("kv cache", &[g.nkv, g.cap, g.hd])?.max(acc) as u64,
-    })
-}
-
-pub fn plan_combine(t: usize, g: &AttnGeom, nchunks: usize) -> Result<LaunchPlan> {
-    let (_, acc) = attn_workspace(t, g, nchunks)?;
-    Ok(LaunchPlan {
-        kernel: "attn_combine",
-        grid: [mul("combine blocks", &[t, g.nh])? as u64, 1, 1],
-        block: g.hd as u64,
-        smem: 0,
-        dyn_smem: 0,
-        optin: false,
-        i32_max: nchunks.max(g.hd) as u64,
-        offset_max: acc as u64,
-    })
-}
-
-/// Split-key workspace.
-pub struct AttnWorkspace {
-    pub m: CudaSlice<f32>,
-    pub l: CudaSlice<f32>,
-    pub acc: CudaSlice<f32>,
-}
-
-impl AttnWorkspace {
-    pub fn new(gpu: &Gpu, t: usize, g: &AttnGeom, nchunks: usize) -> Result<Self> {
-        let (ml, acc) = attn_workspace(t, g, nchunks)?;
-        Ok(AttnWorkspace {
-            m: gpu.stream.alloc_zeros(ml)?,
-            l: gpu.stream.alloc_zeros(ml)?,
-            acc: gpu.stream.alloc_zeros(acc)?,
-        })
-    }
-}
-
-/// Causal attention for t query rows; row r sees keys [0, base_len + r). Decode is t = 1.
-/// out [t, nh, hd], gated by sigmoid of the gate half of qg when given.
-#[allow(clippy::too_many_arguments)]
-pub fn attention(
-    gpu: &Gpu,
-    v: Variant,
-    g: &AttnGeom,
-    q: &CudaSlice<f32>,
-    kc: &CudaSlice<u16>,
-    vc: &CudaSlice<u16>,
-    qg: Option<&CudaSlice<f32>>,
-    out: &mut CudaSlice<f32>,
-    ws: &mut AttnWorkspace,
-    t: usize,
-    base_len: usize,
-    chunk: usize,
-    nchunks: usize,
-) -> Result<()> {
-    let kn = "attn_split";
-    g.validate(kn)?;
-    need(kn, base_len >= 1, || {
-        "every row must see at least one key".to_string()
-    })?;
-    let last = base_len
-        .checked_add(t)
-        .and_then(|e| e.checked_sub(1))
-        .ok_or(CudaError::Overflow {
-            what: "attention limit",
-        })?;
-    need(kn, last <= g.cap, || {
-        format!("row limit {last} exceeds cache capacity {}", g.cap)
-    })?;
-    need(
-        kn,
-        chunk.is_multiple_of(32) && chunk > 0 && mul("chunks", &[chunk, nchunks])? >= last,
-        || format!("{nchunks} chunks of {chunk} keys do not cover {last} keys"),
-    )?;
-    len_at_least(kn, "q", q, mul("q", &[t, g.nh, g.hd])?)?;
-    let cache = mul("kv cache", &[g.nkv, g.cap, g.hd])?;
-    len_at_least(kn, "k cache", kc, cache)?;
-    len_at_least(kn, "v cache", vc, cache)?;
-    let (ml, acc) = attn_workspace(t, g, nchunks)?;
-    len_at_least(kn, "workspace m", &ws.m, ml)?;
-    len_at_least(kn, "workspace l", &ws.l, ml)?;
-    len_at_least(kn, "workspace acc", &ws.acc, acc)?;
-    len_at_least(kn, "out", out, mul("out", &[t, g.nh, g.hd])?)?;
-    if let Some(qg) = qg {
-        len_at_least(kn, "qg", qg, mul("qg", &[t, g.nh, 2 * g.hd])?)?;
-    }
-    let p = plan_split(t, g, nchunks, chunk)?;
-    let (nh, hd) = (i32_of("nh", g.nh)?, i32_of("hd", g.hd)?);
-    let (cap, base) = (i64_of("cap", g.cap)?, i64_of("base_len", base_len)?);
-    let (ch, nc) = (i32_of("chunk", chunk)?, i32_of("nchunks", nchunks)?);
-    let scale = 1.0f32 / (g.hd as f32).sqrt();
-    launch!(
-        gpu,
-        &p,
-        Source::Attention,
-        v,
-        q,
-        kc,
-        vc,
-        &mut ws.m,
-        &mut ws.l,
-        &mut ws.acc,
-        &nh,
-        &cap,
-        &base,
-        &ch,
-        &nc,
-        &scale
-    );
-    let pc = plan_combine(t, g, nchunks)?;
-    let null = 0u64;
-    match qg {
-        Some(qg) => launch!(
-            gpu,
-            &pc,
-            Source::Attention,
-            Variant::Exact,
-            &ws.m,
-            &ws.l,
-            &ws.acc,
-            qg,
-            out,
-            &nh,
-            &hd,
-            &nc
-        ),
-        None => launch!(
-            gpu,
-            &pc,
-            Source::Attention,
-            Variant::Exact,
-            &ws.m,
-            &ws.l,
-            &ws.acc,
-            &null,
-            out,
-            &nh,
-            &hd,
-            &nc
-        ),
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------- flash-style causal prefill
 
 /// Whether `attn_flash_*` takes a head dim (a multiple of 32 up to 256).
@@ -1144,56 +856,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn chunks_cover_keys_and_fill_the_device() {
-        for (t, n) in [
-            (1, 1),
-            (1, 4096),
-            (1, 262_144),
-            (4096, 262_144),
-            (96, 300),
-            (1, 129),
-        ] {
-            let (chunk, nc) = attn_chunks(t, 2, n);
-            assert!(
-                chunk.is_multiple_of(128) && chunk * nc >= n && chunk * (nc - 1) < n,
-                "{t} {n}: {chunk} x {nc}"
-            );
-        }
-        assert_eq!(attn_chunks(1, 2, 262_144), (512, 512));
-        assert_eq!(attn_chunks(4096, 2, 262_144).1, 1);
-    }
-
-    #[test]
     fn plans_fit_h200_at_largest_shapes_and_flag_overflow() {
         let info = DeviceInfo::h200_nominal();
-        let g = AttnGeom {
-            nh: 16,
-            nkv: 2,
-            hd: 256,
-            rot: 64,
-            cap: 262_144,
-            theta: 1e7,
-            eps: 1e-6,
-        };
-        let (chunk, nc) = attn_chunks(1, 2, 262_144);
-        assert!(plan_split(1, &g, nc, chunk)
-            .unwrap()
-            .problems(&info)
-            .is_empty());
-        assert!(plan_prep(262_144, &g).unwrap().problems(&info).is_empty());
-        assert!(plan_combine(262_144, &g, 1)
-            .unwrap()
-            .problems(&info)
-            .is_empty());
+        let nc = decode_chunks([262_144], true);
+        for f32kv in [true, false] {
+            for hpb in [1, 8] {
+                assert!(plan_decode(32, 16, 2, 256, 262_144, nc, f32kv, hpb)
+                    .unwrap()
+                    .problems(&info)
+                    .is_empty());
+            }
+            assert!(plan_flash(262_144, 16, 1, 256, 262_144, f32kv)
+                .unwrap()
+                .problems(&info)
+                .is_empty());
+        }
         assert!(plan_gemv(262_144, 8192, 8, 262_144)
             .unwrap()
             .problems(&info)
             .is_empty());
         // a grid.y past 65535 and a 32-bit index past 2^31 are both reported
-        let mut bad = plan_split(1, &g, nc, chunk).unwrap();
+        let mut bad = plan_decode(1, 16, 2, 256, 262_144, nc, true, 8).unwrap();
         bad.grid[1] = 70_000;
         bad.i32_max = 1 << 31;
         assert_eq!(bad.problems(&info).len(), 2);
-        const { assert!(ATTN_SPLIT_SMEM <= 48 * 1024) };
     }
 }

@@ -327,77 +327,6 @@ pub fn gated_norm(o: &[f32], z: &[f32], w: &[u16], dv: usize, eps: f64) -> Vec<f
         .collect()
 }
 
-/// (1+w) RMSNorm then NeoX rotate-half RoPE on the first `rot` dims at position `pos`.
-pub fn norm_rope(x: &[f32], w: &[u16], rot: usize, pos: f64, theta: f64, eps: f64) -> Vec<f64> {
-    let hd = x.len();
-    let r = 1.0 / (x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / hd as f64 + eps).sqrt();
-    let xn: Vec<f64> = (0..hd)
-        .map(|d| f64::from(x[d]) * r * (1.0 + bf16(w[d])))
-        .collect();
-    let half = rot / 2;
-    let mut out = xn.clone();
-    for i in 0..half {
-        let ang = pos * theta.powf(-2.0 * i as f64 / rot as f64);
-        let (s, c) = ang.sin_cos();
-        out[i] = xn[i] * c - xn[i + half] * s;
-        out[i + half] = xn[i + half] * c + xn[i] * s;
-    }
-    out
-}
-
-/// Causal GQA attention for query rows with per-row key limits, f64 softmax, optional sigmoid
-/// gate (qg layout [T, nh, 2*hd]). q [T, nh, hd]; kc, vc [nkv, cap, hd] bf16; out [T, nh, hd].
-#[allow(clippy::too_many_arguments)]
-pub fn attention(
-    q: &[f32],
-    kc: &[u16],
-    vc: &[u16],
-    nh: usize,
-    nkv: usize,
-    hd: usize,
-    cap: usize,
-    limits: &[usize],
-    scale: f64,
-    qg: Option<&[f32]>,
-) -> Vec<f64> {
-    let t_rows = limits.len();
-    let g = nh / nkv;
-    let mut out = vec![0.0; t_rows * nh * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(row, o)| {
-        let (t, h) = (row / nh, row % nh);
-        let kvh = h / g;
-        let qv = &q[row * hd..(row + 1) * hd];
-        let n = limits[t].min(cap);
-        let scores: Vec<f64> = (0..n)
-            .map(|key| {
-                let kr = &kc[(kvh * cap + key) * hd..(kvh * cap + key + 1) * hd];
-                scale
-                    * kr.iter()
-                        .zip(qv)
-                        .map(|(&a, &b)| bf16(a) * f64::from(b))
-                        .sum::<f64>()
-            })
-            .collect();
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let mut l = 0.0;
-        for (key, &s) in scores.iter().enumerate() {
-            let p = (s - m).exp();
-            l += p;
-            let vr = &vc[(kvh * cap + key) * hd..(kvh * cap + key + 1) * hd];
-            for (od, &vb) in o.iter_mut().zip(vr) {
-                *od += p * bf16(vb);
-            }
-        }
-        for (d, od) in o.iter_mut().enumerate() {
-            *od /= l;
-            if let Some(gate) = qg {
-                *od *= sigmoid(f64::from(gate[(t * nh + h) * 2 * hd + hd + d]));
-            }
-        }
-    });
-    out
-}
-
 /// ||a - b|| / ||b||; infinite when any element of `a` is not finite.
 pub fn rel_l2(a: &[f32], b: &[f64]) -> f64 {
     if a.len() != b.len() || a.iter().any(|v| !v.is_finite()) {
@@ -487,36 +416,6 @@ mod tests {
         let shifted = rmsnorm(&x, &w, 2, 1e-6, true);
         assert!((plain[0] - 3.0 / ms * 0.5).abs() < 1e-12);
         assert!((shifted[1] - 4.0 / ms * 1.5).abs() < 1e-12);
-    }
-
-    #[test]
-    fn rope_at_position_zero_is_the_norm_and_rotates_neox_pairs() {
-        let x: Vec<f32> = (0..8).map(|i| i as f32 + 1.0).collect();
-        let w = vec![0u16; 8];
-        let a = norm_rope(&x, &w, 4, 0.0, 1e4, 0.0);
-        let ms = (x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / 8.0).sqrt();
-        assert!((a[3] - 4.0 / ms).abs() < 1e-12);
-        // pair (0, 2) rotated by angle 1 (i = 0, pos 1)
-        let b = norm_rope(&x, &w, 4, 1.0, 1e4, 0.0);
-        let (s, c) = 1f64.sin_cos();
-        assert!((b[0] - (1.0 * c - 3.0 * s) / ms).abs() < 1e-12);
-        assert!((b[6] - 7.0 / ms).abs() < 1e-12);
-    }
-
-    #[test]
-    fn attention_respects_limit_and_finds_a_strong_key() {
-        let (hd, cap) = (4, 6);
-        let q = vec![1.0f32, 0.0, 0.0, 0.0];
-        let mut k = vec![to_bf16(0.0); cap * hd];
-        let mut v = vec![to_bf16(0.0); cap * hd];
-        k[hd] = to_bf16(50.0); // key 1 strong
-        v[hd + 1] = to_bf16(2.0);
-        k[5 * hd] = to_bf16(100.0); // key 5 stronger but beyond the limit
-        v[5 * hd + 2] = to_bf16(7.0);
-        let o = attention(&q, &k, &v, 1, 1, hd, cap, &[5], 1.0, None);
-        assert!((o[1] - 2.0).abs() < 1e-9 && o[2].abs() < 1e-9);
-        let o = attention(&q, &k, &v, 1, 1, hd, cap, &[6], 1.0, None);
-        assert!((o[2] - 7.0).abs() < 1e-9);
     }
 
     #[test]

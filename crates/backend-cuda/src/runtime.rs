@@ -18,19 +18,17 @@ pub enum Source {
     Gemv,
     Moe,
     Gdn,
-    Attention,
     Ops,
     Gemm,
     Round,
 }
 
 impl Source {
-    pub const ALL: [Source; 8] = [
+    pub const ALL: [Source; 7] = [
         Source::Norm,
         Source::Gemv,
         Source::Moe,
         Source::Gdn,
-        Source::Attention,
         Source::Ops,
         Source::Gemm,
         Source::Round,
@@ -42,7 +40,6 @@ impl Source {
             Source::Gemv => "gemv.cu",
             Source::Moe => "moe.cu",
             Source::Gdn => "gdn.cu",
-            Source::Attention => "attention.cu",
             Source::Ops => "ops.cu",
             Source::Gemm => "gemm.cu",
             Source::Round => "round.cu",
@@ -55,7 +52,6 @@ impl Source {
             Source::Gemv => include_str!("../kernels/gemv.cu"),
             Source::Moe => include_str!("../kernels/moe.cu"),
             Source::Gdn => include_str!("../kernels/gdn.cu"),
-            Source::Attention => include_str!("../kernels/attention.cu"),
             Source::Ops => include_str!("../kernels/ops.cu"),
             Source::Gemm => include_str!("../kernels/gemm.cu"),
             Source::Round => include_str!("../kernels/round.cu"),

@@ -155,7 +155,9 @@ pub fn round_leaders(lanes: &[RoundLane]) -> BResult<usize> {
                     )));
                 }
                 if !gamma.is_finite() {
-                    return Err(bad(format!("lane {i}'s guidance scale {gamma} is not finite")));
+                    return Err(bad(format!(
+                        "lane {i}'s guidance scale {gamma} is not finite"
+                    )));
                 }
                 let ok = lanes
                     .get(uncond)
@@ -170,7 +172,8 @@ pub fn round_leaders(lanes: &[RoundLane]) -> BResult<usize> {
                 claimed[uncond] = true;
             }
             Branch::Uncond { of } => {
-                if i < n || !matches!(lanes.get(of).map(|l| l.branch), Some(Branch::Guided { uncond, .. }) if uncond == i)
+                if i < n
+                    || !matches!(lanes.get(of).map(|l| l.branch), Some(Branch::Guided { uncond, .. }) if uncond == i)
                 {
                     return Err(bad(format!(
                         "unconditional lane {i} follows lane {of}, which does not name it"
