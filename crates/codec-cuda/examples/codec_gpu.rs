@@ -1,11 +1,15 @@
-//! GPU codec decoder check and benchmark (run on the GPU machine):
+//! GPU codec check and benchmark (run on the GPU machine):
 //! `codec_gpu [FIXTURE_DIR] [RECEIPT.json]`.
 //!
 //! 1. Tiny fixture: GPU decode vs the f64 goldens (`codec_decode`, `codec_long_decode`, within
 //!    1e-4), vs the CPU codec, and whole vs chunked (1, 3, 16 frames) GPU decode bit for bit.
+//!    GPU encode vs the encode goldens (`codec_encode`, `codec_long_encode`, codes exactly), vs
+//!    the CPU codec, and one call vs pushes of 1, 3, 16 and 17 frames (codes equal).
 //! 2. Real Drama 3 codec geometry (random weights, `codec::synth`): GPU vs CPU on 16 frames,
 //!    bit identity of 1-frame streaming vs 16-frame pushes, and frames/s for 1-frame and
-//!    16-frame pushes on the GPU and the CPU codec.
+//!    16-frame pushes on the GPU and the CPU codec; the encoder's frames/s on both and how many
+//!    of its codes agree (random weights may put rows near a tie, so that is reported, not
+//!    required).
 //!
 //! Writes a JSON receipt (default `$OUT/cuda-codec.json`, else `cuda-codec.json`).
 
@@ -13,7 +17,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use codec::{Codec, CodecConfig, Codes};
-use codec_cuda::{bit_identical, fixture_goldens, max_abs_diff32, CudaDecoder};
+use codec_cuda::{
+    bit_identical, fixture_encode_goldens, fixture_goldens, max_abs_diff32, CudaDecoder,
+    CudaEncoder,
+};
 use serde_json::{json, Value};
 
 type R<T> = Result<T, Box<dyn std::error::Error>>;
@@ -28,6 +35,45 @@ fn gpu_chunked(dec: &CudaDecoder, codes: &Codes, chunk: usize) -> R<Vec<f32>> {
         f = end;
     }
     Ok(pcm)
+}
+
+/// `pcm` (whole frames) pushed `chunk` frames at a time through a fresh GPU encoder state.
+fn gpu_encode_chunked(enc: &CudaEncoder, pcm: &[f32], chunk: usize) -> R<Codes> {
+    let fl = enc.frame_length();
+    let mut st = enc.state()?;
+    let mut frames: Vec<Vec<u32>> = Vec::new();
+    for piece in pcm.chunks(chunk * fl) {
+        let c = st.push(piece)?;
+        frames
+            .extend((0..c.frames()).map(|f| (0..c.num_codebooks()).map(|q| c.get(q, f)).collect()));
+    }
+    let nc = frames.first().map_or(0, Vec::len);
+    Ok(Codes::from_frames(nc, &frames)?)
+}
+
+/// Codes that differ between two equally shaped code sets (all of them if the shapes differ).
+fn codes_differing(a: &Codes, b: &Codes) -> usize {
+    if (a.num_codebooks(), a.frames()) != (b.num_codebooks(), b.frames()) {
+        return a.data().len().max(b.data().len());
+    }
+    a.data()
+        .iter()
+        .zip(b.data())
+        .filter(|(x, y)| x != y)
+        .count()
+}
+
+/// A deterministic test signal: two tones and a chirp, 0.8 peak.
+fn test_signal(samples: usize, rate: f64) -> Vec<f32> {
+    (0..samples)
+        .map(|n| {
+            let t = n as f64 / rate;
+            let chirp = (2.0 * std::f64::consts::PI * (150.0 * t + 40.0 * t * t)).sin();
+            let a = (2.0 * std::f64::consts::PI * 523.25 * t).sin();
+            let b = (2.0 * std::f64::consts::PI * 97.0 * t).sin();
+            (0.4 * chirp + 0.25 * a + 0.15 * b) as f32
+        })
+        .collect()
 }
 
 fn random_codes(cfg: &CodecConfig, frames: usize, seed: u64) -> R<Codes> {
@@ -94,7 +140,51 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
             "tolerance": 1e-4, "pass": pass, "chunked_bit_identical": chunks,
         }));
     }
-    Ok(json!({ "fixture": fixture.display().to_string(), "gpu_load_s": load_s, "cases": cases }))
+    let t0 = Instant::now();
+    let enc = CudaEncoder::load_on(dec.gpu(), fixture, &codec)?;
+    let enc_load_s = t0.elapsed().as_secs_f64();
+    let fl = enc.frame_length();
+    let mut encode_cases = Vec::new();
+    for (name, pcm, want) in fixture_encode_goldens(fixture)? {
+        let gpu = enc.encode(&pcm)?;
+        let cpu = codec.encode(&pcm)?;
+        let (g, c, gc) = (
+            codes_differing(&gpu, &want),
+            codes_differing(&cpu, &want),
+            codes_differing(&gpu, &cpu),
+        );
+        let mut padded = pcm.clone();
+        padded.resize(gpu.frames() * fl, 0.0);
+        let mut chunks = serde_json::Map::new();
+        for chunk in [1usize, 3, 16, 17] {
+            let same = gpu_encode_chunked(&enc, &padded, chunk)? == gpu;
+            if !same {
+                failures.push(format!(
+                    "{name}: encode pushes of {chunk} frames differ from one call"
+                ));
+            }
+            chunks.insert(chunk.to_string(), json!(same));
+        }
+        let pass = g == 0;
+        if !pass {
+            failures.push(format!("{name}: {g} GPU codes differ from the golden"));
+        }
+        println!(
+            "{} {name:<20} frames {:>4}  GPU vs golden {g} codes differ  CPU vs golden {c}  GPU vs CPU {gc}  pushes 1/3/16/17 equal {:?}",
+            if pass { "PASS" } else { "FAIL" },
+            gpu.frames(),
+            chunks.values().collect::<Vec<_>>()
+        );
+        encode_cases.push(json!({
+            "case": name, "samples": pcm.len(), "frames": gpu.frames(),
+            "gpu_vs_golden_codes_differing": g, "cpu_vs_golden_codes_differing": c,
+            "gpu_vs_cpu_codes_differing": gc, "pass": pass, "chunked_codes_equal": chunks,
+        }));
+    }
+    Ok(json!({
+        "fixture": fixture.display().to_string(), "gpu_load_s": load_s, "cases": cases,
+        "gpu_encoder_load_s": enc_load_s, "encode_cases": encode_cases,
+    }))
 }
 
 fn real(failures: &mut Vec<String>) -> R<Value> {
@@ -182,6 +272,37 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     if gc.is_nan() || gc > 1e-3 {
         failures.push(format!("real geometry: GPU vs CPU {gc:.3e} > 1e-3"));
     }
+
+    // Encoder: 32 frames of a test signal, GPU (one warm-up call, then 3 timed) and CPU.
+    let t0 = Instant::now();
+    let enc = CudaEncoder::load_on(dec.gpu(), tmp.path(), &codec)?;
+    let gpu_enc_load_s = t0.elapsed().as_secs_f64();
+    let enc_frames = 32;
+    let pcm = test_signal(enc_frames * fl, f64::from(codec.sample_rate()));
+    let _ = enc.encode(&pcm[..16 * fl])?;
+    let mut te = Vec::new();
+    let mut gpu_codes = None;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let c = enc.encode(&pcm)?;
+        te.push(t.elapsed().as_secs_f64());
+        gpu_codes = Some(c);
+    }
+    let gpu_codes = gpu_codes.ok_or("no GPU encode ran")?;
+    let gpu_enc_fps = enc_frames as f64 / median(te.clone());
+    let t = Instant::now();
+    let cpu_codes = codec.encode(&pcm)?;
+    let cpu_enc_s = t.elapsed().as_secs_f64();
+    let cpu_enc_fps = enc_frames as f64 / cpu_enc_s;
+    let enc_differ = codes_differing(&gpu_codes, &cpu_codes);
+    let enc_chunked_same = gpu_encode_chunked(&enc, &pcm, 1)? == gpu_codes;
+    if !enc_chunked_same {
+        failures.push("real geometry: 1-frame encode pushes differ from one call".into());
+    }
+    println!(
+        "real geometry encoder: GPU {gpu_enc_fps:.1} frames/s, CPU {cpu_enc_fps:.2} frames/s; GPU vs CPU {enc_differ} of {} codes differ; 1-frame pushes == one call: {enc_chunked_same}",
+        cpu_codes.data().len()
+    );
     Ok(json!({
         "geometry": "Drama 3 codec (CodecConfig::default), random weights synth seed 7",
         "decoder_dim": cfg.decoder_dim, "frame_length": fl, "step_frames": codec_cuda::STEP_FRAMES,
@@ -195,6 +316,14 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         "cpu_frames_per_s_push1_median": cpu_fps_1, "cpu_frames_per_s_push16": cpu_fps_16,
         "cpu_push16_first_s": cpu_first16_s, "cpu_push16_second_s": cpu16_s,
         "speedup_push1": gpu_fps_1 / cpu_fps_1, "speedup_push16": gpu_fps_16 / cpu_fps_16,
+        "encoder": {
+            "frames": enc_frames, "gpu_load_s": gpu_enc_load_s,
+            "gpu_encode_ms": te.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+            "gpu_frames_per_s_median": gpu_enc_fps, "cpu_encode_s": cpu_enc_s,
+            "cpu_frames_per_s": cpu_enc_fps, "speedup": gpu_enc_fps / cpu_enc_fps,
+            "gpu_vs_cpu_codes_differing": enc_differ, "codes": cpu_codes.data().len(),
+            "push1_codes_equal_one_call": enc_chunked_same,
+        },
     }))
 }
 

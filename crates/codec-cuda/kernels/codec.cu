@@ -1,4 +1,5 @@
-// The ModifiedDAC decoder on the GPU (crate codec-cuda). No CUDA headers.
+// The ModifiedDAC codec (decoder, and the encoder's VQ search) on the GPU (crate codec-cuda).
+// No CUDA headers.
 // Layout: time-major f32 activations [rows, channels]. Every GEMM output element is the
 // fma chain acc = fma(A[r,k], B[k,c], acc) over k = 0..K-1 in order, whatever kernel, tile
 // or chunk computes it, so streamed decoding is bit-identical to whole decoding.
@@ -313,4 +314,86 @@ extern "C" __global__ void vq_sum(const float* e, const float* W, const float* b
         else zr = __fadd_rn(zr, a);
     }
     out[i] = Q > 1 ? __fadd_rn(z, zr) : z;
+}
+
+// Encoder VQ: nearest codebook row by cosine similarity, one block per row (blockDim a multiple
+// of 32); dynamic shared memory: cb floats. en = e / max(|e|, 1e-12), dist_j = sum(en^2)
+// - 2 (en . book_n[j]) + cn2[j] with every product and sum rounded in element order (no fma:
+// the CPU codec's formula, so codes match it); the smallest dist_j wins, ties (and rows whose
+// every dist is NaN) to the lower index. Writes the index to codes[r] (as a float) and
+// st[r] = e + (book[j] - e).
+extern "C" __global__ void vq_nearest(const float* ze, const float* book_n, const float* cn2,
+                                      const float* book, float* codes, float* st, int n,
+                                      int cb) {
+    extern __shared__ float en[];
+    __shared__ float en2_s;
+    __shared__ float sd[32];
+    __shared__ int sj[32];
+    int r = blockIdx.x;
+    const float* e = ze + (long long)r * cb;
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int k = 0; k < cb; k++) s = __fadd_rn(s, __fmul_rn(e[k], e[k]));
+        float norm = fmaxf(__fsqrt_rn(s), 1e-12f);
+        float s2 = 0.0f;
+        for (int k = 0; k < cb; k++) {
+            float v = __fdiv_rn(e[k], norm);
+            en[k] = v;
+            s2 = __fadd_rn(s2, __fmul_rn(v, v));
+        }
+        en2_s = s2;
+    }
+    __syncthreads();
+    float en2 = en2_s;
+    // Per thread: a strict-< scan of its codes in index order; n = none found.
+    float best = CODEC_INF;
+    int bj = n;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const float* c = book_n + (long long)j * cb;
+        float dot = 0.0f;
+        for (int k = 0; k < cb; k++) dot = __fadd_rn(dot, __fmul_rn(en[k], c[k]));
+        float dist = __fadd_rn(__fsub_rn(en2, __fmul_rn(2.0f, dot)), cn2[j]);
+        if (dist < best) {
+            best = dist;
+            bj = j;
+        }
+    }
+    // (dist, index) minimum, the lower index on equal distances.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float od = __shfl_xor_sync(0xffffffffu, best, o);
+        int oj = __shfl_xor_sync(0xffffffffu, bj, o);
+        if (od < best || (od == best && oj < bj)) {
+            best = od;
+            bj = oj;
+        }
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (lane == 0) {
+        sd[warp] = best;
+        sj[warp] = bj;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nw ? sd[lane] : CODEC_INF;
+        bj = lane < nw ? sj[lane] : n;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float od = __shfl_xor_sync(0xffffffffu, best, o);
+            int oj = __shfl_xor_sync(0xffffffffu, bj, o);
+            if (od < best || (od == best && oj < bj)) {
+                best = od;
+                bj = oj;
+            }
+        }
+        if (lane == 0) sj[0] = bj < n ? bj : 0;
+    }
+    __syncthreads();
+    int j = sj[0];
+    if (threadIdx.x == 0) codes[r] = (float)j;
+    const float* q = book + (long long)j * cb;
+    for (int k = threadIdx.x; k < cb; k += blockDim.x) {
+        float v = e[k];
+        st[(long long)r * cb + k] = __fadd_rn(v, __fsub_rn(q[k], v));
+    }
 }

@@ -15,7 +15,7 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 13] = [
+pub const KERNELS: [&str; 14] = [
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -29,6 +29,7 @@ pub const KERNELS: [&str; 13] = [
     "rope_kv",
     "attention",
     "vq_sum",
+    "vq_nearest",
 ];
 
 /// Rows at or under which the frame-rate GEMM tiling is used (the same fma chains either way).
@@ -512,6 +513,46 @@ impl Exec for CudaExec {
             &qq,
             &cc,
             &dd
+        );
+        Ok(())
+    }
+
+    fn vq_nearest(
+        &self,
+        ze: P,
+        book_n: P,
+        cn2: P,
+        book: P,
+        codes: P,
+        st: P,
+        t: usize,
+        n: usize,
+        cb: usize,
+    ) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let (zp, sp) = (self.ptr(ze, t * cb)?, self.ptr(st, t * cb)?);
+        let (np, cp) = (self.ptr(book_n, n * cb)?, self.ptr(cn2, n)?);
+        let (bp, op) = (self.ptr(book, n * cb)?, self.ptr(codes, t)?);
+        let (nn, cc) = (i32_of(n)?, i32_of(cb)?);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(t)?, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: u32_of(4 * cb)?,
+        };
+        launch!(
+            self,
+            "vq_nearest",
+            cfg,
+            &zp,
+            &np,
+            &cp,
+            &bp,
+            &op,
+            &sp,
+            &nn,
+            &cc
         );
         Ok(())
     }

@@ -20,7 +20,7 @@ fn miss(name: &str) -> CudaCodecError {
 
 /// Reads tensors with `codec`'s rules: f64 values rounded to f32, shapes checked, weight norm
 /// (`parametrizations.weight.original0/1`, `weight_g/weight_v`) folded in f64.
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     sd: &'a PthStateDict,
 }
 
@@ -35,17 +35,17 @@ impl Reader<'_> {
         }
         Ok(t.to_f64())
     }
-    fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         Ok(self
             .get64(name, shape)?
             .into_iter()
             .map(|v| v as f32)
             .collect())
     }
-    fn has(&self, name: &str) -> bool {
+    pub(crate) fn has(&self, name: &str) -> bool {
         self.sd.get(name).is_some()
     }
-    fn conv_weight(&self, prefix: &str, shape: &[usize]) -> Result<Vec<f32>> {
+    pub(crate) fn conv_weight(&self, prefix: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let param = format!("{prefix}.parametrizations.weight.original0");
         let (gname, vname) = if self.has(&param) {
             (param, format!("{prefix}.parametrizations.weight.original1"))
@@ -84,16 +84,16 @@ pub(crate) fn transpose(w: &[f32], out: usize, cin: usize) -> Vec<f32> {
 pub(crate) struct ConvW {
     w: P,
     b: P,
-    cin: usize,
-    cout: usize,
+    pub(crate) cin: usize,
+    pub(crate) cout: usize,
     k: usize,
-    stride: usize,
+    pub(crate) stride: usize,
     dil: usize,
-    hist: usize,
+    pub(crate) hist: usize,
 }
 
 impl ConvW {
-    fn hist_rows(&self) -> usize {
+    pub(crate) fn hist_rows(&self) -> usize {
         (self.k - 1) * self.dil + 1 - self.stride
     }
 }
@@ -110,27 +110,30 @@ pub(crate) struct ConvTW {
 }
 
 pub(crate) struct SnakeW {
-    alpha: P,
-    inv: P,
-    c: usize,
+    pub(crate) alpha: P,
+    pub(crate) inv: P,
+    pub(crate) c: usize,
 }
 
+/// ConvNeXt block: causal depthwise conv (history `DW_K − 1` rows), LayerNorm, pw1, GELU, pw2,
+/// LayerScale, residual.
 pub(crate) struct NextW {
-    dw_w: P,
-    dw_b: P,
-    ln_w: P,
-    ln_b: P,
-    pw1: P,
-    pw1_b: P,
-    pw2: P,
-    pw2_b: P,
-    gamma: P,
-    c: usize,
-    hidden: usize,
-    hist: usize,
+    pub(crate) dw_w: P,
+    pub(crate) dw_b: P,
+    pub(crate) ln_w: P,
+    pub(crate) ln_b: P,
+    pub(crate) pw1: P,
+    pub(crate) pw1_b: P,
+    pub(crate) pw2: P,
+    pub(crate) pw2_b: P,
+    pub(crate) gamma: P,
+    pub(crate) c: usize,
+    pub(crate) hidden: usize,
+    pub(crate) hist: usize,
 }
 
-const DW_K: usize = 7;
+/// Taps of the ConvNeXt depthwise convolution.
+pub(crate) const DW_K: usize = 7;
 
 pub(crate) struct LayerW {
     attn_norm: P,
@@ -143,11 +146,57 @@ pub(crate) struct LayerW {
     g_ffn: P,
 }
 
+/// A WindowLimitedTransformer: causal, RoPE at absolute positions (the CPU codec's table),
+/// attention over the last `window` rows (self included) kept in a KV ring, final RMSNorm.
+pub(crate) struct TfW {
+    layers: Vec<LayerW>,
+    pub(crate) norm: P,
+    pub(crate) dim: usize,
+    pub(crate) heads: usize,
+    pub(crate) hd: usize,
+    pub(crate) ffn: usize,
+    pub(crate) eps: f32,
+    pub(crate) window: usize,
+    rope: Rope,
+}
+
+impl TfW {
+    /// Layers (one K ring and one V ring each).
+    pub(crate) fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Ring slots for steps of at most `rows` rows: the window's history plus one step.
+    pub(crate) fn ring(&self, rows: usize) -> usize {
+        self.window - 1 + rows
+    }
+    /// Scratch sizes (f32) for a step of `t` rows: (h, qkv / w1‖w3 output, attention, hidden).
+    pub(crate) fn scratch(&self, t: usize) -> (usize, usize, usize, usize) {
+        let w = self.heads * self.hd;
+        (
+            t * self.dim,
+            t * (3 * w).max(2 * self.ffn),
+            t * w,
+            t * self.ffn,
+        )
+    }
+}
+
+/// Where a transformer step keeps its intermediates (none may alias the rows `x`).
+pub(crate) struct TfScratch {
+    pub(crate) h: P,
+    pub(crate) qkv: P,
+    pub(crate) att: P,
+    pub(crate) hid: P,
+    /// `t · hd` floats: the RoPE cos then sin tables of the step's rows.
+    pub(crate) rope: P,
+}
+
+/// Residual unit: `x + Conv1x1(Snake(Conv7_dil(Snake(x))))`.
 pub(crate) struct ResW {
-    s1: SnakeW,
-    c1: ConvW,
-    s2: SnakeW,
-    c2: ConvW,
+    pub(crate) s1: SnakeW,
+    pub(crate) c1: ConvW,
+    pub(crate) s2: SnakeW,
+    pub(crate) c2: ConvW,
 }
 
 pub(crate) struct BlockW {
@@ -163,14 +212,7 @@ pub(crate) struct Weights {
     cb: usize,
     vq_w: P,
     vq_b: P,
-    layers: Vec<LayerW>,
-    norm: P,
-    heads: usize,
-    hd: usize,
-    ffn: usize,
-    eps: f32,
-    window: usize,
-    rope: Rope,
+    post: TfW,
     up: Vec<(ConvTW, NextW)>,
     dec_in: ConvW,
     blocks: Vec<BlockW>,
@@ -180,15 +222,25 @@ pub(crate) struct Weights {
     pub(crate) hists: Vec<(usize, usize)>,
 }
 
-struct Builder<'a, E: Exec> {
-    r: Reader<'a>,
+/// Uploads weights read through a [`Reader`], recording the buffers made and every causal
+/// history a layer needs (`(rows, channels)`, indexed by the layer's `hist`).
+pub(crate) struct Builder<'a, E: Exec> {
+    pub(crate) r: Reader<'a>,
     e: &'a E,
-    hists: Vec<(usize, usize)>,
-    bufs: Vec<usize>,
+    pub(crate) hists: Vec<(usize, usize)>,
+    pub(crate) bufs: Vec<usize>,
 }
 
-impl<E: Exec> Builder<'_, E> {
-    fn up(&mut self, v: &[f32]) -> Result<P> {
+impl<'a, E: Exec> Builder<'a, E> {
+    pub(crate) fn new(e: &'a E, sd: &'a PthStateDict) -> Self {
+        Builder {
+            r: Reader { sd },
+            e,
+            hists: Vec::new(),
+            bufs: Vec::new(),
+        }
+    }
+    pub(crate) fn up(&mut self, v: &[f32]) -> Result<P> {
         let b = self.e.alloc(v.len().max(1))?;
         self.bufs.push(b);
         let p = P { buf: b, off: 0 };
@@ -199,7 +251,7 @@ impl<E: Exec> Builder<'_, E> {
         self.hists.push((rows, c));
         self.hists.len() - 1
     }
-    fn snake(&mut self, prefix: &str, c: usize) -> Result<SnakeW> {
+    pub(crate) fn snake(&mut self, prefix: &str, c: usize) -> Result<SnakeW> {
         let alpha = self.r.get(&format!("{prefix}.alpha"), &[1, c, 1])?;
         let inv: Vec<f32> = alpha.iter().map(|&a| 1.0 / (a + 1e-9)).collect();
         Ok(SnakeW {
@@ -209,7 +261,7 @@ impl<E: Exec> Builder<'_, E> {
         })
     }
     #[allow(clippy::too_many_arguments)]
-    fn conv(
+    pub(crate) fn conv(
         &mut self,
         prefix: &str,
         cin: usize,
@@ -278,7 +330,7 @@ impl<E: Exec> Builder<'_, E> {
             hist: self.hist(m - 1, cin),
         })
     }
-    fn convnext(&mut self, prefix: &str, c: usize) -> Result<NextW> {
+    pub(crate) fn convnext(&mut self, prefix: &str, c: usize) -> Result<NextW> {
         let hidden = 4 * c;
         let p = |s: &str| format!("{prefix}.{s}");
         let dw = self.r.get(&p("dwconv.conv.weight"), &[c, 1, DW_K])?;
@@ -307,6 +359,79 @@ impl<E: Exec> Builder<'_, E> {
     }
 }
 
+impl<E: Exec> Builder<'_, E> {
+    /// A residual unit at `prefix` (`.block.0` … `.block.3`) on `c` channels.
+    pub(crate) fn res_unit(&mut self, prefix: &str, c: usize, dil: usize) -> Result<ResW> {
+        Ok(ResW {
+            s1: self.snake(&format!("{prefix}.block.0"), c)?,
+            c1: self.conv(&format!("{prefix}.block.1.conv"), c, c, 7, 1, dil)?,
+            s2: self.snake(&format!("{prefix}.block.2"), c)?,
+            c2: self.conv(&format!("{prefix}.block.3.conv"), c, c, 1, 1, 1)?,
+        })
+    }
+
+    /// The transformer at `prefix` (`.layers.{l}.…`, `.norm.weight`); a checkpoint with more
+    /// layers than `n_layer` is refused.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn transformer(
+        &mut self,
+        prefix: &str,
+        n_layer: usize,
+        dim: usize,
+        heads: usize,
+        hd: usize,
+        ffn: usize,
+        eps: f32,
+        window: usize,
+        rope_base: f64,
+    ) -> Result<TfW> {
+        let w = heads * hd;
+        let mut layers = Vec::with_capacity(n_layer);
+        for l in 0..n_layer {
+            let p = |s: &str| format!("{prefix}.layers.{l}.{s}");
+            let wqkv = self.r.get(&p("attention.wqkv.weight"), &[3 * w, dim])?;
+            let wo = self.r.get(&p("attention.wo.weight"), &[dim, w])?;
+            let w1 = self.r.get(&p("feed_forward.w1.weight"), &[ffn, dim])?;
+            let w3 = self.r.get(&p("feed_forward.w3.weight"), &[ffn, dim])?;
+            let w2 = self.r.get(&p("feed_forward.w2.weight"), &[dim, ffn])?;
+            let mut w13 = vec![0.0f32; dim * 2 * ffn];
+            for j in 0..ffn {
+                for k in 0..dim {
+                    w13[k * 2 * ffn + j] = w1[j * dim + k];
+                    w13[k * 2 * ffn + ffn + j] = w3[j * dim + k];
+                }
+            }
+            layers.push(LayerW {
+                attn_norm: self.up(&self.r.get(&p("attention_norm.weight"), &[dim])?)?,
+                wqkv: self.up(&transpose(&wqkv, 3 * w, dim))?,
+                wo: self.up(&transpose(&wo, dim, w))?,
+                ffn_norm: self.up(&self.r.get(&p("ffn_norm.weight"), &[dim])?)?,
+                w13: self.up(&w13)?,
+                w2: self.up(&transpose(&w2, dim, ffn))?,
+                g_attn: self.up(&self.r.get(&p("attention_layer_scale.gamma"), &[dim])?)?,
+                g_ffn: self.up(&self.r.get(&p("ffn_layer_scale.gamma"), &[dim])?)?,
+            });
+        }
+        let extra = format!("{prefix}.layers.{n_layer}.attention.wqkv.weight");
+        if self.r.has(&extra) {
+            return Err(CudaCodecError::Weights(format!(
+                "{prefix} has more than the configured {n_layer} layers ({extra})"
+            )));
+        }
+        Ok(TfW {
+            layers,
+            norm: self.up(&self.r.get(&format!("{prefix}.norm.weight"), &[dim])?)?,
+            dim,
+            heads,
+            hd,
+            ffn,
+            eps,
+            window,
+            rope: Rope::new(hd, rope_base),
+        })
+    }
+}
+
 impl Weights {
     /// Uploads the decoder half of `sd` for `cfg`; returns the weights and the buffers made.
     pub(crate) fn load<E: Exec>(
@@ -314,12 +439,7 @@ impl Weights {
         sd: &PthStateDict,
         cfg: &CodecConfig,
     ) -> Result<(Weights, Vec<usize>)> {
-        let mut b = Builder {
-            r: Reader { sd },
-            e,
-            hists: Vec::new(),
-            bufs: Vec::new(),
-        };
+        let mut b = Builder::new(e, sd);
         let q = &cfg.quantizer;
         let (dim, cb) = (q.dim, cfg.codebook_dim);
         let nq = cfg.num_codebooks();
@@ -347,45 +467,17 @@ impl Weights {
         let vq_w = b.up(&vq_w)?;
         let vq_b = b.up(&vq_b)?;
 
-        let (heads, hd, ffn) = (q.n_head, q.head_dim, q.intermediate_size);
-        let w = heads * hd;
-        let mut layers = Vec::with_capacity(q.n_layer);
-        for l in 0..q.n_layer {
-            let p = |s: &str| format!("quantizer.post_module.layers.{l}.{s}");
-            let wqkv = b.r.get(&p("attention.wqkv.weight"), &[3 * w, dim])?;
-            let wo = b.r.get(&p("attention.wo.weight"), &[dim, w])?;
-            let w1 = b.r.get(&p("feed_forward.w1.weight"), &[ffn, dim])?;
-            let w3 = b.r.get(&p("feed_forward.w3.weight"), &[ffn, dim])?;
-            let w2 = b.r.get(&p("feed_forward.w2.weight"), &[dim, ffn])?;
-            let mut w13 = vec![0.0f32; dim * 2 * ffn];
-            for j in 0..ffn {
-                for k in 0..dim {
-                    w13[k * 2 * ffn + j] = w1[j * dim + k];
-                    w13[k * 2 * ffn + ffn + j] = w3[j * dim + k];
-                }
-            }
-            layers.push(LayerW {
-                attn_norm: b.up(&b.r.get(&p("attention_norm.weight"), &[dim])?)?,
-                wqkv: b.up(&transpose(&wqkv, 3 * w, dim))?,
-                wo: b.up(&transpose(&wo, dim, w))?,
-                ffn_norm: b.up(&b.r.get(&p("ffn_norm.weight"), &[dim])?)?,
-                w13: b.up(&w13)?,
-                w2: b.up(&transpose(&w2, dim, ffn))?,
-                g_attn: b.up(&b.r.get(&p("attention_layer_scale.gamma"), &[dim])?)?,
-                g_ffn: b.up(&b.r.get(&p("ffn_layer_scale.gamma"), &[dim])?)?,
-            });
-        }
-        let extra = format!(
-            "quantizer.post_module.layers.{}.attention.wqkv.weight",
-            q.n_layer
-        );
-        if b.r.has(&extra) {
-            return Err(CudaCodecError::Weights(format!(
-                "post_module has more than the configured {} layers",
-                q.n_layer
-            )));
-        }
-        let norm = b.up(&b.r.get("quantizer.post_module.norm.weight", &[dim])?)?;
+        let post = b.transformer(
+            "quantizer.post_module",
+            q.n_layer,
+            dim,
+            q.n_head,
+            q.head_dim,
+            q.intermediate_size,
+            q.norm_eps,
+            q.window,
+            q.rope_base,
+        )?;
 
         let mut up = Vec::new();
         for (j, &f) in cfg.downsample_factor.iter().rev().enumerate() {
@@ -428,14 +520,7 @@ impl Weights {
                 cb,
                 vq_w,
                 vq_b,
-                layers,
-                norm,
-                heads,
-                hd,
-                ffn,
-                eps: q.norm_eps,
-                window: q.window,
-                rope: Rope::new(hd, q.rope_base),
+                post,
                 up,
                 dec_in,
                 blocks,
@@ -454,20 +539,14 @@ impl Weights {
         self.cfg.num_codebooks()
     }
     fn ring(&self) -> usize {
-        self.window - 1 + STEP_FRAMES
+        self.post.ring(STEP_FRAMES)
     }
 
     /// Scratch sizes (f32) for a step of `t` frames: (work, activation, hidden).
     fn sizes(&self, t: usize) -> (usize, usize, usize) {
-        let dim = self.cfg.quantizer.dim;
-        let w = self.heads * self.hd;
+        let (h, qkv, att, mut hid) = self.post.scratch(t);
         let mut work = 0;
-        let mut act = t
-            * (3 * w)
-                .max(2 * self.ffn)
-                .max(dim)
-                .max(self.num_codebooks() * self.cb);
-        let mut hid = t * self.ffn;
+        let mut act = h.max(qkv).max(att).max(t * self.num_codebooks() * self.cb);
         let mut r = t;
         for (ct, nx) in &self.up {
             work = work.max((ct.m - 1 + r) * ct.cin);
@@ -522,11 +601,11 @@ impl StateBufs {
             .iter()
             .map(|&(r, c)| mk(r * c))
             .collect::<Result<Vec<_>>>()?;
-        let kv = wt.ring() * wt.heads * wt.hd;
-        let kring = (0..wt.layers.len())
+        let kv = wt.ring() * wt.post.heads * wt.post.hd;
+        let kring = (0..wt.post.n_layers())
             .map(|_| mk(kv))
             .collect::<Result<Vec<_>>>()?;
-        let vring = (0..wt.layers.len())
+        let vring = (0..wt.post.n_layers())
             .map(|_| mk(kv))
             .collect::<Result<Vec<_>>>()?;
         let (work, act, hid) = wt.sizes(STEP_FRAMES);
@@ -542,7 +621,7 @@ impl StateBufs {
             a2: mk(act)?,
             y: mk(act)?,
             hid: mk(hid)?,
-            rope: mk(STEP_FRAMES * wt.hd)?,
+            rope: mk(STEP_FRAMES * wt.post.hd)?,
             bufs,
         })
     }
@@ -550,7 +629,7 @@ impl StateBufs {
 
 /// `A·B` through a convolution's implicit im2col, reading `work` (history then input).
 #[allow(clippy::too_many_arguments)]
-fn conv_gemm<E: Exec>(
+pub(crate) fn conv_gemm<E: Exec>(
     e: &E,
     cv: &ConvW,
     work: P,
@@ -577,7 +656,16 @@ fn conv_gemm<E: Exec>(
     })
 }
 
-fn linear<E: Exec>(e: &E, x: P, rows: usize, k: usize, w: P, n: usize, out: P) -> Result<()> {
+/// `out [rows, n] = x [rows, k] · w [k, n]`, no bias.
+pub(crate) fn linear<E: Exec>(
+    e: &E,
+    x: P,
+    rows: usize,
+    k: usize,
+    w: P,
+    n: usize,
+    out: P,
+) -> Result<()> {
     e.gemm(&Gemm {
         m: rows,
         n,
@@ -596,16 +684,39 @@ fn linear<E: Exec>(e: &E, x: P, rows: usize, k: usize, w: P, n: usize, out: P) -
     })
 }
 
-/// History in: `work[0..H)` = history. Returns where the input rows go.
-fn hist_in<E: Exec>(e: &E, st: &StateBufs, wt: &Weights, h: usize, work: P) -> Result<P> {
-    let (rows, c) = wt.hists[h];
+/// History in: `work[0..H)` = the history `hist` of `rows × c`. Returns where the input rows go.
+pub(crate) fn copy_hist_in<E: Exec>(
+    e: &E,
+    hist: P,
+    (rows, c): (usize, usize),
+    work: P,
+) -> Result<P> {
     if rows > 0 {
-        e.copy(work, st.hists[h], rows * c)?;
+        e.copy(work, hist, rows * c)?;
     }
     Ok(work.at(rows * c))
 }
 
-/// History out: the last H rows of `work` (H history + `l` input rows).
+/// History out: the last H rows of `work` (H history + `l` input rows) into `hist`.
+pub(crate) fn copy_hist_out<E: Exec>(
+    e: &E,
+    hist: P,
+    (rows, c): (usize, usize),
+    work: P,
+    l: usize,
+) -> Result<()> {
+    if rows > 0 {
+        e.copy(hist, work.at(l * c), rows * c)?;
+    }
+    Ok(())
+}
+
+/// History in for the decoder's layer history `h`.
+fn hist_in<E: Exec>(e: &E, st: &StateBufs, wt: &Weights, h: usize, work: P) -> Result<P> {
+    copy_hist_in(e, st.hists[h], wt.hists[h], work)
+}
+
+/// History out for the decoder's layer history `h`.
 fn hist_out<E: Exec>(
     e: &E,
     st: &StateBufs,
@@ -614,9 +725,78 @@ fn hist_out<E: Exec>(
     work: P,
     l: usize,
 ) -> Result<()> {
-    let (rows, c) = wt.hists[h];
-    if rows > 0 {
-        e.copy(st.hists[h], work.at(l * c), rows * c)?;
+    copy_hist_out(e, st.hists[h], wt.hists[h], work, l)
+}
+
+/// The layers of transformer `tw` over `t` rows `x` (`[t, dim]`, updated in place) at absolute
+/// positions `pos..pos + t`, keys and values kept in the per-layer rings (`ring` slots, at
+/// least `window − 1 + t`). The final RMSNorm is left to the caller (it picks the output).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn transformer_layers<E: Exec>(
+    e: &E,
+    tw: &TfW,
+    kring: &[P],
+    vring: &[P],
+    ring: usize,
+    pos: u64,
+    s: &TfScratch,
+    x: P,
+    t: usize,
+) -> Result<()> {
+    debug_assert!(t + tw.window - 1 <= ring);
+    let (dim, heads, hd, ffn) = (tw.dim, tw.heads, tw.hd, tw.ffn);
+    let w = heads * hd;
+    // RoPE tables at absolute positions, exactly as the CPU codec makes them.
+    let half = hd / 2;
+    let mut cs = vec![0.0f32; 2 * t * half];
+    for r in 0..t {
+        let (c, sn) = tw.rope.table(pos + r as u64);
+        cs[r * half..(r + 1) * half].copy_from_slice(&c);
+        cs[t * half + r * half..t * half + (r + 1) * half].copy_from_slice(&sn);
+    }
+    e.write(s.rope, &cs)?;
+    for (l, ly) in tw.layers.iter().enumerate() {
+        e.rms_norm(x, ly.attn_norm, s.h, t, dim, tw.eps)?;
+        linear(e, s.h, t, dim, ly.wqkv, 3 * w, s.qkv)?;
+        e.rope_kv(s.qkv, s.rope, kring[l], vring[l], t, heads, hd, pos, ring)?;
+        e.attention(
+            s.qkv, kring[l], vring[l], s.att, t, heads, hd, pos, tw.window, ring,
+        )?;
+        e.gemm(&Gemm {
+            m: t,
+            n: dim,
+            k: w,
+            a: s.att,
+            rsa: w,
+            cin: w,
+            jstride: 0,
+            b: ly.wo,
+            c: x,
+            bias: None,
+            bias_n: 1,
+            gamma: Some(ly.g_attn),
+            res: Some(x),
+            tanh: false,
+        })?;
+        e.rms_norm(x, ly.ffn_norm, s.h, t, dim, tw.eps)?;
+        linear(e, s.h, t, dim, ly.w13, 2 * ffn, s.qkv)?;
+        e.swiglu(s.qkv, s.hid, t, ffn)?;
+        e.gemm(&Gemm {
+            m: t,
+            n: dim,
+            k: ffn,
+            a: s.hid,
+            rsa: ffn,
+            cin: ffn,
+            jstride: 0,
+            b: ly.w2,
+            c: x,
+            bias: None,
+            bias_n: 1,
+            gamma: Some(ly.g_ffn),
+            res: Some(x),
+            tanh: false,
+        })?;
     }
     Ok(())
 }
@@ -632,8 +812,6 @@ pub(crate) fn step<E: Exec>(
     debug_assert!(t > 0 && t <= STEP_FRAMES);
     let cfg = &wt.cfg;
     let dim = cfg.quantizer.dim;
-    let (heads, hd, ffn) = (wt.heads, wt.hd, wt.ffn);
-    let w = heads * hd;
     let nq = wt.num_codebooks();
     let cb = wt.cb;
 
@@ -650,79 +828,25 @@ pub(crate) fn step<E: Exec>(
     let x = st.a0;
     e.vq_sum(st.a2, wt.vq_w, wt.vq_b, x, t, nq, cb, dim)?;
 
-    // post_module: RoPE tables at absolute positions, exactly as the CPU codec makes them.
-    let half = hd / 2;
-    let mut cs = vec![0.0f32; 2 * t * half];
-    for r in 0..t {
-        let (c, s) = wt.rope.table(st.pos + r as u64);
-        cs[r * half..(r + 1) * half].copy_from_slice(&c);
-        cs[t * half + r * half..t * half + (r + 1) * half].copy_from_slice(&s);
-    }
-    e.write(st.rope, &cs)?;
-    let ring = wt.ring();
-    let (h, qkv, att) = (st.a1, st.a2, st.y);
-    for (l, ly) in wt.layers.iter().enumerate() {
-        e.rms_norm(x, ly.attn_norm, h, t, dim, wt.eps)?;
-        linear(e, h, t, dim, ly.wqkv, 3 * w, qkv)?;
-        e.rope_kv(
-            qkv,
-            st.rope,
-            st.kring[l],
-            st.vring[l],
-            t,
-            heads,
-            hd,
-            st.pos,
-            ring,
-        )?;
-        e.attention(
-            qkv,
-            st.kring[l],
-            st.vring[l],
-            att,
-            t,
-            heads,
-            hd,
-            st.pos,
-            wt.window,
-            ring,
-        )?;
-        e.gemm(&Gemm {
-            m: t,
-            n: dim,
-            k: w,
-            a: att,
-            rsa: w,
-            cin: w,
-            jstride: 0,
-            b: ly.wo,
-            c: x,
-            bias: None,
-            bias_n: 1,
-            gamma: Some(ly.g_attn),
-            res: Some(x),
-            tanh: false,
-        })?;
-        e.rms_norm(x, ly.ffn_norm, h, t, dim, wt.eps)?;
-        linear(e, h, t, dim, ly.w13, 2 * ffn, qkv)?;
-        e.swiglu(qkv, st.hid, t, ffn)?;
-        e.gemm(&Gemm {
-            m: t,
-            n: dim,
-            k: ffn,
-            a: st.hid,
-            rsa: ffn,
-            cin: ffn,
-            jstride: 0,
-            b: ly.w2,
-            c: x,
-            bias: None,
-            bias_n: 1,
-            gamma: Some(ly.g_ffn),
-            res: Some(x),
-            tanh: false,
-        })?;
-    }
+    // post_module over the KV ring at absolute positions.
+    let scratch = TfScratch {
+        h: st.a1,
+        qkv: st.a2,
+        att: st.y,
+        hid: st.hid,
+        rope: st.rope,
+    };
+    transformer_layers(
+        e,
+        &wt.post,
+        &st.kring,
+        &st.vring,
+        wt.ring(),
+        st.pos,
+        &scratch,
+        x,
+        t,
+    )?;
     st.pos += t as u64;
 
     // Final norm straight into the first upsampler's input rows (or dec_in's).
@@ -731,7 +855,7 @@ pub(crate) fn step<E: Exec>(
         Some((ct, _)) => hist_in(e, st, wt, ct.hist, st.w0)?,
         None => hist_in(e, st, wt, wt.dec_in.hist, st.w0)?,
     };
-    e.rms_norm(x, wt.norm, first_in, t, dim, wt.eps)?;
+    e.rms_norm(x, wt.post.norm, first_in, t, dim, wt.post.eps)?;
 
     for (i, (ct, nx)) in wt.up.iter().enumerate() {
         // ConvTranspose (work w0) → dwconv input rows (work w1).

@@ -1,6 +1,6 @@
-//! The operations the decoder is made of, over an executor: [`HostExec`] runs them with plain
-//! loops on the CPU (the same semantics as `kernels/codec.cu`, so the decoder's bookkeeping —
-//! layouts, histories, the KV ring, positions — is tested without a GPU), and
+//! The operations the decoder and the encoder are made of, over an executor: [`HostExec`] runs
+//! them with plain loops on the CPU (the same semantics as `kernels/codec.cu`, so the codec's
+//! bookkeeping — layouts, histories, the KV ring, positions — is tested without a GPU), and
 //! [`crate::cuda::CudaExec`] launches the kernels.
 
 use std::cell::RefCell;
@@ -55,7 +55,7 @@ pub fn split_len(k: usize, n: usize) -> usize {
     }
 }
 
-/// One back end for the decoder's operations (all asynchronous on the GPU; `read` syncs).
+/// One back end for the codec's operations (all asynchronous on the GPU; `read` syncs).
 pub trait Exec {
     /// A zeroed buffer of `n` f32.
     fn alloc(&self, n: usize) -> Result<usize>;
@@ -113,6 +113,49 @@ pub trait Exec {
         cb: usize,
         dim: usize,
     ) -> Result<()>;
+    /// The encoder's nearest-code search, for each of `t` rows `e` of `ze` `[t, cb]`: `en =
+    /// e / max(‖e‖, 1e-12)`, `dist_j = Σen² − 2·(en · book_n[j]) + cn2[j]` (sums in element
+    /// order, every product and sum rounded, no fma: the CPU codec's formula), the smallest
+    /// `dist_j` with ties (and all-NaN rows) to the lower index; writes the index to `codes[r]`
+    /// (as f32) and `st[r] = e + (book[j] − e)` (the straight-through value). `book_n` `[n, cb]`
+    /// is the l2-normalised codebook, `cn2` `[n]` its rows' Σv², `book` `[n, cb]` the codebook.
+    #[allow(clippy::too_many_arguments)]
+    fn vq_nearest(
+        &self,
+        ze: P,
+        book_n: P,
+        cn2: P,
+        book: P,
+        codes: P,
+        st: P,
+        t: usize,
+        n: usize,
+        cb: usize,
+    ) -> Result<()>;
+}
+
+/// One row of [`Exec::vq_nearest`]: the code and the straight-through row.
+pub(crate) fn vq_nearest_row(
+    e: &[f32],
+    book_n: &[f32],
+    cn2: &[f32],
+    book: &[f32],
+) -> (usize, Vec<f32>) {
+    let cb = e.len();
+    let norm = e.iter().fold(0.0f32, |a, v| a + v * v).sqrt().max(1e-12);
+    let en: Vec<f32> = e.iter().map(|v| v / norm).collect();
+    let en2 = en.iter().fold(0.0f32, |a, v| a + v * v);
+    let mut best = (f32::INFINITY, 0usize);
+    for (j, c) in book_n.chunks_exact(cb).enumerate() {
+        let dot = en.iter().zip(c).fold(0.0f32, |a, (x, y)| a + x * y);
+        let dist = en2 - 2.0 * dot + cn2[j];
+        if dist < best.0 {
+            best = (dist, j);
+        }
+    }
+    let q = &book[best.1 * cb..(best.1 + 1) * cb];
+    let st = e.iter().zip(q).map(|(&ze, &zq)| ze + (zq - ze)).collect();
+    (best.1, st)
 }
 
 /// The CPU executor: every operation as a plain loop with the kernels' semantics.
@@ -390,6 +433,35 @@ impl Exec for HostExec {
             }
         }
         self.put(out, &o);
+        Ok(())
+    }
+    fn vq_nearest(
+        &self,
+        ze: P,
+        book_n: P,
+        cn2: P,
+        book: P,
+        codes: P,
+        st: P,
+        t: usize,
+        n: usize,
+        cb: usize,
+    ) -> Result<()> {
+        let e = self.get(ze, t * cb);
+        let (bn, c2, bk) = (
+            self.get(book_n, n * cb),
+            self.get(cn2, n),
+            self.get(book, n * cb),
+        );
+        let mut out_codes = Vec::with_capacity(t);
+        let mut out_st = Vec::with_capacity(t * cb);
+        for row in e.chunks_exact(cb) {
+            let (j, s) = vq_nearest_row(row, &bn, &c2, &bk);
+            out_codes.push(j as f32);
+            out_st.extend(s);
+        }
+        self.put(codes, &out_codes);
+        self.put(st, &out_st);
         Ok(())
     }
 }

@@ -1,4 +1,5 @@
-//! codec-cuda: the Drama 3 ModifiedDAC codec decoder on the GPU (DRAMA3.md §8), f32, streaming.
+//! codec-cuda: the Drama 3 ModifiedDAC codec on the GPU (DRAMA3.md §8), f32, streaming: the
+//! decoder, and the encoder (voice cloning).
 //!
 //! [`CudaDecoder`] holds the decoder weights on the device (read from the same `codec.pth` as
 //! [`codec::Codec`], with its shape checks and weight-norm folding, uploaded once as f32);
@@ -9,11 +10,18 @@
 //! kernel, whose every output is one fma chain in k order whatever the tile or row count, so
 //! streamed PCM equals whole-decode PCM bit for bit for any chunking.
 //!
-//! The decoder is written once over [`exec::Exec`]; [`exec::HostExec`] runs the same
-//! operations on the CPU, which is how the bookkeeping is tested without a GPU.
+//! [`CudaEncoder`] has the semantics of [`codec::Codec::encode`] (PCM → codes, the same errors,
+//! right-padding to whole frames); [`CudaEncoderState::push`] streams whole frames with every
+//! causal history, the encoder transformer's and `pre_module`'s KV rings and positions kept, so
+//! any split gives the codes of one call. The VQ search is one kernel with the CPU codec's float
+//! formula (cosine distance to the normalised codebook, ties to the lower index).
+//!
+//! Both are written once over [`exec::Exec`]; [`exec::HostExec`] runs the same operations on the
+//! CPU, which is how the bookkeeping is tested without a GPU.
 
 pub mod cuda;
 mod decoder;
+mod encoder;
 pub mod exec;
 
 #[cfg(test)]
@@ -29,9 +37,10 @@ use codec::{Codec, CodecConfig, Codes};
 pub use cuda::CudaExec;
 pub use decoder::STEP_FRAMES;
 use decoder::{StateBufs, Weights};
+use encoder::{EncCore, EncStateBufs};
 use exec::{Exec, HostExec};
 
-/// Errors of loading and running the GPU decoder.
+/// Errors of loading and running the GPU codec.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaCodecError {
     #[error(transparent)]
@@ -235,6 +244,151 @@ impl HostDecoder {
     }
 }
 
+/// The codec encoder on the GPU. Cheap to clone; states made from it share its weights.
+#[derive(Clone)]
+pub struct CudaEncoder {
+    core: Arc<Mutex<EncCore<CudaExec>>>,
+    frame_length: usize,
+}
+
+impl CudaEncoder {
+    /// Loads the encoder of `codec` from the path it was loaded from (directory or
+    /// `codec.pth`), on device 0.
+    pub fn load(path: &Path, codec: &Codec) -> Result<Self> {
+        let gpu = Arc::new(Gpu::new(0)?);
+        Self::load_on(gpu, path, codec)
+    }
+
+    /// As [`CudaEncoder::load`], on an opened device (its stream carries every launch).
+    pub fn load_on(gpu: Arc<Gpu>, path: &Path, codec: &Codec) -> Result<Self> {
+        let sd = checkpoint::pth::read_pth(&pth_path(path))?;
+        Self::from_state_dict(gpu, &sd, codec.config())
+    }
+
+    /// From a read `codec.pth` state dict and the codec's config.
+    pub fn from_state_dict(gpu: Arc<Gpu>, sd: &PthStateDict, cfg: &CodecConfig) -> Result<Self> {
+        let exec = CudaExec::new(gpu)?;
+        let core = EncCore::new(exec, sd, cfg)?;
+        core.exec.sync()?;
+        Ok(Self {
+            frame_length: cfg.frame_length(),
+            core: Arc::new(Mutex::new(core)),
+        })
+    }
+
+    /// Samples per code frame (pushes are whole frames).
+    pub fn frame_length(&self) -> usize {
+        self.frame_length
+    }
+
+    /// A fresh streaming state (position 0, zero histories), with its own device buffers.
+    pub fn state(&self) -> Result<CudaEncoderState> {
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        let st = core.state()?;
+        drop(core);
+        Ok(CudaEncoderState {
+            core: self.core.clone(),
+            st: Some(st),
+        })
+    }
+
+    /// Encodes 44.1 kHz mono PCM to codes as [`Codec::encode`] does (right-padded with zeros to
+    /// whole frames; empty or non-finite input is an error), `STEP_FRAMES` frames per step.
+    pub fn encode(&self, pcm: &[f32]) -> Result<Codes> {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .encode(pcm)
+    }
+
+    /// The device this encoder runs on.
+    pub fn gpu(&self) -> Arc<Gpu> {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .exec
+            .gpu
+            .clone()
+    }
+}
+
+/// Streaming GPU encoder of one clip; any split into whole frames gives the same codes.
+pub struct CudaEncoderState {
+    core: Arc<Mutex<EncCore<CudaExec>>>,
+    st: Option<EncStateBufs>,
+}
+
+impl CudaEncoderState {
+    /// Frames encoded so far.
+    pub fn frames(&self) -> u64 {
+        self.st.as_ref().map_or(0, |s| s.frames)
+    }
+
+    /// Encodes the next frames: `pcm` is a whole number of `frame_length`-sample frames (an
+    /// error otherwise, as is a non-finite sample); returns their codes.
+    pub fn push(&mut self, pcm: &[f32]) -> Result<Codes> {
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        let st = self
+            .st
+            .as_mut()
+            .ok_or_else(|| CudaCodecError::Shape("state already released".into()))?;
+        core.push(st, pcm)
+    }
+}
+
+impl Drop for CudaEncoderState {
+    fn drop(&mut self) {
+        if let Some(st) = self.st.take() {
+            self.core
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release(st);
+        }
+    }
+}
+
+/// The same encoder on the CPU executor (plain loops with the kernels' semantics): a slow
+/// reference for the encoder's bookkeeping, usable without a GPU.
+pub struct HostEncoder {
+    core: EncCore<HostExec>,
+}
+
+/// A [`HostEncoder`] stream.
+pub struct HostEncoderState {
+    st: EncStateBufs,
+}
+
+impl HostEncoder {
+    pub fn from_state_dict(sd: &PthStateDict, cfg: &CodecConfig) -> Result<Self> {
+        Ok(Self {
+            core: EncCore::new(HostExec::new(), sd, cfg)?,
+        })
+    }
+    pub fn frame_length(&self) -> usize {
+        self.core.frame_length()
+    }
+    pub fn state(&self) -> Result<HostEncoderState> {
+        Ok(HostEncoderState {
+            st: self.core.state()?,
+        })
+    }
+    /// As [`CudaEncoderState::push`].
+    pub fn push(&self, state: &mut HostEncoderState, pcm: &[f32]) -> Result<Codes> {
+        self.core.push(&mut state.st, pcm)
+    }
+    /// As [`CudaEncoder::encode`].
+    pub fn encode(&self, pcm: &[f32]) -> Result<Codes> {
+        self.core.encode(pcm)
+    }
+}
+
+impl HostEncoderState {
+    /// Frames encoded so far.
+    pub fn frames(&self) -> u64 {
+        self.st.frames
+    }
+}
+
 /// The fixture's codec goldens: `(name, codes, f64 PCM)` for `codec_decode` and, when the long
 /// golden file is there, `codec_long_decode`.
 pub fn fixture_goldens(
@@ -266,6 +420,46 @@ pub fn fixture_goldens(
             .to_f64();
         drop(store);
         out.push((case.to_string(), codes, pcm));
+    }
+    Ok(out)
+}
+
+/// The fixture's encoder goldens: `(name, PCM, codes)` for `codec_encode` (the chirp) and, when
+/// the long golden file is there, `codec_long_encode`.
+pub fn fixture_encode_goldens(
+    fixture: &Path,
+) -> std::result::Result<Vec<(String, Vec<f32>, Codes)>, String> {
+    let gdir = fixture.join("golden");
+    let mut out = Vec::new();
+    for (file, case, input) in [
+        (
+            "golden.safetensors",
+            "codec_encode",
+            "codec_encode_input_chirp",
+        ),
+        (
+            "golden_long.safetensors",
+            "codec_long_encode",
+            "codec_long_encode_input",
+        ),
+    ] {
+        let path = gdir.join(file);
+        if !path.is_file() {
+            continue;
+        }
+        let store = checkpoint::Store::open_file(&path).map_err(|e| e.to_string())?;
+        let pcm = store.get(input).map_err(|e| e.to_string())?.to_f32();
+        let codes = store
+            .get(&format!("{case}_codes"))
+            .map_err(|e| e.to_string())?;
+        let shape = codes.shape().to_vec();
+        if shape.len() != 2 {
+            return Err(format!("{case}_codes has shape {shape:?}"));
+        }
+        let codes =
+            Codes::from_i64(shape[0], shape[1], &codes.to_i64()).map_err(|e| e.to_string())?;
+        drop(store);
+        out.push((case.to_string(), pcm, codes));
     }
     Ok(out)
 }

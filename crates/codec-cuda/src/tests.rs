@@ -77,6 +77,175 @@ fn wrong_codebook_count_is_an_error() {
         .is_empty());
 }
 
+fn host_encoder() -> (Codec, HostEncoder) {
+    let dir = fixture();
+    let codec = Codec::load(&dir, None).expect("tiny codec");
+    let sd = checkpoint::pth::read_pth(&pth_path(&dir)).expect("codec.pth");
+    let enc = HostEncoder::from_state_dict(&sd, codec.config()).expect("host encoder");
+    (codec, enc)
+}
+
+/// Pushes `pcm` (whole frames) `chunk` frames at a time through a fresh state.
+fn encode_chunks(enc: &HostEncoder, pcm: &[f32], chunk: usize) -> Codes {
+    let fl = enc.frame_length();
+    let mut st = enc.state().unwrap();
+    let mut frames: Vec<Vec<u32>> = Vec::new();
+    for piece in pcm.chunks(chunk * fl) {
+        let c = enc.push(&mut st, piece).unwrap();
+        assert_eq!(c.frames(), piece.len() / fl);
+        frames.extend((0..c.frames()).map(|f| {
+            (0..c.num_codebooks())
+                .map(|q| c.get(q, f))
+                .collect::<Vec<_>>()
+        }));
+    }
+    assert_eq!(st.frames(), (pcm.len() / fl) as u64);
+    Codes::from_frames(frames.first().map_or(0, Vec::len), &frames).unwrap()
+}
+
+/// The encoder's bookkeeping (weight layouts, strided-conv histories, both transformers' KV
+/// rings past their windows, the VQ search) on the CPU executor: the CPU codec's codes and the
+/// goldens exactly, short and long (173 frames: past the 128-frame pre_module window and the
+/// encoder transformer's 512 rows).
+#[test]
+fn host_encoder_matches_cpu_codec_and_goldens() {
+    let (codec, enc) = host_encoder();
+    let goldens = fixture_encode_goldens(&fixture()).expect("encode goldens");
+    assert!(!goldens.is_empty());
+    for (name, pcm, want) in &goldens {
+        let got = enc.encode(pcm).unwrap();
+        let cpu = codec.encode(pcm).unwrap();
+        let diff = |a: &Codes, b: &Codes| {
+            a.data()
+                .iter()
+                .zip(b.data())
+                .filter(|(x, y)| x != y)
+                .count()
+        };
+        eprintln!(
+            "{name}: {} samples → {} frames; vs golden {} codes differ, vs CPU codec {}",
+            pcm.len(),
+            got.frames(),
+            diff(&got, want),
+            diff(&got, &cpu)
+        );
+        assert_eq!(cpu, *want, "{name}: CPU codec vs golden");
+        assert_eq!(got, *want, "{name}: host executor vs golden");
+    }
+}
+
+/// Pushing whole frames in any split gives the codes of one call (pushes under, at and over
+/// STEP_FRAMES, so steps and pushes straddle each other).
+#[test]
+fn host_encoder_chunking_gives_the_same_codes() {
+    let (_, enc) = host_encoder();
+    let goldens = fixture_encode_goldens(&fixture()).expect("encode goldens");
+    let (_, pcm, _) = goldens.last().unwrap();
+    let fl = enc.frame_length();
+    let pcm = &pcm[..37 * fl];
+    let whole = enc.encode(pcm).unwrap();
+    assert_eq!(whole.frames(), 37);
+    for chunk in [1, 3, STEP_FRAMES, STEP_FRAMES + 1] {
+        assert_eq!(encode_chunks(&enc, pcm, chunk), whole, "chunk {chunk}");
+    }
+}
+
+/// A clip that is not a whole number of frames is right-padded with zeros, as on the CPU.
+#[test]
+fn host_encoder_pads_the_last_frame() {
+    let (codec, enc) = host_encoder();
+    let goldens = fixture_encode_goldens(&fixture()).expect("encode goldens");
+    let (_, pcm, _) = &goldens[0];
+    let fl = enc.frame_length();
+    let cut = &pcm[..3 * fl + 5];
+    let got = enc.encode(cut).unwrap();
+    assert_eq!(got.frames(), 4);
+    assert_eq!(got, codec.encode(cut).unwrap());
+    let mut padded = cut.to_vec();
+    padded.resize(4 * fl, 0.0);
+    assert_eq!(encode_chunks(&enc, &padded, 1), got);
+}
+
+#[test]
+fn encoder_bad_input_is_an_error() {
+    let (codec, enc) = host_encoder();
+    let fl = enc.frame_length();
+    let msg = |e: CudaCodecError| e.to_string();
+    assert_eq!(
+        msg(enc.encode(&[]).unwrap_err()),
+        codec.encode(&[]).unwrap_err().to_string()
+    );
+    let mut pcm = vec![0.1f32; fl + 7];
+    pcm[fl + 3] = f32::NAN;
+    assert_eq!(
+        msg(enc.encode(&pcm).unwrap_err()),
+        codec.encode(&pcm).unwrap_err().to_string()
+    );
+    pcm[fl + 3] = f32::INFINITY;
+    assert!(enc.encode(&pcm).is_err());
+
+    let mut st = enc.state().unwrap();
+    let e = msg(enc.push(&mut st, &vec![0.0; fl + 1]).unwrap_err());
+    assert!(e.contains(&format!("{fl}-sample frames")), "{e}");
+    assert_eq!(st.frames(), 0);
+    let empty = enc.push(&mut st, &[]).unwrap();
+    assert_eq!((empty.num_codebooks(), empty.frames()), (10, 0));
+    assert_eq!(enc.push(&mut st, &vec![0.0; fl]).unwrap().frames(), 1);
+    let mut bad = vec![0.0f32; fl];
+    bad[9] = f32::NEG_INFINITY;
+    let e = msg(enc.push(&mut st, &bad).unwrap_err());
+    assert!(
+        e.contains(&format!("sample {} is not finite", fl + 9)),
+        "{e}"
+    );
+}
+
+/// The VQ search: ties (equal rows) go to the lower index, NaN rows to code 0, zero rows use
+/// the 1e-12 norm clamp, and the straight-through row is the raw codebook row's value.
+#[test]
+fn vq_nearest_ties_and_edges() {
+    let cb = 2;
+    let book = [3.0f32, 4.0, 0.0, 1.0, 6.0, 8.0, -1.0, 0.0];
+    let n = book.len() / cb;
+    let book_n: Vec<f32> = book
+        .chunks_exact(cb)
+        .flat_map(|r| {
+            let norm = r.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            r.iter().map(move |v| v / norm).collect::<Vec<_>>()
+        })
+        .collect();
+    let cn2: Vec<f32> = book_n
+        .chunks_exact(cb)
+        .map(|c| c.iter().map(|v| v * v).sum())
+        .collect();
+    let ze = [0.6f32, 0.8, f32::NAN, 1.0, 0.0, 0.0, -2.0, 0.1];
+    let t = ze.len() / cb;
+    let e = HostExec::new();
+    let p = |v: &[f32]| {
+        let b = e.alloc(v.len()).unwrap();
+        let p = exec::P { buf: b, off: 0 };
+        e.write(p, v).unwrap();
+        p
+    };
+    let (zp, bnp, cnp, bp) = (p(&ze), p(&book_n), p(&cn2), p(&book));
+    let (codes, st) = (p(&vec![0.0; t]), p(&vec![0.0; t * cb]));
+    e.vq_nearest(zp, bnp, cnp, bp, codes, st, t, n, cb).unwrap();
+    // Rows 0 and 2 of the codebook point the same way: row 0 wins. NaN: code 0. Zero input
+    // (norm clamped): the distance is cn2[j] alone, so the first smallest cn2.
+    let zero = cn2
+        .iter()
+        .enumerate()
+        .fold(
+            (f32::INFINITY, 0),
+            |b, (j, &d)| if d < b.0 { (d, j) } else { b },
+        )
+        .1;
+    assert_eq!(e.read(codes, t).unwrap(), vec![0.0, 0.0, zero as f32, 3.0]);
+    let st = e.read(st, t * cb).unwrap();
+    assert_eq!(&st[..2], &[0.6 + (3.0 - 0.6), 0.8 + (4.0 - 0.8)]);
+    assert_eq!(&st[6..], &[-2.0 + (-1.0 - -2.0), 0.1 + (0.0 - 0.1)]);
+}
+
 #[test]
 fn transpose_is_linear_to_operand() {
     // [out=2, in=3] → [in=3, out=2]
@@ -129,4 +298,36 @@ fn gpu_decoder_when_present() {
     let (_, codes, want) = &goldens[0];
     let got = dec.decode(codes).unwrap();
     assert!(codec::max_abs_diff(&got, want).unwrap() < 1e-4);
+}
+
+/// On a machine with a GPU: the CUDA encoder against the encode goldens, and chunked pushes.
+#[test]
+fn gpu_encoder_when_present() {
+    if !backend_cuda::driver_present() || !backend_cuda::nvrtc_present() {
+        eprintln!("skipped: no CUDA driver/NVRTC here (examples/codec_gpu runs it on a GPU)");
+        return;
+    }
+    let dir = fixture();
+    let codec = Codec::load(&dir, None).unwrap();
+    let enc = match CudaEncoder::load(&dir, &codec) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    for (name, pcm, want) in fixture_encode_goldens(&dir).unwrap() {
+        assert_eq!(enc.encode(&pcm).unwrap(), want, "{name}");
+    }
+    let (_, pcm, want) = &fixture_encode_goldens(&dir).unwrap()[0];
+    let fl = enc.frame_length();
+    let mut padded = pcm.clone();
+    padded.resize(want.frames() * fl, 0.0);
+    let mut st = enc.state().unwrap();
+    let mut frames = Vec::new();
+    for piece in padded.chunks(3 * fl) {
+        let c = st.push(piece).unwrap();
+        frames.extend((0..c.frames()).map(|f| (0..10).map(|q| c.get(q, f)).collect::<Vec<_>>()));
+    }
+    assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }

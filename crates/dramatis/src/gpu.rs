@@ -23,7 +23,7 @@ pub fn kernel_contract(_only: Option<&str>) -> Result<ExitCode> {
 #[cfg(feature = "cuda")]
 pub fn golden_cuda(dir: &std::path::Path) -> Result<speech::golden::GoldenReport, String> {
     let be = backend_cuda::CudaBackend::new().map_err(|e| format!("CUDA: {e}"))?;
-    speech::golden::run_with(dir, be)
+    speech::golden::run_cuda(dir, be)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -84,7 +84,7 @@ fn golden_fails_on_a_broken_fixture() {
         d.join("golden/golden.safetensors"),
     )
     .unwrap();
-    let o = bin().arg("golden").arg(&d).output().unwrap();
+    let o = bin().arg("golden").arg(d).output().unwrap();
     assert!(!o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("FAIL"));
 }

@@ -235,6 +235,10 @@ pub struct Engine {
     tokenizer: Tokenizer,
     spec: PromptSpec,
     codec: Codec,
+    /// The reference-clip encoder on the GPU when the engine runs on CUDA (the CPU codec
+    /// encodes otherwise).
+    #[cfg(feature = "cuda")]
+    gpu_encoder: Option<codec_cuda::CudaEncoder>,
     voices: VoiceCatalog,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
@@ -352,7 +356,7 @@ impl Engine {
         geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
         geom.codec.workspace_bytes_per_lane = codec.decoder_workspace_bytes(1) as u64;
         // The codec's weights as stored (f32 in codec.pth): an upper bound on what the codec
-        // keeps resident, on the host (CPU codec) or the device (GPU decoder).
+        // keeps resident, on the host (CPU codec) or the device (GPU decoder and encoder).
         geom.codec.weight_bytes = std::fs::metadata(dir.join("codec.pth"))
             .map(|m| m.len())
             .unwrap_or(0);
@@ -421,6 +425,8 @@ impl Engine {
         let frames_total = Arc::new(AtomicU64::new(0));
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
+        #[cfg(feature = "cuda")]
+        let mut gpu_encoder = None;
         let decoders: DecoderFactory = match opts.backend {
             BackendChoice::Cpu => {
                 let c = codec.clone();
@@ -428,9 +434,21 @@ impl Engine {
             }
             #[cfg(feature = "cuda")]
             BackendChoice::Cuda => {
-                // The streaming decoder on the GPU, on its own stream (overlaps the model's).
-                let gpu_codec = codec_cuda::CudaDecoder::load(&dir, &codec)
-                    .map_err(|e| SpeechError::Engine(format!("GPU codec: {e}")))?;
+                // The streaming decoder on the GPU, on its own stream (overlaps the model's), and
+                // the reference-clip encoder beside it on that device and stream (codec.pth is
+                // read once for both).
+                let gpu_err =
+                    |e: codec_cuda::CudaCodecError| SpeechError::Engine(format!("GPU codec: {e}"));
+                let sd = checkpoint::pth::read_pth(&codec_cuda::pth_path(&dir))
+                    .map_err(|e| gpu_err(e.into()))?;
+                let gpu = Arc::new(backend_cuda::Gpu::new(0).map_err(|e| gpu_err(e.into()))?);
+                let gpu_codec =
+                    codec_cuda::CudaDecoder::from_state_dict(gpu.clone(), &sd, codec.config())
+                        .map_err(gpu_err)?;
+                gpu_encoder = Some(
+                    codec_cuda::CudaEncoder::from_state_dict(gpu, &sd, codec.config())
+                        .map_err(gpu_err)?,
+                );
                 Box::new(move || {
                     gpu_codec
                         .state()
@@ -495,6 +513,8 @@ impl Engine {
             tokenizer,
             spec,
             codec,
+            #[cfg(feature = "cuda")]
+            gpu_encoder,
             voices,
             shared,
             frames_total,
@@ -586,10 +606,7 @@ impl Engine {
             .check_reference_frames(index, admission::ReferenceFrames(frames))
             .map_err(|e| with_param(limit_err(e), param))?;
         let pcm = crate::pcm::resample(&mono, rate, self.codec.sample_rate()).map_err(bad)?;
-        let codes = self
-            .codec
-            .encode(&pcm)
-            .map_err(|e| bad(SpeechError::Audio(e.to_string())))?;
+        let codes = self.encode_pcm(&pcm, param)?;
         Ok((0..codes.frames())
             .map(|f| {
                 (0..codes.num_codebooks())
@@ -597,6 +614,31 @@ impl Engine {
                     .collect()
             })
             .collect())
+    }
+
+    /// 44.1 kHz reference PCM to codes: on the GPU when the engine runs on CUDA, else with the
+    /// CPU codec (the same codes, the same errors for bad audio).
+    fn encode_pcm(&self, pcm: &[f32], param: &str) -> Result<Codes, RequestError> {
+        let bad = |m: String| {
+            RequestError::invalid(
+                "invalid_audio",
+                Some(param),
+                SpeechError::Audio(m).to_string(),
+            )
+        };
+        #[cfg(feature = "cuda")]
+        if let Some(enc) = &self.gpu_encoder {
+            return enc.encode(pcm).map_err(|e| match e {
+                codec_cuda::CudaCodecError::Codec(e) => bad(e.to_string()),
+                e => RequestError {
+                    kind: RequestErrorKind::Server,
+                    code: "codec_failed".into(),
+                    param: None,
+                    message: format!("GPU codec encoder: {e}"),
+                },
+            });
+        }
+        self.codec.encode(pcm).map_err(|e| bad(e.to_string()))
     }
 
     /// Adds a voice: the clip is encoded once and stored with its transcript.

@@ -168,6 +168,45 @@ pub fn run_with<B: Backend>(dir: &Path, backend: B) -> Result<GoldenReport, Stri
     Ok(r)
 }
 
+/// Runs every case with the model on the CUDA backend, then the GPU codec encoder's cases
+/// (`codec_encode*` on codec-cuda; the other codec cases run on the CPU as in [`run_with`]).
+#[cfg(feature = "cuda")]
+pub fn run_cuda(dir: &Path, backend: backend_cuda::CudaBackend) -> Result<GoldenReport, String> {
+    let mut r = run_with(dir, backend)?;
+    gpu_encoder_cases(&mut r, dir)?;
+    Ok(r)
+}
+
+/// The GPU encoder against the encode goldens: codes exactly, from one call and from one-frame
+/// pushes.
+#[cfg(feature = "cuda")]
+fn gpu_encoder_cases(r: &mut GoldenReport, dir: &Path) -> Result<(), String> {
+    let codec = Codec::load(dir, None).map_err(|e| e.to_string())?;
+    let enc = codec_cuda::CudaEncoder::load(dir, &codec)
+        .map_err(|e| format!("GPU codec encoder: {e}"))?;
+    let wide = |c: &Codes| c.data().iter().map(|&v| i64::from(v)).collect::<Vec<_>>();
+    for (case, pcm, want) in codec_cuda::fixture_encode_goldens(dir)? {
+        let name = format!("{case} (GPU)");
+        let got = enc.encode(&pcm).map_err(|e| e.to_string())?;
+        r.exact(&name, &wide(&got), &wide(&want));
+        let fl = enc.frame_length();
+        let mut padded = pcm;
+        padded.resize(got.frames() * fl, 0.0);
+        let mut st = enc.state().map_err(|e| e.to_string())?;
+        let mut same = true;
+        for (f, frame) in padded.chunks(fl).enumerate() {
+            let c = st.push(frame).map_err(|e| e.to_string())?;
+            same &= (0..c.num_codebooks()).all(|q| c.get(q, 0) == got.get(q, f));
+        }
+        r.push(
+            &format!("{name} streamed"),
+            same,
+            format!("{} one-frame pushes vs one call, codes equal", got.frames()),
+        );
+    }
+    Ok(())
+}
+
 fn backbone_cases<B: Backend>(
     r: &mut GoldenReport,
     g: &Goldens,
@@ -228,9 +267,11 @@ fn backbone_cases<B: Backend>(
     Ok(())
 }
 
-/// The greedy generation golden: prompt rows, the frames (flat) and their count; `None` when a
-/// tensor is missing.
-fn generation_golden(g: &Goldens) -> Result<Option<(Vec<Row>, Vec<i64>, usize)>, String> {
+/// A generation golden: the prompt rows, the greedy frames flattened, and how many frames.
+type GenerationGolden = (Vec<Row>, Vec<i64>, usize);
+
+/// The greedy generation golden; `None` when a tensor is missing.
+fn generation_golden(g: &Goldens) -> Result<Option<GenerationGolden>, String> {
     let (Some(pshape), Some(fshape)) = (g.shape("prompt_rows"), g.shape("gen_frames")) else {
         return Ok(None);
     };
@@ -466,7 +507,10 @@ fn guided_kept_case<B: Backend>(
     r.push(
         "kept rounds = host rounds (guided, sampled)",
         host == kept,
-        format!("{drawn} lane-rounds over 3 lanes (2 guided), frames equal: {}", host == kept),
+        format!(
+            "{drawn} lane-rounds over 3 lanes (2 guided), frames equal: {}",
+            host == kept
+        ),
     );
     Ok(())
 }
