@@ -110,6 +110,29 @@ extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tiled(const bf16_t* 
     }
 }
 
+// ---------------------------------------------------------------- split for cuBLASLt
+
+// x = hi + lo as two BF16 values (hi = bf16(x), lo = bf16(x - hi), both round to nearest even),
+// for the BF16 tensor-core GEMMs of bulk linears through cuBLASLt (backend lt.rs): the two
+// products with BF16 weights are exact, so their f32 sum carries about 16 bits of x.
+// LOWP: lo = 0 (x cast to BF16). PLANT 1: lo with the wrong sign.
+extern "C" __global__ void split_bf16(const float* __restrict__ x, bf16_t* __restrict__ hi,
+                                      bf16_t* __restrict__ lo, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = x[i];
+    bf16_t h = f32_to_bf16(v);
+    float r = v - bf16_to_f32(h);
+#ifdef LOWP
+    r = 0.0f;
+#endif
+#if PLANT == 1
+    r = -r;
+#endif
+    hi[i] = h;
+    lo[i] = f32_to_bf16(r);
+}
+
 // ---------------------------------------------------------------- routed experts, grouped
 
 // Expert table: tab[6 e + {0..5}] = gate, up, down (fp8 e4m3) and their f32 128x128 block scales;

@@ -552,6 +552,12 @@ pub struct CudaOptions {
     /// (`kernels::decode_heads_per_block`): `DRAMATIS_CUDA_HEAD_SPLIT=1`. Off by default until
     /// the contract has run it on the device (written after the session's device time ran out).
     pub decode_head_split: bool,
+    /// `Rows::Bulk` BF16 linears (from `gemm_min_rows` rows) run as BF16 tensor-core GEMMs
+    /// through cuBLASLt with split activations (`lt.rs`) instead of the tiled GEMM:
+    /// `DRAMATIS_CUDA_GEMM_LT=1`. Off by default until the contract and parity have run it on
+    /// the device (written after the session's device time ran out); without the library the
+    /// tiled GEMM runs.
+    pub gemm_lt: bool,
 }
 
 impl CudaOptions {
@@ -580,6 +586,7 @@ impl CudaOptions {
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_some_and(|v| v.trim() == "1"),
+            gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -607,6 +614,9 @@ pub struct CudaBackend {
     recording: Mutex<Option<Arc<SmallPool>>>,
     /// Uploaded router keep-masks by content (a recorded round cannot upload).
     masks: Mutex<std::collections::HashMap<Vec<u8>, Mem>>,
+    /// cuBLASLt for bulk linears (`gemm_lt`), made at first use with its workspace; `Err` once
+    /// it could not be made (the tiled GEMM runs instead, and the reason is logged once).
+    lt: Mutex<Option<std::result::Result<(crate::lt::Lt, Mem), String>>>,
     prof: Prof,
 }
 
@@ -855,6 +865,7 @@ impl CudaBackend {
             small: Arc::new(SmallPool::new()),
             recording: Mutex::new(None),
             masks: Mutex::new(std::collections::HashMap::new()),
+            lt: Mutex::new(None),
             prof,
         };
         // without it `route` refuses to run (it could not report a non-finite row)
@@ -864,6 +875,74 @@ impl CudaBackend {
             .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
             .ok();
         be
+    }
+
+    /// `out = x · Wᵀ` for a BF16 `W [n, k]` through cuBLASLt (`lt.rs`), in slices of rows so
+    /// the split activations stay small; `false` (nothing launched) when cuBLASLt cannot be
+    /// used here: not made (logged once), or while a frame round is being recorded.
+    fn gemm_lt(&self, w: u64, x: &CudaBuf, out: &CudaBuf, n: usize, k: usize) -> BResult<bool> {
+        /// Rows per slice: the BF16 halves of at most 8192 x 8192 activations, 256 MiB.
+        const SLICE: usize = 8192;
+        /// cuBLASLt's recommended workspace on Hopper.
+        const WORKSPACE: usize = 32 << 20;
+        if self.is_recording() {
+            return Ok(false);
+        }
+        let mut lt = self.lt.lock().unwrap_or_else(|p| p.into_inner());
+        if lt.is_none() {
+            let made = self
+                .alloc(WORKSPACE)
+                .map_err(|e| e.to_string())
+                .and_then(|ws| crate::lt::Lt::new(ws.ptr, WORKSPACE).map(|l| (l, ws)));
+            if let Err(e) = &made {
+                tracing::warn!("cuBLASLt unavailable, bulk linears use the tiled GEMM: {e}");
+            }
+            *lt = Some(made);
+        }
+        let Some(Ok((l, _ws))) = lt.as_ref() else {
+            return Ok(false);
+        };
+        let op = "linear (cuBLASLt)";
+        let _p = self.prof.guard("linear_lt");
+        let slice = SLICE.min(x.rows);
+        let halves = cmul(op, &[slice, k, 2])?;
+        let (hi, lo) = (self.alloc(halves)?, self.alloc(halves)?);
+        let mut r0 = 0;
+        while r0 < x.rows {
+            let rn = (x.rows - r0).min(slice);
+            let len = cmul(op, &[rn, k])?;
+            let len64 = i64v(op, len)?;
+            let xp = x.row_ptr(r0)?;
+            go!(self, Source::Gemm, "split_bf16", (u32v(op, len.div_ceil(256))?, 1, 1), 256, 0;
+                &xp, &hi.ptr, &lo.ptr, &len64);
+            // SAFETY: w holds [n, k] BF16 (the caller's weight), hi and lo [rn, k] BF16 (just
+            // written), out rows r0.. [rn, n] f32; all stay live past the stream's matmuls (the
+            // buffers return to the stream-ordered pool only after them).
+            unsafe {
+                l.gemm(
+                    w,
+                    hi.ptr,
+                    lo.ptr,
+                    out.row_ptr(r0)?,
+                    n,
+                    k,
+                    rn,
+                    self.cu_stream(),
+                )
+            }
+            .map_err(dev)?;
+            r0 += rn;
+        }
+        Ok(true)
+    }
+
+    /// Whether cuBLASLt was made for bulk linears (`Err` with the reason, or "not used yet").
+    pub fn lt_status(&self) -> std::result::Result<(), String> {
+        match &*self.lt.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err("cuBLASLt not used yet".into()),
+        }
     }
 
     fn err_ptr(&self) -> BResult<u64> {
@@ -2233,6 +2312,9 @@ impl Backend for CudaBackend {
                     && x.rows >= self.opts.gemm_min_rows
                     && k.is_multiple_of(8) =>
             {
+                if self.opts.gemm_lt && self.gemm_lt(mem.ptr, x, &out, n_out, k)? {
+                    return Ok(out);
+                }
                 let mut r0 = 0;
                 while r0 < x.rows {
                     // grid.y is at most 65535 tiles of 64 rows
@@ -3074,6 +3156,7 @@ mod tests {
         assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(!d.decode_head_split && one("DRAMATIS_CUDA_HEAD_SPLIT", "1").decode_head_split);
+        assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

@@ -247,6 +247,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("gemv_tc_edges", ops::linear_edges),
     ("add_sigmoid_mul_fused", ops::add_sigmoid_mul),
     ("gemm_bf16_tiled", ops::gemm_tiled),
+    ("gemm_bf16_cublaslt", ops::gemm_lt),
     ("moe_experts_grouped_fp8", ops::experts_grouped),
     ("rope_neox_interleaved", ops::rope),
     ("kv_append_bf16_f32", ops::kv_append),

@@ -22,6 +22,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
+        gemm_lt: false,
     }
 }
 
@@ -1584,6 +1585,45 @@ pub(super) fn gemv_nvfp4(c: &mut Ctx) -> Result<()> {
             },
             false,
         )?;
+    }
+    Ok(())
+}
+
+/// The cuBLASLt BF16 GEMM of `Rows::Bulk` linears (split activations, `lt.rs`): against FP64,
+/// with row, output and depth tails, a row count past one 8192-row slice, and a check that
+/// cuBLASLt ran (a backend without it would run the tiled GEMM and pass the numbers). The low-
+/// precision build casts the activations to BF16 (lo dropped); the planted one flips lo's sign.
+pub(super) fn gemm_lt(c: &mut Ctx) -> Result<()> {
+    let make = |v: Variant| {
+        let o = CudaOptions {
+            gemm_min_rows: 2,
+            gemm_lt: true,
+            ..base_opts(true)
+        };
+        CudaBackend::with_gpu(c.shared.clone(), v, o)
+    };
+    for (rows, k, n) in [(100usize, 2048usize, 1000usize), (70, 200, 130), (8200, 512, 64)] {
+        let x = c.rng.normals_f32(rows * k, 1.0);
+        let w = c.rng.normals_bf16(n * k, 0.05);
+        let reference = gemv_ref(&w, &x, k, rows, n);
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let wd = be.weight_bf16(n, k, &w)?;
+            Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
+        };
+        let case = format!("{rows} rows x {k} into {n}");
+        let bes = [Variant::Exact, Variant::LowPrecision, Variant::Planted].map(make);
+        let got: Vec<Vec<f32>> = bes.iter().map(run).collect::<Result<_>>()?;
+        let ran = bes[0].lt_status();
+        c.push(
+            format!("{case}: cuBLASLt ran"),
+            Kind::Check,
+            ran.is_ok(),
+            ran.err().unwrap_or_else(|| "cuBLASLt made and used".into()),
+        );
+        let tol = tol_f32(k);
+        c.check(&case, rel_l2(&got[0], &reference), tol);
+        c.discriminate(&case, rel_l2(&got[1], &reference), tol);
+        c.control(&case, rel_l2(&got[2], &reference), tol);
     }
     Ok(())
 }

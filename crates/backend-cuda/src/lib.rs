@@ -12,6 +12,7 @@ pub mod bench;
 pub mod contract;
 pub mod error;
 pub mod kernels;
+mod lt;
 pub mod memwatch;
 pub mod reference;
 pub mod rng;

@@ -298,6 +298,18 @@ fn add_floor(
 }
 
 /// The plan's device-side classes (empty on the CPU backend).
+/// The backend options set in the environment (`DRAMATIS_CUDA_*`), so that A/B receipts say
+/// which path they measured.
+fn backend_env() -> serde_json::Map<String, serde_json::Value> {
+    let mut v: Vec<(String, String)> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("DRAMATIS_CUDA_"))
+        .collect();
+    v.sort();
+    v.into_iter()
+        .map(|(k, x)| (k, serde_json::Value::String(x)))
+        .collect()
+}
+
 fn planned_device_classes(eng: &Engine) -> Vec<(&'static str, u64)> {
     eng.memory_plan()
         .classes
@@ -447,6 +459,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
                       "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
+                      "backend_env": backend_env(),
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
         "results": results,
         "prefill": prefill,
