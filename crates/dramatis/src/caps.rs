@@ -11,13 +11,17 @@ pub fn capabilities() -> Value {
         "backends": {
             "cpu": {"compiled": true, "activations": "f32", "kv": "f32"},
             "cuda": {"compiled": cfg!(feature = "cuda"), "engine": cfg!(feature = "cuda"), "kv": "f32 (DRAMATIS_CUDA_KV=bf16 opt-in)",
-                     "evidence": ["bench/cuda-contract-2026-11-29-session4.log", "bench/cuda-drama3-parity-tc-2026-11-29.json",
-                                  "bench/cuda-drama3-lanes-tc-2026-11-29.json", "bench/cuda-drama3-ttfa-cached-tc-2026-11-29.json",
-                                  "bench/cuda-golden-tiny-tc-2026-11-29.log", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
+                     "evidence": ["bench/cuda-contract-2026-11-29-session5.log", "bench/cuda-drama3-parity-kept-graph-2026-11-29.json",
+                                  "bench/cuda-drama3-lanes-kept-graph-2-2026-11-29.json", "bench/cuda-drama3-ttfa-cached-kept-graph-2026-11-29.json",
+                                  "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
                      "decode": "BF16 linears on tensor cores (TF32, activations split hi + lo; DRAMATIS_CUDA_TC=0 for the FMA GEMV); split-key decode attention",
-                     "prefill": "tiled causal attention (flash-style); tiled GEMM and experts grouped by expert from 512 rows",
+                     "frame_round": "kept on the device: draws on the GPU with the CPU's counters and arithmetic, one download per round, recorded once per lane set as a CUDA graph and replayed (DRAMATIS_CUDA_ROUNDS=host, DRAMATIS_CUDA_GRAPH=0 to compare)",
+                     "prefill": "tiled causal attention (flash-style); tiled FMA GEMM and experts grouped by expert from 512 rows",
                      "codec": "GPU streaming decoder (bench/cuda-codec-2026-11-29.json)",
-                     "not_yet": ["CUDA graphs per frame round", "sampling on the GPU", "tensor-core GEMMs from 512 rows (the tiled prefill GEMM is FMA)", "codec encoder on the GPU"]},
+                     "written_not_yet_run_on_a_device": ["guided (CFG) rounds kept on the device", "codec encoder on the GPU",
+                                                         "cuBLASLt BF16 GEMMs for bulk linears (DRAMATIS_CUDA_GEMM_LT=1, off by default)",
+                                                         "decode attention head split (DRAMATIS_CUDA_HEAD_SPLIT=1, off by default)"],
+                     "not_yet": ["tensor-core GEMMs for the routed FP8 experts in prefill", "fused decode kernels (about 1,060 kernels per one-lane frame)"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
@@ -50,9 +54,11 @@ pub fn capabilities() -> Value {
                               {"backend": "cpu", "rows": [131072, 262144], "note": "admitted; CPU attention prefill is O(C^2) without tiling"}]
         },
         "features": {
-            "classifier_free_guidance": {"backends": ["cpu", "cuda (same generic frame round; tests run on the CPU)"], "evidence": "crates/speech/tests/cfg.rs"},
+            "classifier_free_guidance": {"backends": ["cpu", "cuda (guided rounds kept on the device; checked against host-drawn guided rounds through the CPU backend's round ops, not yet on a device)"],
+                                         "evidence": ["crates/speech/tests/cfg.rs", "dramatis golden testdata/drama3-tiny: kept rounds = host rounds (guided, sampled)"]},
             "reference_prefill_cache": {"evidence": "crates/speech/tests/prompt_cache.rs"},
-            "voice_cloning": {"codec_encoder": "cpu"},
+            "voice_cloning": {"codec_encoder": {"cpu": "golden codes exact (dramatis golden testdata/drama3-tiny)",
+                                               "cuda": "GPU encoder: its host executor gives the CPU's and the golden codes (cargo test -p codec-cuda); not yet run on a device"}},
             "deterministic_replay": "counter-based Philox4x32-10 keyed by (seed, stream, step)"
         },
         "flags": ["--cfg-gamma", "--cfg-batched", "--cfg-force-guided", "--cfg-allow-request-gamma",
