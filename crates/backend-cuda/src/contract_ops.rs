@@ -1748,10 +1748,21 @@ fn decode_backend(
     v: Variant,
     kv_f32: bool,
 ) -> CudaBackend {
+    decode_backend_split(gpu, v, kv_f32, true)
+}
+
+/// [`decode_backend`] with the head split on or off (off: whole groups per block, the default
+/// of `CudaOptions::from_env`).
+fn decode_backend_split(
+    gpu: &std::sync::Arc<crate::runtime::Gpu>,
+    v: Variant,
+    kv_f32: bool,
+    head_split: bool,
+) -> CudaBackend {
     let o = CudaOptions {
         split_min_keys: 1,
         flash_min_rows: 2,
-        decode_head_split: true,
+        decode_head_split: head_split,
         ..base_opts(kv_f32)
     };
     CudaBackend::with_gpu(gpu.clone(), v, o)
@@ -1807,22 +1818,26 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         let reference = attn_ref(&q, &store(&k), &store(&v), nh, nkv, hd, keys - 1, 1);
         let maker = flash_backend(c, Variant::Exact, f32kv);
         let kv = filled_cache(&maker, &d, &k, &v, keys + 3)?;
-        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-            .iter()
-            .map(|&var| {
-                let be = decode_backend(c.shared, var, f32kv);
-                let qd = be.upload(&q, 1, nh * hd)?;
-                Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
-            })
-            .collect::<Result<_>>()?;
-        let name = format!(
-            "{} cache, {nh}/{nkv} heads x {hd}, {keys} keys (+1 strong past the limit)",
-            if f32kv { "f32" } else { "bf16" }
-        );
-        let tol = tol_f32(hd + keys);
-        c.check(&name, rel_l2(&got[0], &reference), tol);
-        c.discriminate(&name, rel_l2(&got[1], &reference), tol);
-        c.control(&name, rel_l2(&got[2], &reference), tol);
+        // both block layouts: head groups split over blocks, and whole groups (the default)
+        for split in [true, false] {
+            let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+                .iter()
+                .map(|&var| {
+                    let be = decode_backend_split(c.shared, var, f32kv, split);
+                    let qd = be.upload(&q, 1, nh * hd)?;
+                    Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
+                })
+                .collect::<Result<_>>()?;
+            let name = format!(
+                "{} cache, {nh}/{nkv} heads x {hd}, {keys} keys (+1 strong past the limit), {}",
+                if f32kv { "f32" } else { "bf16" },
+                if split { "head groups split" } else { "whole groups" }
+            );
+            let tol = tol_f32(hd + keys);
+            c.check(&name, rel_l2(&got[0], &reference), tol);
+            c.discriminate(&name, rel_l2(&got[1], &reference), tol);
+            c.control(&name, rel_l2(&got[2], &reference), tol);
+        }
     }
 
     // the whole decode path (append, then the split kernel) through attn_prefill of one row
