@@ -1607,6 +1607,42 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Writes K/V rows `[rows, kv_heads · head_dim]` into an f32 cache from position 0 and sets
+    /// its length to `rows` (the contract fills long caches this way, without a prefill).
+    pub fn kv_fill_f32(&self, kv: &mut CudaKv, k: &[f32], v: &[f32]) -> BResult<()> {
+        let w = kv.kv_heads * kv.head_dim;
+        let rows = k.len().checked_div(w).unwrap_or(0);
+        if !kv.f32 || k.len() != v.len() || rows * w != k.len() || rows > kv.capacity {
+            return Err(shape_err(
+                "kv_fill_f32",
+                format!(
+                    "{} K and {} V values into an {} cache of {} rows x {w}",
+                    k.len(),
+                    v.len(),
+                    if kv.f32 { "f32" } else { "bf16" },
+                    kv.capacity
+                ),
+            ));
+        }
+        // the cache is [kv head][position][dim]
+        for (src, dst) in [(k, &kv.k), (v, &kv.v)] {
+            let mut host = vec![0.0f32; kv.kv_heads * kv.capacity * kv.head_dim];
+            for r in 0..rows {
+                for h in 0..kv.kv_heads {
+                    let at = (h * kv.capacity + r) * kv.head_dim;
+                    host[at..at + kv.head_dim]
+                        .copy_from_slice(&src[r * w + h * kv.head_dim..][..kv.head_dim]);
+                }
+            }
+            self.gpu.ctx.bind_to_thread().map_err(dev)?;
+            // SAFETY: the cache holds kv_heads x capacity x head_dim f32; pageable memory is
+            // staged before the call returns.
+            unsafe { cu::memcpy_htod_async(dst.ptr, &host, self.cu_stream()) }.map_err(dev)?;
+        }
+        kv.len = rows;
+        Ok(())
+    }
+
     /// The split-key decode kernel alone (no append), for the contract: lane i's row of `q`
     /// over the first `keys[i]` rows of `caches[i]` (at most its length), or the kernel's
     /// refusal when it does not take these heads.

@@ -1602,7 +1602,11 @@ pub(super) fn gemm_lt(c: &mut Ctx) -> Result<()> {
         };
         CudaBackend::with_gpu(c.shared.clone(), v, o)
     };
-    for (rows, k, n) in [(100usize, 2048usize, 1000usize), (70, 200, 130), (8200, 512, 64)] {
+    for (rows, k, n) in [
+        (100usize, 2048usize, 1000usize),
+        (70, 200, 130),
+        (8200, 512, 64),
+    ] {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let w = c.rng.normals_bf16(n * k, 0.05);
         let reference = gemv_ref(&w, &x, k, rows, n);
@@ -1831,7 +1835,11 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
             let name = format!(
                 "{} cache, {nh}/{nkv} heads x {hd}, {keys} keys (+1 strong past the limit), {}",
                 if f32kv { "f32" } else { "bf16" },
-                if split { "head groups split" } else { "whole groups" }
+                if split {
+                    "head groups split"
+                } else {
+                    "whole groups"
+                }
             );
             let tol = tol_f32(hd + keys);
             c.check(&name, rel_l2(&got[0], &reference), tol);
@@ -1945,6 +1953,58 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         rel_l2(&planted, &reference),
         tol,
     );
+    // The same at Drama 3 geometry (16/2 heads x 256), the cache written directly (a prefill of
+    // 262144 rows at this geometry would take minutes): head 0's only strong key at position 7,
+    // head 8's (kv head 1) at 262143, one past the limit; both block layouts.
+    let (nh, nkv, hd) = (16, 2, 256);
+    let d = dims(nh, nkv, hd);
+    let q = c.rng.normals_f32(nh * hd, 1.0);
+    let mut k = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let mut v = c.rng.normals_f32(cap * nkv * hd, 1.0);
+    let early = plant(c, &mut k, &mut v, &q, 0, 0, 7, nkv, hd, 40.0);
+    let beyond = plant(c, &mut k, &mut v, &q, 8, 1, keys, nkv, hd, 40.0);
+    let reference = attn_ref(&q, &k, &v, nh, nkv, hd, keys - 1, 1);
+    let filler = decode_backend(c.shared, Variant::Exact, true);
+    let mut kv = filler.kv_new(cap, nkv, hd)?;
+    filler.kv_fill_f32(&mut kv, &k, &v)?;
+    drop((k, v));
+    let tol = tol_f32(hd + cap);
+    for split in [true, false] {
+        let run = |var: Variant| -> Result<Vec<f32>> {
+            let be = decode_backend_split(&shared, var, true, split);
+            let qd = be.upload(&q, 1, nh * hd)?;
+            Ok(be.download(&be.attn_decode_only(&qd, &d, &[&kv], &[keys])?)?)
+        };
+        let layout = if split {
+            "head groups split"
+        } else {
+            "whole groups"
+        };
+        let out = run(Variant::Exact)?;
+        c.check(
+            &format!("16/2 heads x 256: 262143 keys of C = 262144, one row (vs FP64), {layout}"),
+            rel_l2(&out, &reference),
+            tol,
+        );
+        let (ce, cb) = (
+            cosine(&out[..hd], &early),
+            cosine(&out[8 * hd..9 * hd], &beyond),
+        );
+        c.push(
+            format!("16/2 heads x 256, 262143 keys: head 0 finds key 7, head 8 ignores key 262143, {layout}"),
+            Kind::Check,
+            ce > 0.99 && cb.abs() < 0.5,
+            format!(
+                "cosine to key 7's value {ce:.5} (> 0.99), to key 262143's {cb:.4} (|.| < 0.5)"
+            ),
+        );
+        let planted = run(Variant::Planted)?;
+        c.control(
+            &format!("16/2 heads x 256, 262143 keys, one key past the limit, {layout}"),
+            rel_l2(&planted, &reference),
+            tol,
+        );
+    }
     let nchunks = crate::kernels::decode_chunks([cap], true);
     for (lanes, nh, nkv, hd, f32kv) in [
         (32, 16, 2, 256, true),
