@@ -298,6 +298,22 @@ fn add_floor(
 }
 
 /// The plan's device-side classes (empty on the CPU backend).
+/// How the measured runs' frame rounds ran: counts, and the mean time of a kept round and of
+/// a recording (what a round costs beyond its kernels shows here: set changes, issued rounds).
+fn rounds_field(r: &model::RoundCounts) -> serde_json::Value {
+    let per = |ns: u64, n: u64| (n > 0).then(|| ns as f64 / n as f64 / 1e6);
+    json!({
+        "host": r.host,
+        "kept": r.kept,
+        "replayed": r.replayed,
+        "recorded": r.recorded,
+        "issued": r.issued,
+        "lane_set_changes": r.set_changes,
+        "kept_round_ms_mean": per(r.kept_ns, r.kept),
+        "recording_ms_mean": per(r.record_ns, r.recorded),
+    })
+}
+
 /// The backend options set in the environment (`DRAMATIS_CUDA_*`), so that A/B receipts say
 /// which path they measured.
 fn backend_env() -> serde_json::Map<String, serde_json::Value> {
@@ -361,6 +377,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut ttfa = Vec::new();
         let mut rtf = Vec::new();
         let mut frames = Vec::new();
+        let rounds0 = eng.stats().rounds;
         for r in 0..a.runs {
             let res = one_run(&eng, lanes, &a, r)?;
             fps.push(res.frames as f64 / res.wall);
@@ -384,6 +401,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "decode_frames_per_s_median": median(decode_fps),
             "time_to_first_audio_s_median": median(ttfa),
             "real_time_factor_median": median(rtf),
+            "rounds": rounds_field(&eng.stats().rounds.since(&rounds0)),
         }));
         eprintln!(
             "lanes {lanes}: {}",

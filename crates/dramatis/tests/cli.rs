@@ -289,6 +289,13 @@ fn cpu_bench_receipt_has_no_device_memory() {
     // The CPU plan has no device side: the field is present and null, not absent.
     assert!(v.get("device_memory").is_some_and(|d| d.is_null()), "{v}");
     assert!(!text(&o).contains("device memory:"), "{}", text(&o));
+    // the CPU backend draws on the host: the measured run's rounds are all host rounds
+    let r = &v["results"][0]["rounds"];
+    let generated = v["results"][0]["frames_generated_median"].as_f64().unwrap();
+    assert!(r["host"].as_u64().unwrap() >= generated as u64, "{v}");
+    assert_eq!(r["kept"], 0, "{v}");
+    // the settings name the backend options in the environment (none set here)
+    assert!(v["settings"]["backend_env"].is_object(), "{v}");
 }
 
 #[test]

@@ -149,6 +149,7 @@ impl<B: Backend> Model<B> {
         }
         let g = &self.geometry;
         let n_lanes = lanes.len();
+        bump(&self.round_stats.host, 1);
         crate::prof::round();
         let span = crate::prof::span(Phase::MainLogits);
         // Main logits of both branches: one call when batched, else one per branch.
@@ -334,6 +335,72 @@ fn check_lanes<B: Backend>(
 /// Rounds a lane set runs as issued before it is recorded (see [`KeptRound`]'s `runs`).
 const RECORD_AFTER: u64 = 2;
 
+/// How frame rounds ran, counted since the model was loaded (shared: [`Model::round_stats`]).
+/// A kept round is replayed (a recorded graph), recorded (then replayed), or issued (its
+/// launches made one by one); every new lane set is a set change.
+#[derive(Debug, Default)]
+pub struct RoundStats {
+    pub host: std::sync::atomic::AtomicU64,
+    pub kept: std::sync::atomic::AtomicU64,
+    pub replayed: std::sync::atomic::AtomicU64,
+    pub recorded: std::sync::atomic::AtomicU64,
+    pub issued: std::sync::atomic::AtomicU64,
+    pub set_changes: std::sync::atomic::AtomicU64,
+    /// Nanoseconds spent recording (the round's own time included).
+    pub record_ns: std::sync::atomic::AtomicU64,
+    /// Nanoseconds from the start of a kept round to its frames on the host.
+    pub kept_ns: std::sync::atomic::AtomicU64,
+}
+
+/// A copy of [`RoundStats`] at one moment.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RoundCounts {
+    pub host: u64,
+    pub kept: u64,
+    pub replayed: u64,
+    pub recorded: u64,
+    pub issued: u64,
+    pub set_changes: u64,
+    pub record_ns: u64,
+    pub kept_ns: u64,
+}
+
+impl RoundStats {
+    pub fn counts(&self) -> RoundCounts {
+        use std::sync::atomic::Ordering::Relaxed;
+        RoundCounts {
+            host: self.host.load(Relaxed),
+            kept: self.kept.load(Relaxed),
+            replayed: self.replayed.load(Relaxed),
+            recorded: self.recorded.load(Relaxed),
+            issued: self.issued.load(Relaxed),
+            set_changes: self.set_changes.load(Relaxed),
+            record_ns: self.record_ns.load(Relaxed),
+            kept_ns: self.kept_ns.load(Relaxed),
+        }
+    }
+}
+
+impl RoundCounts {
+    /// What happened between `earlier` and this copy.
+    pub fn since(&self, earlier: &RoundCounts) -> RoundCounts {
+        RoundCounts {
+            host: self.host - earlier.host,
+            kept: self.kept - earlier.kept,
+            replayed: self.replayed - earlier.replayed,
+            recorded: self.recorded - earlier.recorded,
+            issued: self.issued - earlier.issued,
+            set_changes: self.set_changes - earlier.set_changes,
+            record_ns: self.record_ns - earlier.record_ns,
+            kept_ns: self.kept_ns - earlier.kept_ns,
+        }
+    }
+}
+
+fn bump(c: &std::sync::atomic::AtomicU64, by: u64) {
+    c.fetch_add(by, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A frame round kept on the backend for one lane set (in order), with the lane buffers it
 /// reads and writes: rebuilt when the set, or any lane's newest-hidden buffer, changes.
 pub(crate) struct KeptRound<B: Backend> {
@@ -446,6 +513,9 @@ impl<B: Backend> Model<B> {
         }
         crate::prof::round();
         let _span = crate::prof::span(Phase::Tower);
+        let stats = &self.round_stats;
+        let t_round = std::time::Instant::now();
+        bump(&stats.kept, 1);
         let key: Vec<(u64, u64)> = lanes.iter().map(|l| (l.id, l.gen)).collect();
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         if kept.as_ref().is_some_and(|k| k.key != key) {
@@ -453,6 +523,7 @@ impl<B: Backend> Model<B> {
             *kept = None;
         }
         if kept.is_none() {
+            bump(&stats.set_changes, 1);
             *kept = Some(KeptRound {
                 key,
                 round: be.round_new(lanes.len(), &self.round_spec())?,
@@ -463,7 +534,9 @@ impl<B: Backend> Model<B> {
             unreachable!("set above")
         };
         be.round_write(&mut k.round, &inputs)?;
-        if !be.round_replay(&k.round)? {
+        if be.round_replay(&k.round)? {
+            bump(&stats.replayed, 1);
+        } else {
             let record = k.runs >= RECORD_AFTER
                 && !self.no_capture.load(std::sync::atomic::Ordering::Relaxed)
                 && be.capture_begin()?;
@@ -471,6 +544,7 @@ impl<B: Backend> Model<B> {
                 let t0 = std::time::Instant::now();
                 let body = self.round_body(lanes, &mut k.round, leaders);
                 let ended = be.capture_end(&mut k.round, body.is_ok());
+                bump(&stats.record_ns, t0.elapsed().as_nanos() as u64);
                 tracing::info!(
                     lanes = lanes.len(),
                     ms = t0.elapsed().as_secs_f64() * 1e3,
@@ -483,6 +557,7 @@ impl<B: Backend> Model<B> {
                                 "the backend recorded a round but kept no graph".into(),
                             ));
                         }
+                        bump(&stats.recorded, 1);
                     }
                     Err(e) => {
                         // Nothing ran and no host state moved (round ops leave the host
@@ -490,6 +565,7 @@ impl<B: Backend> Model<B> {
                         // that works was the failure the recording's, and later rounds are
                         // issued too; otherwise the error is the round's and is returned.
                         self.round_body(lanes, &mut k.round, leaders)?;
+                        bump(&stats.issued, 1);
                         tracing::warn!("frame round not recorded, running rounds as issued: {e}");
                         self.no_capture
                             .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -497,10 +573,12 @@ impl<B: Backend> Model<B> {
                 }
             } else {
                 self.round_body(lanes, &mut k.round, leaders)?;
+                bump(&stats.issued, 1);
             }
         }
         k.runs += 1;
         let frames = be.round_frames(&k.round)?;
+        bump(&stats.kept_ns, t_round.elapsed().as_nanos() as u64);
         let mut out = Vec::with_capacity(leaders);
         for (i, (l, f)) in lanes.iter_mut().zip(frames).enumerate() {
             l.rows += 1;

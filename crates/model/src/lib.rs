@@ -17,7 +17,7 @@ pub mod sampling;
 pub mod stored;
 
 pub use backend::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
-pub use generate::{FrameOut, Guidance, LaneStep, LogitsHook, StepTrace};
+pub use generate::{FrameOut, Guidance, LaneStep, LogitsHook, RoundCounts, RoundStats, StepTrace};
 pub use lane::{LaneState, RAS_WINDOW};
 pub use model::{BackboneTrace, Geometry, Model, Row, TowerTrace, ROW_WIDTH};
 pub use sampling::SamplingParams;

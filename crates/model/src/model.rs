@@ -189,6 +189,8 @@ pub struct Model<B: Backend> {
     pub(crate) kept: std::sync::Mutex<Option<crate::generate::KeptRound<B>>>,
     /// Set when a round could not be recorded: later rounds run as issued.
     pub(crate) no_capture: std::sync::atomic::AtomicBool,
+    /// How frame rounds ran (shared with whoever asked for [`Model::round_stats`]).
+    pub(crate) round_stats: std::sync::Arc<crate::generate::RoundStats>,
 }
 
 /// Backbone outputs over a sequence, teacher-forced (for goldens).
@@ -389,6 +391,7 @@ impl<B: Backend> Model<B> {
             heads,
             kept: std::sync::Mutex::new(None),
             no_capture: std::sync::atomic::AtomicBool::new(false),
+            round_stats: Default::default(),
             config: ck.config.clone(),
             geometry: g,
             backend,
@@ -422,6 +425,11 @@ impl<B: Backend> Model<B> {
     /// Ascending `{eos} ∪ semantic band`: the token id of each main-head logit.
     pub fn candidates(&self) -> &[u32] {
         &self.candidates
+    }
+
+    /// How this model's frame rounds ran so far (a shared handle: it keeps counting).
+    pub fn round_stats(&self) -> std::sync::Arc<crate::generate::RoundStats> {
+        self.round_stats.clone()
     }
 
     /// A fresh lane able to hold `capacity_rows` backbone rows (admission reserves P + F + 1).

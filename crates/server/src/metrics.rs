@@ -26,6 +26,7 @@ pub struct Metrics {
     queued: IntGauge,
     cache_hits: IntGauge,
     cache_misses: IntGauge,
+    rounds: IntCounterVec,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
@@ -82,7 +83,21 @@ impl Metrics {
         registry
             .register(Box::new(first_audio.clone()))
             .expect("unique metric");
+        let rounds = IntCounterVec::new(
+            Opts::new(
+                "dramatis_frame_rounds_total",
+                "Frame rounds by how they ran: host (draws on the host), replayed (a recorded \
+                 graph), recorded, issued (launched one by one); lane_set_changes counts new \
+                 lane sets",
+            ),
+            &["how"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(rounds.clone()))
+            .expect("unique metric");
         Self {
+            rounds,
             frames: counter(
                 &registry,
                 "dramatis_frames_generated_total",
@@ -158,6 +173,20 @@ impl Metrics {
         let seen = self.frames.get();
         if stats.frames_total > seen {
             self.frames.inc_by(stats.frames_total - seen);
+        }
+        let r = stats.rounds;
+        for (how, n) in [
+            ("host", r.host),
+            ("replayed", r.replayed),
+            ("recorded", r.recorded),
+            ("issued", r.issued),
+            ("lane_set_changes", r.set_changes),
+        ] {
+            let c = self.rounds.with_label_values(&[how]);
+            let seen = c.get();
+            if n > seen {
+                c.inc_by(n - seen);
+            }
         }
         TextEncoder::new()
             .encode_to_string(&self.registry.gather())

@@ -552,6 +552,10 @@ async fn models_openapi_and_metrics() {
         1.0
     );
     assert!(get("dramatis_frames_generated_total") >= 1.0);
+    // the CPU backend draws on the host: at least one host round per frame generated
+    assert!(
+        get(r#"dramatis_frame_rounds_total{how="host"}"#) >= get("dramatis_frames_generated_total")
+    );
     assert_eq!(get("dramatis_time_to_first_audio_seconds_count"), 1.0);
     assert_eq!(get("dramatis_lanes"), 1.0);
     assert_eq!(get("dramatis_lanes_busy"), 0.0);

@@ -103,6 +103,8 @@ pub struct EngineStats {
     pub lanes_busy: usize,
     pub queued: usize,
     pub frames_total: u64,
+    /// How the frame rounds ran (host-drawn, kept: replayed, recorded or issued).
+    pub rounds: model::RoundCounts,
 }
 
 /// Sampling defaults from `generation_config.json`, else SPEC.md's.
@@ -242,6 +244,8 @@ pub struct Engine {
     voices: VoiceCatalog,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    /// The model's frame-round counters (shared with the worker's model).
+    round_stats: Arc<model::RoundStats>,
     cache_hits: Arc<AtomicU64>,
     cache_misses: Arc<AtomicU64>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -481,7 +485,7 @@ impl Engine {
             max_pause: std::time::Duration::from_secs_f64(opts.max_pause_seconds),
             prefill_chunk: usize::try_from(req.prefill_chunk_rows.0).unwrap_or(usize::MAX),
         };
-        let (handle, backend_name) = match opts.backend {
+        let (handle, backend_name, round_stats) = match opts.backend {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
             #[cfg(feature = "cuda")]
             BackendChoice::Cuda => {
@@ -518,6 +522,7 @@ impl Engine {
             voices,
             shared,
             frames_total,
+            round_stats,
             cache_hits,
             cache_misses,
             worker: Mutex::new(Some(handle)),
@@ -585,6 +590,7 @@ impl Engine {
             lanes_busy: s.busy,
             queued: s.queue.len(),
             frames_total: self.frames_total.load(Ordering::Relaxed),
+            rounds: self.round_stats.counts(),
         }
     }
 
@@ -1433,9 +1439,10 @@ fn spawn_worker<B: Backend + 'static>(
     ck: &Checkpoint,
     backend: B,
     ctx: WorkerCtx,
-) -> Result<(std::thread::JoinHandle<()>, String), SpeechError> {
+) -> Result<(std::thread::JoinHandle<()>, String, Arc<model::RoundStats>), SpeechError> {
     let name = backend.name().to_string();
     let model = Model::load(ck, backend).map_err(err)?;
+    let round_stats = model.round_stats();
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
@@ -1497,7 +1504,7 @@ fn spawn_worker<B: Backend + 'static>(
             let _ = codec_thread.join();
         })
         .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
-    Ok((h, name))
+    Ok((h, name, round_stats))
 }
 
 struct Worker<B: Backend> {
