@@ -14,6 +14,7 @@ struct KvTab {
     unsigned long long k[MAX_LANES];
     unsigned long long v[MAX_LANES];
     long long len[MAX_LANES];  // rows in the cache before this call
+    long long cap[MAX_LANES];  // each lane's capacity: its caches are [nkv, cap, hd]
     // A recorded frame round reads the lengths from device memory instead: lenp[lane * lstride]
     // + ladd (when lenp is not null), so a replay sees each round's counters.
     const long long* lenp;
@@ -248,6 +249,7 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
 extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
                                           int t, int nkv, int hd, long long cap) {
     int lane = blockIdx.y;
+    cap = tab.cap[lane];
     int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
     long long row = (long long)lane * t + r;
     bf16_t* kc = (bf16_t*)tab.k[lane];
@@ -272,6 +274,7 @@ extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k
 extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
                                          int t, int nkv, int hd, long long cap) {
     int lane = blockIdx.y;
+    cap = tab.cap[lane];
     int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
     long long row = (long long)lane * t + r;
     float* kc = (float*)tab.k[lane];
@@ -306,6 +309,7 @@ __device__ void attn_generic_body(const KvTab& tab, const float* __restrict__ q,
     __shared__ float sc[128];
     __shared__ float red[32];
     int lane_id = blockIdx.y;
+    cap = tab.cap[lane_id];
     int r = blockIdx.x / nh, h = blockIdx.x % nh;
     int kvh = h / (nh / nkv);
     long long row = (long long)lane_id * t + r;
@@ -414,6 +418,7 @@ __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, f
     float* Vs = Ks + FK * ld;
     float* Ps = Vs + FK * ld;
     int lane_id = blockIdx.z, h = blockIdx.y;
+    cap = tab.cap[lane_id];
     int kvh = h / (nh / nkv);
     long long q0 = (long long)(gridDim.x - 1 - blockIdx.x) * FQ;
     int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
@@ -593,6 +598,7 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     __shared__ float wm[4][DG], wl[4][DG];
     __shared__ int last;
     const int nchunks = gridDim.x, c = blockIdx.x, lane_id = blockIdx.z;
+    cap = tab.cap[lane_id];
     // block y takes heads h0 .. h0 + hpb of kv head kvh (hpb divides the group): a head's bits
     // do not depend on how many heads share its block
     const int G = hpb, per_kv = (nh / nkv) / hpb;

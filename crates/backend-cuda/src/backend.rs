@@ -54,6 +54,10 @@ struct KvTab {
     k: [u64; MAX_LANES],
     v: [u64; MAX_LANES],
     len: [i64; MAX_LANES],
+    /// Each lane's capacity (its caches are `[kv heads, cap, head dim]`): lanes of one call may
+    /// differ (a request's cache holds its P + F + 1 rows); the kernels' `cap` argument is the
+    /// largest, for planning only.
+    cap: [i64; MAX_LANES],
     /// When not 0, the kernels read lane i's length as `lenp[i · lstride] + ladd` (a recorded
     /// round's counters) instead of `len[i]`.
     lenp: u64,
@@ -67,6 +71,7 @@ impl KvTab {
             k: [0; MAX_LANES],
             v: [0; MAX_LANES],
             len: [0; MAX_LANES],
+            cap: [0; MAX_LANES],
             lenp: 0,
             lstride: 0,
             ladd: 0,
@@ -1403,7 +1408,8 @@ impl CudaBackend {
     ) -> BResult<()> {
         let lanes = caches.len();
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        let cap = caches[0].capacity;
+        // the largest capacity plans the grids; each lane's own is in the table
+        let cap = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
         let f32kv = caches[0].f32;
         let mut tab = KvTab::empty();
         if let Some(p) = dev_lens {
@@ -1413,16 +1419,18 @@ impl CudaBackend {
             tab.lstride = LANE_IN_WORDS as i64;
         }
         for (i, c) in caches.iter().enumerate() {
-            if c.capacity != cap || c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
+            if c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
                 return Err(shape_err(
                     "attention",
-                    "lanes of one call must share cache capacity and layout".into(),
+                    "lanes of one call must share the cache layout (precision, kv heads, head dim)"
+                        .into(),
                 ));
             }
             check::kv_room(c.len, t, c.capacity)?;
             tab.k[i] = c.k.ptr;
             tab.v[i] = c.v.ptr;
             tab.len[i] = i64v("attention", c.len)?;
+            tab.cap[i] = i64v("attention", c.capacity)?;
         }
         let (t32, nh32, nkv32, hd32) = (
             i32v("attention", t)?,
@@ -1661,19 +1669,17 @@ impl CudaBackend {
                 format!("{} lanes outside 1..={MAX_LANES}", caches.len()),
             ));
         }
-        let (cap, f32kv) = (caches[0].capacity, caches[0].f32);
+        let cap = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
+        let f32kv = caches[0].f32;
         let mut tab = KvTab::empty();
         for (i, (c, &n)) in caches.iter().zip(keys).enumerate() {
-            if c.capacity != cap
-                || c.f32 != f32kv
-                || c.kv_heads != d.kv_heads
-                || c.head_dim != d.head_dim
-            {
+            if c.f32 != f32kv || c.kv_heads != d.kv_heads || c.head_dim != d.head_dim {
                 return Err(shape_err(
                     "attn_decode",
-                    "lanes must share cache capacity and layout".into(),
+                    "lanes must share the cache layout (precision, kv heads, head dim)".into(),
                 ));
             }
+            tab.cap[i] = i64v("attn_decode", c.capacity)?;
             if n == 0 || n > c.len {
                 return Err(shape_err(
                     "attn_decode",
@@ -3149,9 +3155,10 @@ mod tests {
     #[test]
     fn tables_have_the_c_layout() {
         assert_eq!(std::mem::size_of::<PtrTab>(), 8 * MAX_LANES);
-        // ops.cu `KvTab`: three arrays, then lenp, lstride, ladd
-        assert_eq!(std::mem::size_of::<KvTab>(), 24 * MAX_LANES + 24);
-        assert_eq!(std::mem::offset_of!(KvTab, lenp), 24 * MAX_LANES);
+        // ops.cu `KvTab`: four arrays (k, v, len, cap), then lenp, lstride, ladd
+        assert_eq!(std::mem::size_of::<KvTab>(), 32 * MAX_LANES + 24);
+        assert_eq!(std::mem::offset_of!(KvTab, cap), 24 * MAX_LANES);
+        assert_eq!(std::mem::offset_of!(KvTab, lenp), 32 * MAX_LANES);
         // round.cu `LaneIn`: 4 words, 8 ints/floats, then last[11] and recent[16]
         assert_eq!(std::mem::size_of::<LaneIn>(), 280);
         assert_eq!(std::mem::offset_of!(LaneIn, last), 64);

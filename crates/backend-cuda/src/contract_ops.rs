@@ -1861,8 +1861,8 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         c.control(&name, rel_l2(&got[2], &pc.reference), pc.tol);
     }
 
-    // batch invariance: lanes of 5, 700 and 40000 keys (chunks of 128 and 256), each lane's
-    // row bitwise equal to its solo call
+    // batch invariance: lanes of 5, 700 and 40000 keys (chunks of 128 and 256) in caches of
+    // different capacities, each lane's row bitwise equal to its solo call
     let (nh, nkv, hd) = (16, 2, 256);
     let d = dims(nh, nkv, hd);
     let w = nkv * hd;
@@ -1874,7 +1874,9 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
     for (i, &l) in lens.iter().enumerate() {
         let k = c.rng.normals_f32(l * w, 1.0);
         let v = c.rng.normals_f32(l * w, 1.0);
-        kvs.push(filled_cache(&maker, &d, &k, &v, 40_002)?);
+        // each lane's cache of its own capacity (a request's P + F + 1 rows): the kernels
+        // stride each lane by its own
+        kvs.push(filled_cache(&maker, &d, &k, &v, l + 1 + 37 * i)?);
         refs_f64.push(attn_ref(
             &q[i * nh * hd..(i + 1) * nh * hd],
             &k,
@@ -1904,7 +1906,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
         );
     }
     c.push(
-        "3 lanes of 5 / 700 / 40000 keys: each lane bitwise = its solo call",
+        "3 lanes of 5 / 700 / 40000 keys, caches of 3 capacities: each lane bitwise = its solo call",
         Kind::Check,
         same,
         format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
