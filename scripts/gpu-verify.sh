@@ -25,7 +25,8 @@ echo "say kept/nograph/host: $(echo "$hashes" | grep -c pcm_sha256) hash(es), $(
 # guided (classifier-free guidance) rounds kept on the device = host-drawn guided rounds
 for mode in kept host; do
   case $mode in kept) e="DRAMATIS_CUDA_ROUNDS=device";; host) e="DRAMATIS_CUDA_ROUNDS=host";; esac
-  env $e "$bin" say "Hello there. A second sentence." --backend cuda --frames 48 --seed 5 --cfg-gamma 1.5 --out "$out/cfg-$mode.wav" > "$out/cfg-$mode.log" 2>&1
+  # guidance needs a reference (the kept say's output; it goes through the GPU encoder too)
+  env $e "$bin" say "Hello there. A second sentence." --backend cuda --frames 48 --seed 5 --cfg-gamma 1.5 --ref "$out/say-kept.wav" --ref-text "Hello there. A second sentence." --out "$out/cfg-$mode.wav" > "$out/cfg-$mode.log" 2>&1
   echo "say cfg $mode rc=$?" >> "$out/summary.txt"
 done
 hashes=$(cat "$out"/cfg-*.log | grep -o 'pcm_sha256 [0-9a-f]*')

@@ -5,7 +5,7 @@
 //! `x = hi + lo` into two BF16 values (`hi = bf16(x)`, `lo = bf16(x − hi)`, gemm.cu
 //! `split_bf16`): BF16 weights times BF16 values are exact products, and `y = W·hi`, then
 //! `y = W·lo + y`, accumulate in f32. The split keeps about 16 bits of each activation (the
-//! residual is below 2^-18 of it), where casting to BF16 would keep 8.
+//! residual is at most 2^-16 of it, about 2^-18.5 RMS), where casting to BF16 would keep 8.
 //!
 //! Layout: `y [rows, n]` row-major is `yᵀ [n, rows]` column-major = `W · xᵀ`, with `W [n, k]`
 //! row-major read as the column-major `[k, n]` transposed (op T) and `x [rows, k]` row-major as

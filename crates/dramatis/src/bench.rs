@@ -297,7 +297,6 @@ fn add_floor(
     })
 }
 
-/// The plan's device-side classes (empty on the CPU backend).
 /// How the measured runs' frame rounds ran: counts, and the mean time of a kept round and of
 /// a recording (what a round costs beyond its kernels shows here: set changes, issued rounds).
 fn rounds_field(r: &model::RoundCounts) -> serde_json::Value {
@@ -326,6 +325,7 @@ fn backend_env() -> serde_json::Map<String, serde_json::Value> {
         .collect()
 }
 
+/// The plan's device-side classes (empty on the CPU backend).
 fn planned_device_classes(eng: &Engine) -> Vec<(&'static str, u64)> {
     eng.memory_plan()
         .classes

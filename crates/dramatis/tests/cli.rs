@@ -57,7 +57,7 @@ fn golden_fixture_passes() {
         .unwrap();
     let t = text(&o);
     assert!(o.status.success(), "{t}");
-    assert!(t.contains("GOLDEN 26 cases: 26 pass, 0 fail"), "{t}");
+    assert!(t.contains("GOLDEN 27 cases: 27 pass, 0 fail"), "{t}");
     // the kept-round cases ran (greedy against the golden, sampled against host rounds)
     assert!(t.contains("PASS gen_frames (greedy, kept rounds)"), "{t}");
     assert!(t.contains("PASS kept rounds = host rounds"), "{t}");

@@ -401,9 +401,13 @@ fn bump(c: &std::sync::atomic::AtomicU64, by: u64) {
     c.fetch_add(by, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// A frame round kept on the backend for one lane set (in order), with the lane buffers it
-/// reads and writes: rebuilt when the set, or any lane's newest-hidden buffer, changes.
+/// A frame round kept on the backend for one lane set, with the lane buffers it reads and
+/// writes: a slot per lane (drawing slots first). Rebuilt when a lane joins, a lane's
+/// newest-hidden buffer changes, or a lane leaves that was not handed back with
+/// [`Model::retire`]; a retired lane keeps its slot as a ghost, computed and ignored, so lanes
+/// finishing one by one do not each cost a new recording.
 pub(crate) struct KeptRound<B: Backend> {
+    /// `(id, gen)` of the lane in each slot.
     key: Vec<(u64, u64)>,
     round: B::Round,
     /// Rounds run through it. The first runs as issued: it compiles kernels and builds
@@ -411,6 +415,64 @@ pub(crate) struct KeptRound<B: Backend> {
     /// [`RECORD_AFTER`] rounds: recording costs about a third of a 32-lane round and pays back
     /// only over several replays, and lanes joining and leaving change the set often.
     runs: u64,
+    /// The drawing slots (`0..leaders`).
+    leaders: usize,
+    /// The inputs last written to each slot; a ghost's stay as they were when it retired, its
+    /// counters at the lane's final rows, so each round rewrites the row after them.
+    inputs: Vec<RoundLane>,
+    /// Retired lanes still in their slots. Declared after `round`, so they are dropped after
+    /// it (and after its recording, which names their buffers).
+    ghosts: Vec<Ghost<B>>,
+}
+
+/// A retired lane kept in its slot of a [`KeptRound`].
+pub(crate) struct Ghost<B: Backend> {
+    slot: usize,
+    lane: LaneState<B>,
+}
+
+impl<B: Backend> KeptRound<B> {
+    /// The slot of each lane of `key` (with `branch`, the first `leaders` drawing) if this
+    /// round can run them: every slot is one of them or a ghost, they keep their roles and
+    /// guidance pairs, and ghosts are no more than the lanes (a ghost costs what a lane does).
+    fn seat(&self, key: &[(u64, u64)], branch: &[Branch], leaders: usize) -> Option<Vec<usize>> {
+        if self.ghosts.len() > key.len() || self.inputs.len() != self.key.len() {
+            return None;
+        }
+        let slot_of = key
+            .iter()
+            .map(|id| self.key.iter().position(|k| k == id))
+            .collect::<Option<Vec<usize>>>()?;
+        let mut filled = vec![false; self.key.len()];
+        for s in slot_of.iter().chain(self.ghosts.iter().map(|g| &g.slot)) {
+            if std::mem::replace(&mut filled[*s], true) {
+                return None;
+            }
+        }
+        if filled.contains(&false) {
+            return None;
+        }
+        for (i, &s) in slot_of.iter().enumerate() {
+            if (i < leaders) != (s < self.leaders)
+                || self.inputs[s].branch != slot_branch(branch[i], &slot_of)
+            {
+                return None;
+            }
+        }
+        Some(slot_of)
+    }
+}
+
+/// `b` (naming lanes) with the lanes' slots.
+fn slot_branch(b: Branch, slot_of: &[usize]) -> Branch {
+    match b {
+        Branch::Own => Branch::Own,
+        Branch::Guided { uncond, gamma } => Branch::Guided {
+            uncond: slot_of[uncond],
+            gamma,
+        },
+        Branch::Uncond { of } => Branch::Uncond { of: slot_of[of] },
+    }
 }
 
 impl<B: Backend> Model<B> {
@@ -470,6 +532,38 @@ impl<B: Backend> Model<B> {
         self.kept_round(&mut all, &all_steps, &branch, leaders)
     }
 
+    /// Hands back a lane that is done (its job finished or failed). If the kept round has a
+    /// slot for it, it stays there as a ghost (computed, ignored) until the round is rebuilt, so
+    /// the next rounds of the other lanes replay the same recording; otherwise it is dropped.
+    /// A lane without room for one more row is dropped (a ghost rewrites the row after its
+    /// last).
+    pub fn retire(&self, lane: LaneState<B>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = kept.as_mut() {
+            let slot = k.key.iter().position(|&x| x == (lane.id, lane.gen));
+            if let Some(s) = slot {
+                let free = !k.ghosts.iter().any(|g| g.slot == s);
+                if free && lane.check_room(1).is_ok() && k.inputs.len() == k.key.len() {
+                    k.inputs[s].rows = lane.rows;
+                    k.inputs[s].tower_rows = lane.tower_rows;
+                    k.ghosts.push(Ghost { slot: s, lane });
+                    return;
+                }
+            }
+        }
+        drop(kept);
+        drop(lane);
+    }
+
+    /// Drops the kept round if it holds ghosts: called before a lane is made, so the memory of
+    /// lanes that are done is free before new lanes take theirs.
+    pub(crate) fn drop_ghosts(&self) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.as_ref().is_some_and(|k| !k.ghosts.is_empty()) {
+            *kept = None;
+        }
+    }
+
     /// A kept round over `lanes` (the first `leaders` draw; the rest are their unconditional
     /// branches), with each lane's part in `branch`.
     fn kept_round(
@@ -518,41 +612,75 @@ impl<B: Backend> Model<B> {
         bump(&stats.kept, 1);
         let key: Vec<(u64, u64)> = lanes.iter().map(|l| (l.id, l.gen)).collect();
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.as_ref().is_some_and(|k| k.key != key) {
-            // the old round's recording and buffers go first
-            *kept = None;
-        }
-        if kept.is_none() {
-            bump(&stats.set_changes, 1);
-            *kept = Some(KeptRound {
-                key,
-                round: be.round_new(lanes.len(), &self.round_spec())?,
-                runs: 0,
-            });
-        }
+        let seated = kept.as_ref().and_then(|k| k.seat(&key, branch, leaders));
+        let slot_of = match seated {
+            Some(s) => s,
+            None => {
+                // the old round's recording and buffers go first, then its ghosts
+                *kept = None;
+                bump(&stats.set_changes, 1);
+                *kept = Some(KeptRound {
+                    key,
+                    round: be.round_new(lanes.len(), &self.round_spec())?,
+                    runs: 0,
+                    leaders,
+                    inputs: inputs.clone(),
+                    ghosts: Vec::new(),
+                });
+                (0..lanes.len()).collect()
+            }
+        };
         let Some(k) = kept.as_mut() else {
             unreachable!("set above")
         };
-        be.round_write(&mut k.round, &inputs)?;
-        if be.round_replay(&k.round)? {
+        for (inp, &s) in inputs.iter().zip(&slot_of) {
+            k.inputs[s] = RoundLane {
+                branch: slot_branch(inp.branch, &slot_of),
+                ..*inp
+            };
+        }
+        let KeptRound {
+            round,
+            runs,
+            leaders: slot_leaders,
+            inputs: slot_inputs,
+            ghosts,
+            ..
+        } = k;
+        let slot_leaders = *slot_leaders;
+        // every slot's lane: the caller's, or a ghost
+        let mut seats: Vec<Option<&mut LaneState<B>>> =
+            (0..slot_inputs.len()).map(|_| None).collect();
+        for (l, &s) in lanes.iter_mut().zip(&slot_of) {
+            seats[s] = Some(&mut **l);
+        }
+        for gh in ghosts.iter_mut() {
+            seats[gh.slot] = Some(&mut gh.lane);
+        }
+        let mut slots = seats
+            .into_iter()
+            .collect::<Option<Vec<&mut LaneState<B>>>>()
+            .ok_or_else(|| ModelError::Unsupported("a kept round slot has no lane".into()))?;
+        be.round_write(round, slot_inputs)?;
+        if be.round_replay(round)? {
             bump(&stats.replayed, 1);
         } else {
-            let record = k.runs >= RECORD_AFTER
+            let record = *runs >= RECORD_AFTER
                 && !self.no_capture.load(std::sync::atomic::Ordering::Relaxed)
                 && be.capture_begin()?;
             if record {
                 let t0 = std::time::Instant::now();
-                let body = self.round_body(lanes, &mut k.round, leaders);
-                let ended = be.capture_end(&mut k.round, body.is_ok());
+                let body = self.round_body(&mut slots, round, slot_leaders);
+                let ended = be.capture_end(round, body.is_ok());
                 bump(&stats.record_ns, t0.elapsed().as_nanos() as u64);
                 tracing::info!(
-                    lanes = lanes.len(),
+                    lanes = slots.len(),
                     ms = t0.elapsed().as_secs_f64() * 1e3,
                     "recorded a frame round"
                 );
                 match body.and(ended.map_err(ModelError::from)) {
                     Ok(()) => {
-                        if !be.round_replay(&k.round)? {
+                        if !be.round_replay(round)? {
                             return Err(ModelError::Unsupported(
                                 "the backend recorded a round but kept no graph".into(),
                             ));
@@ -564,7 +692,7 @@ impl<B: Backend> Model<B> {
                         // counters to the bookkeeping below): run the round as issued. Only if
                         // that works was the failure the recording's, and later rounds are
                         // issued too; otherwise the error is the round's and is returned.
-                        self.round_body(lanes, &mut k.round, leaders)?;
+                        self.round_body(&mut slots, round, slot_leaders)?;
                         bump(&stats.issued, 1);
                         tracing::warn!("frame round not recorded, running rounds as issued: {e}");
                         self.no_capture
@@ -572,12 +700,14 @@ impl<B: Backend> Model<B> {
                     }
                 }
             } else {
-                self.round_body(lanes, &mut k.round, leaders)?;
+                self.round_body(&mut slots, round, slot_leaders)?;
                 bump(&stats.issued, 1);
             }
         }
-        k.runs += 1;
-        let frames = be.round_frames(&k.round)?;
+        *runs += 1;
+        let all = be.round_frames(round)?;
+        drop(slots);
+        let frames: Vec<Row> = slot_of.iter().map(|&s| all[s]).collect();
         bump(&stats.kept_ns, t_round.elapsed().as_nanos() as u64);
         let mut out = Vec::with_capacity(leaders);
         for (i, (l, f)) in lanes.iter_mut().zip(frames).enumerate() {
@@ -585,10 +715,16 @@ impl<B: Backend> Model<B> {
             if i < leaders {
                 l.tower_rows += 1;
             }
+            // an unconditional branch ran the backbone only (a tower it may carry did not move)
+            let tower = if i < leaders {
+                &mut l.tower_kv[..]
+            } else {
+                &mut [][..]
+            };
             for (kv, want) in
                 l.kv.iter_mut()
                     .map(|k| (k, l.rows))
-                    .chain(l.tower_kv.iter_mut().map(|k| (k, l.tower_rows)))
+                    .chain(tower.iter_mut().map(|k| (k, l.tower_rows)))
             {
                 be.kv_note(kv, 1)?;
                 // a round op that also counted its append would leave the cache ahead here

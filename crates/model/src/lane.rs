@@ -51,6 +51,9 @@ impl<B: Backend> LaneState<B> {
                 max,
             });
         }
+        // lanes that are done and still held as ghosts of the kept round give their memory
+        // back before this one takes its own
+        m.drop_ghosts();
         let be = &m.backend;
         let kv = (0..g.full_layers())
             .map(|_| be.kv_new(capacity, g.attn.kv_heads, g.attn.head_dim))

@@ -634,15 +634,12 @@ impl Engine {
         };
         #[cfg(feature = "cuda")]
         if let Some(enc) = &self.gpu_encoder {
-            return enc.encode(pcm).map_err(|e| match e {
-                codec_cuda::CudaCodecError::Codec(e) => bad(e.to_string()),
-                e => RequestError {
-                    kind: RequestErrorKind::Server,
-                    code: "codec_failed".into(),
-                    param: None,
-                    message: format!("GPU codec encoder: {e}"),
-                },
-            });
+            match enc.encode(pcm) {
+                Ok(codes) => return Ok(codes),
+                Err(codec_cuda::CudaCodecError::Codec(e)) => return Err(bad(e.to_string())),
+                // a device fault does not fail the request: the CPU codec gives the same codes
+                Err(e) => tracing::warn!("GPU codec encoder failed, encoding on the CPU: {e}"),
+            }
         }
         self.codec.encode(pcm).map_err(|e| bad(e.to_string()))
     }
@@ -1854,12 +1851,21 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        let mut k = 0;
-        active.retain(|_| {
-            let keep = !finished[k];
-            k += 1;
-            keep
-        });
+        // finished jobs hand their lanes back to the model, which may keep them in the kept
+        // round's slots (ghosts) so the lanes left keep replaying the same recording
+        let mut left = Vec::with_capacity(active.len());
+        for (a, done) in active.drain(..).zip(finished) {
+            if done {
+                let Active { lane, uncond, .. } = a;
+                self.model.retire(lane);
+                if let Some(u) = uncond {
+                    self.model.retire(u);
+                }
+            } else {
+                left.push(a);
+            }
+        }
+        *active = left;
         ended
     }
 }

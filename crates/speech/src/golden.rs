@@ -375,7 +375,9 @@ fn kept_round_cases<B: Backend>(
         3 => t >= 6,
         _ => true,
     };
-    let run = |kept: bool| -> Result<Vec<Vec<FrameOut>>, String> {
+    // kept: 0 host-drawn, 1 kept, 2 kept with lanes that are done handed back (`retire`)
+    let run = |mode: u8| -> Result<(Vec<Vec<FrameOut>>, model::RoundCounts), String> {
+        let before = m.round_stats().counts();
         let mut lanes: Vec<Option<model::LaneState<B>>> = Vec::new();
         for p in &prompts[..3] {
             lanes.push(Some(mk(p)?));
@@ -389,6 +391,16 @@ fn kept_round_cases<B: Backend>(
             let idx: Vec<usize> = (0..prompts.len())
                 .filter(|&i| live(t, i) && !matches!(out[i].last(), Some(FrameOut::Eos)))
                 .collect();
+            if mode == 2 {
+                // lanes that left or ended go back to the model (ghosts of the kept round)
+                for (i, l) in lanes.iter_mut().enumerate() {
+                    if !idx.contains(&i) {
+                        if let Some(l) = l.take() {
+                            m.retire(l);
+                        }
+                    }
+                }
+            }
             let steps: Vec<LaneStep> = idx
                 .iter()
                 .map(|&i| LaneStep {
@@ -403,7 +415,7 @@ fn kept_round_cases<B: Backend>(
                 .filter(|(i, _)| idx.contains(i))
                 .filter_map(|(_, l)| l.as_mut())
                 .collect();
-            let f = if kept {
+            let f = if mode > 0 {
                 m.step_frames_kept(&mut ls, &steps)
             } else {
                 m.step_frames_host(&mut ls, &steps, None, None, None)
@@ -413,10 +425,11 @@ fn kept_round_cases<B: Backend>(
                 out[i].push(fo);
             }
         }
-        Ok(out)
+        Ok((out, m.round_stats().counts().since(&before)))
     };
-    let host = run(false)?;
-    let kept = run(true)?;
+    let (host, _) = run(0)?;
+    let (kept, plain) = run(1)?;
+    let (ghosted, ghost) = run(2)?;
     let drawn: usize = host.iter().map(Vec::len).sum();
     r.push(
         "kept rounds = host rounds (sampled, lane set changing)",
@@ -424,6 +437,18 @@ fn kept_round_cases<B: Backend>(
         format!(
             "{drawn} lane-rounds over 4 lanes, frames equal: {}",
             host == kept
+        ),
+    );
+    // a lane handed back keeps its slot: fewer new lane sets, the same frames
+    let ok = host == ghosted && ghost.set_changes < plain.set_changes;
+    r.push(
+        "kept rounds with finished lanes retired (ghost slots) = host rounds",
+        ok,
+        format!(
+            "frames equal: {}; lane sets built: {} with retired lanes as ghosts, {} without",
+            host == ghosted,
+            ghost.set_changes,
+            plain.set_changes
         ),
     );
     guided_kept_case(r, m, &prompts, rounds)
@@ -441,13 +466,14 @@ fn guided_kept_case<B: Backend>(
     let e = |e: model::ModelError| e.to_string();
     let params = SamplingParams::default();
     let gamma = [1.5f32, 0.0, 3.0];
-    let run = |kept: bool| -> Result<Vec<Vec<FrameOut>>, String> {
-        let mut lanes = Vec::new();
+    // ghosts: lanes that drew EOS (and their branches) are handed back to the model
+    let run = |kept: bool, ghosts: bool| -> Result<Vec<Vec<FrameOut>>, String> {
+        let mut lanes: Vec<Option<model::LaneState<B>>> = Vec::new();
         let mut unconds: Vec<Option<model::LaneState<B>>> = Vec::new();
         for (i, p) in prompts[..3].iter().enumerate() {
             let mut l = m.new_lane(p.len() + rounds + 1).map_err(e)?;
             m.prefill(&mut l, p).map_err(e)?;
-            lanes.push(l);
+            lanes.push(Some(l));
             unconds.push(if gamma[i] != 0.0 {
                 let up = &prompts[2][..prompts[2].len() - i];
                 let mut u = m.new_backbone_lane(up.len() + rounds + 1).map_err(e)?;
@@ -465,6 +491,13 @@ fn guided_kept_case<B: Backend>(
             if idx.is_empty() {
                 break;
             }
+            if ghosts {
+                for i in (0..3).filter(|i| !idx.contains(i)) {
+                    for l in [lanes[i].take(), unconds[i].take()].into_iter().flatten() {
+                        m.retire(l);
+                    }
+                }
+            }
             let steps: Vec<LaneStep> = idx
                 .iter()
                 .map(|&i| LaneStep {
@@ -477,7 +510,7 @@ fn guided_kept_case<B: Backend>(
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| idx.contains(i))
-                .map(|(_, l)| l)
+                .filter_map(|(_, l)| l.as_mut())
                 .collect();
             let mut g = model::Guidance {
                 uncond: unconds
@@ -501,15 +534,24 @@ fn guided_kept_case<B: Backend>(
         }
         Ok(out)
     };
-    let host = run(false)?;
-    let kept = run(true)?;
+    let host = run(false, false)?;
+    let c0 = m.round_stats().counts();
+    let kept = run(true, false)?;
+    let c1 = m.round_stats().counts();
+    let ghosted = run(true, true)?;
+    let (plain, ghost) = (
+        c1.since(&c0).set_changes,
+        m.round_stats().counts().since(&c1).set_changes,
+    );
     let drawn: usize = host.iter().map(Vec::len).sum();
     r.push(
-        "kept rounds = host rounds (guided, sampled)",
-        host == kept,
+        "kept rounds (ended lanes as ghosts or not) = host rounds (guided, sampled)",
+        host == kept && host == ghosted,
         format!(
-            "{drawn} lane-rounds over 3 lanes (2 guided), frames equal: {}",
-            host == kept
+            "{drawn} lane-rounds over 3 lanes (2 guided), frames equal: {} / {} with ghosts \
+             (lane sets built: {plain} / {ghost})",
+            host == kept,
+            host == ghosted
         ),
     );
     Ok(())
