@@ -20,7 +20,9 @@ pub fn capabilities() -> Value {
                      "codec": "GPU streaming decoder (bench/cuda-codec-2026-11-29.json)",
                      "written_not_yet_run_on_a_device": ["guided (CFG) rounds kept on the device", "codec encoder on the GPU",
                                                          "cuBLASLt BF16 GEMMs for bulk linears (DRAMATIS_CUDA_GEMM_LT=1, off by default)",
-                                                         "decode attention head split (DRAMATIS_CUDA_HEAD_SPLIT=1, off by default)"],
+                                                         "decode attention head split (DRAMATIS_CUDA_HEAD_SPLIT=1, off by default)",
+                                                         "lanes of different cache capacities in one attention call (a fix)",
+                                                         "finished lanes kept as ghost slots of the recorded round"],
                      "not_yet": ["tensor-core GEMMs for the routed FP8 experts in prefill", "fused decode kernels (about 1,060 kernels per one-lane frame)"]},
             "metal": {"compiled": false, "note": "planned"}
         },
