@@ -534,7 +534,8 @@ pub struct CudaOptions {
     /// From this many keys on, decode attention (one row per lane) runs the split-key kernel
     /// (`attn_decode_*`) instead of the generic one-block-per-head kernel. The choice follows
     /// the longest lane of a call, so only 1 (always split, the default) or a value above every
-    /// window (never) keeps each lane's bits independent of its batch.
+    /// window (never) keeps each lane's bits independent of its batch: `from_env` gives 1 or
+    /// never.
     pub split_min_keys: usize,
     /// From this many query rows of one lane on (a prefill), attention runs the tiled
     /// flash-style kernel (head dims a multiple of 32 up to 256).
@@ -568,8 +569,8 @@ pub struct CudaOptions {
 impl CudaOptions {
     /// `DRAMATIS_CUDA_KV=f32|bf16` (default f32: BF16 K/V fails the fixture's 1e-3 logits
     /// tolerance and drifts at Drama 3 geometry, see NOTES.md), `DRAMATIS_CUDA_SPLIT_MIN`
-    /// (default 1), `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default
-    /// 512).
+    /// (1, the default: always the split-key decode; any other value: never),
+    /// `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default 512).
     pub fn from_env() -> Self {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -584,7 +585,12 @@ impl CudaOptions {
         };
         CudaOptions {
             kv_f32: !get("DRAMATIS_CUDA_KV").is_some_and(|v| v.eq_ignore_ascii_case("bf16")),
-            split_min_keys: num("DRAMATIS_CUDA_SPLIT_MIN", 1),
+            // 1 (always split) or never: a threshold between would pick a lane's kernel by the
+            // longest lane of its call, so its bits would depend on the batch
+            split_min_keys: match num("DRAMATIS_CUDA_SPLIT_MIN", 1) {
+                1 => 1,
+                _ => usize::MAX,
+            },
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
             gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
@@ -1043,6 +1049,31 @@ impl CudaBackend {
         })
     }
 
+    /// A zeroed allocation of exactly `bytes` from the stream-ordered pool, never from the
+    /// small power-of-two pool: a lane's K/V and Gated DeltaNet state (most lanes' K/V are
+    /// under the small pool's 4 MiB limit, where they would take twice their size and stay in
+    /// its free lists after the lane ends, out of reach of larger lanes).
+    fn zeroed_state(&self, bytes: usize) -> BResult<Mem> {
+        if self.is_recording() {
+            return Err(dev("lane state made inside a recorded frame round"));
+        }
+        self.prof
+            .allocs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: zeroed below before any use.
+        let s: CudaSlice<u8> = unsafe { self.gpu.stream.alloc(bytes.max(1)) }.map_err(dev)?;
+        let ptr = s.device_ptr(&self.gpu.stream).0;
+        let m = Mem {
+            ptr,
+            owner: Owner::Driver(s),
+            bytes,
+            id: next_mem_id(),
+        };
+        // SAFETY: m covers `bytes` bytes.
+        unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.cu_stream()) }.map_err(dev)?;
+        Ok(m)
+    }
+
     fn zeroed(&self, bytes: usize) -> BResult<Mem> {
         let m = self.alloc(bytes)?;
         // SAFETY: m covers at least `bytes` bytes.
@@ -1115,6 +1146,12 @@ impl CudaBackend {
             });
         }
         Ok(out)
+    }
+
+    /// Waits for the work issued so far and reports an error a kernel raised in it (the
+    /// device error flag, read and cleared as a download does).
+    fn settle_errors(&self) -> BResult<()> {
+        self.dtoh::<u8>(0, 0).map(|_| ())
     }
 
     fn dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
@@ -2188,8 +2225,8 @@ impl Backend for CudaBackend {
         let elem = if f32 { 4 } else { 2 };
         let bytes = cmul("kv_new", &[kv_heads, capacity, head_dim, elem])?;
         Ok(CudaKv {
-            k: self.zeroed(bytes)?,
-            v: self.zeroed(bytes)?,
+            k: self.zeroed_state(bytes)?,
+            v: self.zeroed_state(bytes)?,
             len: 0,
             capacity,
             kv_heads,
@@ -2247,8 +2284,8 @@ impl Backend for CudaBackend {
             return Err(shape_err("gdn_new", "conv kernel of 0 taps".into()));
         }
         Ok(CudaGdn {
-            conv: self.zeroed(cmul("gdn_new", &[d.conv_kernel - 1, d.channels(), 4])?)?,
-            s: self.zeroed(cmul("gdn_new", &[d.v_heads, d.k_dim, d.v_dim, 4])?)?,
+            conv: self.zeroed_state(cmul("gdn_new", &[d.conv_kernel - 1, d.channels(), 4])?)?,
+            s: self.zeroed_state(cmul("gdn_new", &[d.v_heads, d.k_dim, d.v_dim, 4])?)?,
             dims: *d,
         })
     }
@@ -2768,6 +2805,10 @@ impl Backend for CudaBackend {
         Ok(y)
     }
 
+    fn settle(&self) -> BResult<()> {
+        self.settle_errors()
+    }
+
     fn resident_rounds(&self) -> bool {
         // a round always takes the split-key decode; a higher threshold sends short host-path
         // steps to the generic kernel, whose bits differ, so rounds stay on the host then
@@ -3220,7 +3261,7 @@ mod tests {
         assert!(!o.kv_f32);
         assert_eq!(
             (o.split_min_keys, o.flash_min_rows, o.gemm_min_rows),
-            (4096, 7, 512)
+            (usize::MAX, 7, 512)
         );
     }
 }

@@ -513,6 +513,14 @@ pub trait Backend: Send + Sync + Sized {
         rows: Rows,
     ) -> BResult<Self::Buf>;
 
+    /// Waits for the work issued so far and returns an error that work raised but could not
+    /// return when it was issued (a backend whose ops report errors as they return has nothing
+    /// to do). The model settles after each prefill, so a prompt's error fails its own request,
+    /// not the next shared round.
+    fn settle(&self) -> BResult<()> {
+        Ok(())
+    }
+
     // ---- frame rounds kept on the backend (no host round trip inside a frame) ----
 
     /// Whether the model should run frame rounds through the round ops below (draws on the

@@ -335,6 +335,9 @@ fn check_lanes<B: Backend>(
 /// Rounds a lane set runs as issued before it is recorded (see [`KeptRound`]'s `runs`).
 const RECORD_AFTER: u64 = 2;
 
+/// Lane sets whose recording may fail before the model stops recording altogether.
+const CAPTURE_TRIES: u64 = 3;
+
 /// How frame rounds ran, counted since the model was loaded (shared: [`Model::round_stats`]).
 /// A kept round is replayed (a recorded graph), recorded (then replayed), or issued (its
 /// launches made one by one); every new lane set is a set change.
@@ -415,6 +418,8 @@ pub(crate) struct KeptRound<B: Backend> {
     /// [`RECORD_AFTER`] rounds: recording costs about a third of a 32-lane round and pays back
     /// only over several replays, and lanes joining and leaving change the set often.
     runs: u64,
+    /// Set when recording this lane set failed: its rounds run as issued.
+    no_record: bool,
     /// The drawing slots (`0..leaders`).
     leaders: usize,
     /// The inputs last written to each slot; a ghost's stay as they were when it retired, its
@@ -623,6 +628,7 @@ impl<B: Backend> Model<B> {
                     key,
                     round: be.round_new(lanes.len(), &self.round_spec())?,
                     runs: 0,
+                    no_record: false,
                     leaders,
                     inputs: inputs.clone(),
                     ghosts: Vec::new(),
@@ -642,6 +648,7 @@ impl<B: Backend> Model<B> {
         let KeptRound {
             round,
             runs,
+            no_record,
             leaders: slot_leaders,
             inputs: slot_inputs,
             ghosts,
@@ -666,7 +673,11 @@ impl<B: Backend> Model<B> {
             bump(&stats.replayed, 1);
         } else {
             let record = *runs >= RECORD_AFTER
-                && !self.no_capture.load(std::sync::atomic::Ordering::Relaxed)
+                && !*no_record
+                && self
+                    .capture_failures
+                    .load(std::sync::atomic::Ordering::Relaxed)
+                    < CAPTURE_TRIES
                 && be.capture_begin()?;
             if record {
                 let t0 = std::time::Instant::now();
@@ -694,9 +705,21 @@ impl<B: Backend> Model<B> {
                         // issued too; otherwise the error is the round's and is returned.
                         self.round_body(&mut slots, round, slot_leaders)?;
                         bump(&stats.issued, 1);
-                        tracing::warn!("frame round not recorded, running rounds as issued: {e}");
-                        self.no_capture
-                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        // this lane set runs as issued; a later set tries again (a failure can
+                        // be passing, e.g. memory), until CAPTURE_TRIES sets have failed
+                        *no_record = true;
+                        let failed = 1 + self
+                            .capture_failures
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::warn!(
+                            failed,
+                            "frame round not recorded, this lane set runs as issued{}: {e}",
+                            if failed >= CAPTURE_TRIES {
+                                "; no more recordings"
+                            } else {
+                                ""
+                            }
+                        );
                     }
                 }
             } else {

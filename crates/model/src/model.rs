@@ -187,8 +187,9 @@ pub struct Model<B: Backend> {
     heads: Vec<B::Weight>,
     /// The frame round kept on the backend for the newest lane set (generate.rs).
     pub(crate) kept: std::sync::Mutex<Option<crate::generate::KeptRound<B>>>,
-    /// Set when a round could not be recorded: later rounds run as issued.
-    pub(crate) no_capture: std::sync::atomic::AtomicBool,
+    /// Lane sets whose recording failed (from `generate::CAPTURE_TRIES` on, rounds run as
+    /// issued).
+    pub(crate) capture_failures: std::sync::atomic::AtomicU64,
     /// How frame rounds ran (shared with whoever asked for [`Model::round_stats`]).
     pub(crate) round_stats: std::sync::Arc<crate::generate::RoundStats>,
 }
@@ -390,7 +391,7 @@ impl<B: Backend> Model<B> {
             tower,
             heads,
             kept: std::sync::Mutex::new(None),
-            no_capture: std::sync::atomic::AtomicBool::new(false),
+            capture_failures: std::sync::atomic::AtomicU64::new(0),
             round_stats: Default::default(),
             config: ck.config.clone(),
             geometry: g,
@@ -830,7 +831,10 @@ impl<B: Backend> Model<B> {
     /// Feeds one lane's next rows (the prompt, or a continuation of it): backbone over `rows`,
     /// then the tower teacher-forced over every position whose label is now known.
     pub fn prefill(&self, lane: &mut LaneState<B>, rows: &[Row]) -> Result<()> {
-        self.prefill_traced(lane, rows, None, None).map(|_| ())
+        self.prefill_traced(lane, rows, None, None)?;
+        // an error the prompt's kernels raised fails this prefill, not the next shared round
+        self.backend.settle()?;
+        Ok(())
     }
 
     /// [`Model::prefill`] in pieces of at most `chunk` rows (the activation scratch a memory

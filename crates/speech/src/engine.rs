@@ -1410,6 +1410,8 @@ struct Active<B: Backend> {
     key: u64,
     /// Since when the job has sat out rounds for a caller that does not read.
     paused_since: Option<Instant>,
+    /// Unread samples when the paused job was last looked at.
+    paused_unread: Option<u64>,
 }
 
 /// Everything the worker needs besides the model.
@@ -1606,11 +1608,26 @@ impl<B: Backend> Worker<B> {
             let mut paused = Vec::new();
             let mut ready = Vec::new();
             for mut a in active.drain(..) {
-                if a.job.unread.load(Ordering::SeqCst) <= self.max_unread_samples {
+                // A paused lane resumes once half the limit is left unread, so a caller
+                // reading at playback speed makes its lane leave and rejoin rounds (a new lane
+                // set each time) every few seconds of audio, not every frame.
+                let unread = a.job.unread.load(Ordering::SeqCst);
+                let limit = if a.paused_since.is_some() {
+                    self.max_unread_samples / 2
+                } else {
+                    self.max_unread_samples
+                };
+                if unread <= limit {
                     a.paused_since = None;
+                    a.paused_unread = None;
                     ready.push(a);
                     continue;
                 }
+                // the pause clock restarts whenever the caller has read since the last look
+                if a.paused_unread.is_some_and(|u| unread < u) {
+                    a.paused_since = Some(now);
+                }
+                a.paused_unread = Some(unread);
                 let since = *a.paused_since.get_or_insert(now);
                 if now.duration_since(since) > self.max_pause {
                     let _ = self.codec_tx.send(CodecMsg::Fail {
@@ -1665,6 +1682,7 @@ impl<B: Backend> Worker<B> {
             capped: 0,
             key: self.next_key.get(),
             paused_since: None,
+            paused_unread: None,
             job,
         };
         self.next_key.set(a.key + 1);
