@@ -338,6 +338,10 @@ const RECORD_AFTER: u64 = 2;
 /// Lane sets whose recording may fail before the model stops recording altogether.
 const CAPTURE_TRIES: u64 = 3;
 
+/// Rounds ghosts may run with no further lane retiring before the round is rebuilt without
+/// them (about a recording's cost in ghost rows at 32 lanes, a guess to check with receipts).
+const GHOST_ROUNDS: u64 = 16;
+
 /// How frame rounds ran, counted since the model was loaded (shared: [`Model::round_stats`]).
 /// A kept round is replayed (a recorded graph), recorded (then replayed), or issued (its
 /// launches made one by one); every new lane set is a set change.
@@ -420,6 +424,9 @@ pub(crate) struct KeptRound<B: Backend> {
     runs: u64,
     /// Set when recording this lane set failed: its rounds run as issued.
     no_record: bool,
+    /// Rounds since a lane last retired into a ghost (ghosts that linger cost every round,
+    /// while a rebuild is paid once: after [`GHOST_ROUNDS`] the round is rebuilt).
+    since_retire: u64,
     /// The drawing slots (`0..leaders`).
     leaders: usize,
     /// The inputs last written to each slot; a ghost's stay as they were when it retired, its
@@ -441,7 +448,10 @@ impl<B: Backend> KeptRound<B> {
     /// round can run them: every slot is one of them or a ghost, they keep their roles and
     /// guidance pairs, and ghosts are no more than the lanes (a ghost costs what a lane does).
     fn seat(&self, key: &[(u64, u64)], branch: &[Branch], leaders: usize) -> Option<Vec<usize>> {
-        if self.ghosts.len() > key.len() || self.inputs.len() != self.key.len() {
+        if self.ghosts.len() > key.len()
+            || self.inputs.len() != self.key.len()
+            || (!self.ghosts.is_empty() && self.since_retire >= GHOST_ROUNDS)
+        {
             return None;
         }
         let slot_of = key
@@ -547,11 +557,25 @@ impl<B: Backend> Model<B> {
         if let Some(k) = kept.as_mut() {
             let slot = k.key.iter().position(|&x| x == (lane.id, lane.gen));
             if let Some(s) = slot {
-                let free = !k.ghosts.iter().any(|g| g.slot == s);
-                if free && lane.check_room(1).is_ok() && k.inputs.len() == k.key.len() {
+                // only a lane exactly one round past the inputs its slot last ran, with its
+                // buffers in place (not one a failed prefill or round left part-way)
+                let drew = s < k.leaders;
+                let fits = k.inputs.len() == k.key.len()
+                    && !k.ghosts.iter().any(|g| g.slot == s)
+                    && lane.last_hidden.is_some()
+                    && lane.rows == k.inputs[s].rows + 1
+                    && (!drew || lane.tower_rows == k.inputs[s].tower_rows + 1)
+                    && lane.check_room(1).is_ok();
+                if fits {
                     k.inputs[s].rows = lane.rows;
                     k.inputs[s].tower_rows = lane.tower_rows;
                     k.ghosts.push(Ghost { slot: s, lane });
+                    k.since_retire = 0;
+                    if 2 * k.ghosts.len() > k.key.len() {
+                        // more ghosts than lanes: the round will not run again, and holding it
+                        // would hold every lane's memory while the engine waits
+                        *kept = None;
+                    }
                     return;
                 }
             }
@@ -629,6 +653,7 @@ impl<B: Backend> Model<B> {
                     round: be.round_new(lanes.len(), &self.round_spec())?,
                     runs: 0,
                     no_record: false,
+                    since_retire: 0,
                     leaders,
                     inputs: inputs.clone(),
                     ghosts: Vec::new(),
@@ -649,6 +674,7 @@ impl<B: Backend> Model<B> {
             round,
             runs,
             no_record,
+            since_retire,
             leaders: slot_leaders,
             inputs: slot_inputs,
             ghosts,
@@ -728,6 +754,7 @@ impl<B: Backend> Model<B> {
             }
         }
         *runs += 1;
+        *since_retire += 1;
         let all = be.round_frames(round)?;
         drop(slots);
         let frames: Vec<Row> = slot_of.iter().map(|&s| all[s]).collect();

@@ -1590,14 +1590,18 @@ impl<B: Backend> Worker<B> {
                     }
                 }
             }
-            // Cancelled jobs leave before the round; their state is dropped here, settled.
-            active.retain(|a| {
-                let cancelled = a.job.cancel.load(Ordering::SeqCst);
-                if cancelled {
+            // Cancelled jobs leave before the round; their lanes go back to the model (settled:
+            // no round is in flight here), which may keep them as ghosts of the kept round.
+            let mut left = Vec::with_capacity(active.len());
+            for a in active.drain(..) {
+                if a.job.cancel.load(Ordering::SeqCst) {
                     let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
+                    self.retire(a);
+                } else {
+                    left.push(a);
                 }
-                !cancelled
-            });
+            }
+            active = left;
             if active.is_empty() {
                 continue;
             }
@@ -1652,7 +1656,9 @@ impl<B: Backend> Worker<B> {
             let ended = self.round(&mut ready);
             active = ready;
             active.extend(paused);
-            // Finished lanes (and their KV rows) are free before a caller sees their last event.
+            // Finished lanes' KV reservations are free before a caller sees their last event
+            // (their device memory may stay a while as ghosts of the kept round; a new lane
+            // drops them before it takes its own).
             let (m, _) = &*self.shared;
             m.lock().unwrap_or_else(|e| e.into_inner()).busy = active.len();
             for msg in ended {
@@ -1874,17 +1880,22 @@ impl<B: Backend> Worker<B> {
         let mut left = Vec::with_capacity(active.len());
         for (a, done) in active.drain(..).zip(finished) {
             if done {
-                let Active { lane, uncond, .. } = a;
-                self.model.retire(lane);
-                if let Some(u) = uncond {
-                    self.model.retire(u);
-                }
+                self.retire(a);
             } else {
                 left.push(a);
             }
         }
         *active = left;
         ended
+    }
+
+    /// A job's lanes back to the model (its reservation is released with the rest of it).
+    fn retire(&self, a: Active<B>) {
+        let Active { lane, uncond, .. } = a;
+        self.model.retire(lane);
+        if let Some(u) = uncond {
+            self.model.retire(u);
+        }
     }
 }
 
