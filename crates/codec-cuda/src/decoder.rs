@@ -135,6 +135,56 @@ pub(crate) struct NextW {
 /// Taps of the ConvNeXt depthwise convolution.
 pub(crate) const DW_K: usize = 7;
 
+/// The rest of a ConvNeXt block once its depthwise output `y` `[r, c]` is in place:
+/// `out = x + γ ⊙ pw2(GELU(pw1(LayerNorm(y))))`, `hid` the `[r, hidden]` scratch (the encoder's
+/// and decoder's blocks alike).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn convnext_mlp<E: Exec>(
+    e: &E,
+    nx: &NextW,
+    y: P,
+    hid: P,
+    x: P,
+    out: P,
+    r: usize,
+) -> Result<()> {
+    let c = nx.c;
+    e.layer_norm(y, nx.ln_w, nx.ln_b, y, r, c, 1e-6)?;
+    e.gemm(&Gemm {
+        m: r,
+        n: nx.hidden,
+        k: c,
+        a: y,
+        rsa: c,
+        cin: c,
+        jstride: 0,
+        b: nx.pw1,
+        c: hid,
+        bias: Some(nx.pw1_b),
+        bias_n: nx.hidden,
+        gamma: None,
+        res: None,
+        tanh: false,
+    })?;
+    e.gelu(hid, r * nx.hidden)?;
+    e.gemm(&Gemm {
+        m: r,
+        n: c,
+        k: nx.hidden,
+        a: hid,
+        rsa: nx.hidden,
+        cin: nx.hidden,
+        jstride: 0,
+        b: nx.pw2,
+        c: out,
+        bias: Some(nx.pw2_b),
+        bias_n: c,
+        gamma: Some(nx.gamma),
+        res: Some(x),
+        tanh: false,
+    })
+}
+
 pub(crate) struct LayerW {
     attn_norm: P,
     wqkv: P,
@@ -881,44 +931,11 @@ pub(crate) fn step<E: Exec>(
         let c = nx.c;
         e.dwconv(st.w1, nx.dw_w, nx.dw_b, st.y, r, c, DW_K)?;
         hist_out(e, st, wt, nx.hist, st.w1, r)?;
-        e.layer_norm(st.y, nx.ln_w, nx.ln_b, st.y, r, c, 1e-6)?;
-        e.gemm(&Gemm {
-            m: r,
-            n: nx.hidden,
-            k: c,
-            a: st.y,
-            rsa: c,
-            cin: c,
-            jstride: 0,
-            b: nx.pw1,
-            c: st.hid,
-            bias: Some(nx.pw1_b),
-            bias_n: nx.hidden,
-            gamma: None,
-            res: None,
-            tanh: false,
-        })?;
-        e.gelu(st.hid, r * nx.hidden)?;
         let next_in = match wt.up.get(i + 1) {
             Some((ct2, _)) => hist_in(e, st, wt, ct2.hist, st.w0)?,
             None => hist_in(e, st, wt, wt.dec_in.hist, st.w0)?,
         };
-        e.gemm(&Gemm {
-            m: r,
-            n: c,
-            k: nx.hidden,
-            a: st.hid,
-            rsa: nx.hidden,
-            cin: nx.hidden,
-            jstride: 0,
-            b: nx.pw2,
-            c: next_in,
-            bias: Some(nx.pw2_b),
-            bias_n: c,
-            gamma: Some(nx.gamma),
-            res: Some(dw_in),
-            tanh: false,
-        })?;
+        convnext_mlp(e, nx, st.y, st.hid, dw_in, next_in, r)?;
     }
 
     // DAC decoder.

@@ -11,8 +11,8 @@ use checkpoint::pth::PthStateDict;
 use codec::{CodecConfig, CodecError, Codes};
 
 use crate::decoder::{
-    conv_gemm, copy_hist_in, copy_hist_out, transformer_layers, transpose, Builder, ConvW, NextW,
-    ResW, SnakeW, TfScratch, TfW, DW_K, STEP_FRAMES,
+    conv_gemm, convnext_mlp, copy_hist_in, copy_hist_out, transformer_layers, transpose, Builder,
+    ConvW, NextW, ResW, SnakeW, TfScratch, TfW, DW_K, STEP_FRAMES,
 };
 use crate::exec::{Exec, Gemm, P};
 use crate::{CudaCodecError, Result};
@@ -453,44 +453,11 @@ pub(crate) fn step<E: Exec>(
         let c = nx.c;
         e.dwconv(st.w1, nx.dw_w, nx.dw_b, st.y, r, c, DW_K)?;
         hist_out(e, st, wt, nx.hist, st.w1, r)?;
-        e.layer_norm(st.y, nx.ln_w, nx.ln_b, st.y, r, c, 1e-6)?;
-        e.gemm(&Gemm {
-            m: r,
-            n: nx.hidden,
-            k: c,
-            a: st.y,
-            rsa: c,
-            cin: c,
-            jstride: 0,
-            b: nx.pw1,
-            c: st.hid,
-            bias: Some(nx.pw1_b),
-            bias_n: nx.hidden,
-            gamma: None,
-            res: None,
-            tanh: false,
-        })?;
-        e.gelu(st.hid, r * nx.hidden)?;
         let next_in = match wt.down.get(i + 1) {
             Some((cv2, _)) => hist_in(e, st, wt, cv2.hist, st.w0)?,
             None => cur,
         };
-        e.gemm(&Gemm {
-            m: r,
-            n: c,
-            k: nx.hidden,
-            a: st.hid,
-            rsa: nx.hidden,
-            cin: nx.hidden,
-            jstride: 0,
-            b: nx.pw2,
-            c: next_in,
-            bias: Some(nx.pw2_b),
-            bias_n: c,
-            gamma: Some(nx.gamma),
-            res: Some(dw_in),
-            tanh: false,
-        })?;
+        convnext_mlp(e, nx, st.y, st.hid, dw_in, next_in, r)?;
     }
     debug_assert_eq!(r, t);
 
