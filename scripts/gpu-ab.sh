@@ -2,13 +2,18 @@
 # The device A/B for paths that are written but off by default until a device run decides:
 # the decode head split (DRAMATIS_CUDA_HEAD_SPLIT=1) and cuBLASLt bulk linears
 # (DRAMATIS_CUDA_GEMM_LT=1). Run after scripts/gpu-verify.sh (which writes /tmp/d3).
-# Usage: scripts/gpu-ab.sh DRAMATIS_BIN [PARITY_BIN]. Writes logs and receipts under $OUT.
+# Usage: scripts/gpu-ab.sh DRAMATIS_BIN [PARITY_BIN] [check|decode|prefill|all]. Writes logs
+# and receipts under $OUT. Each phase fits one device call (under 10 minutes); `all` does not.
 set -uo pipefail
 bin=${1:-target/release/dramatis}
 parity=${2:-}
+phase=${3:-all}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 s="$out/ab-summary.txt"
+# the synthetic Drama 3 checkpoint gpu-verify.sh writes (a fresh machine has none)
+[ -f /tmp/d3/config.json ] || "$bin" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$out/fixture-ab.log" 2>&1
+if [ "$phase" = check ] || [ "$phase" = all ]; then
 # correctness first: the kernels' contract cases, the goldens, and Drama 3 parity with the path
 "$bin" kernel-contract --only gemm_bf16_cublaslt > "$out/contract-lt.log" 2>&1; echo "contract cublaslt rc=$?" >> "$s"
 grep '^SUMMARY' "$out/contract-lt.log" >> "$s"
@@ -19,14 +24,19 @@ if [ -n "$parity" ]; then
   DRAMATIS_CUDA_GEMM_LT=1 DRAMATIS_CUDA_GEMM_MIN=32 timeout 300 "$parity" /tmp/d3 --rows 64 --frames 8 --out "$out/parity-lt.json" > "$out/parity-lt.log" 2>&1; echo "parity lt rc=$?" >> "$s"
   tail -5 "$out/parity-lt.log" >> "$s"
 fi
+fi
 # speed: decode at 1 and 32 lanes with the head split off and on; prefill with the tiled GEMM
 # and with cuBLASLt
+if [ "$phase" = decode ] || [ "$phase" = all ]; then
 for hs in 0 1; do
   DRAMATIS_CUDA_HEAD_SPLIT=$hs timeout 150 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1,32 --frames 64 --runs 3 --out "$out/bench-split$hs.json" > "$out/bench-split$hs.log" 2>&1; echo "bench head split=$hs rc=$?" >> "$s"
 done
+fi
+if [ "$phase" = prefill ] || [ "$phase" = all ]; then
 for lt in 0 1; do
-  DRAMATIS_CUDA_GEMM_LT=$lt timeout 200 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 3 --prefill-rows 1024,8192,32768 --out "$out/bench-lt$lt.json" > "$out/bench-lt$lt.log" 2>&1; echo "bench gemm lt=$lt rc=$?" >> "$s"
+  DRAMATIS_CUDA_GEMM_LT=$lt timeout 240 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 3 --prefill-rows 1024,8192,32768 --out "$out/bench-lt$lt.json" > "$out/bench-lt$lt.log" 2>&1; echo "bench gemm lt=$lt rc=$?" >> "$s"
 done
+fi
 python3 - "$out" >> "$s" <<'PY'
 import json, sys, glob, os
 for p in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json"))):
