@@ -366,3 +366,82 @@ fn kept_round_equals_host_round_bit_for_bit() {
         assert_eq!(a, b, "lane {i} after the kept rounds");
     }
 }
+
+/// Ghost slots (`Model::retire`): a finished lane keeps its slot while ghosts are no more than
+/// the lanes left, so no new lane set is built; the round is dropped once ghosts would
+/// outnumber them; a lane that is not one round past its slot is not taken; the lane that is
+/// left draws what it draws solo on the host path.
+#[test]
+fn retired_lanes_keep_their_slots_until_they_outnumber_the_rest() {
+    // its own model: the round statistics and the kept round are per model
+    let ck = Checkpoint::open(&fixture()).unwrap();
+    let m = Model::load(&ck, CpuBackend::new()).unwrap();
+    let p = prompt();
+    let prompts: [&[Row]; 4] = [p, &p[..80], &p[..60], &p[..40]];
+    let greedy = SamplingParams::greedy();
+    let cap = 16usize;
+    let mk = |r: &[Row]| {
+        let mut l = m.new_lane(r.len() + cap).unwrap();
+        m.prefill(&mut l, r).unwrap();
+        l
+    };
+    // lane 0 alone on the host path: the reference for its frames
+    let mut solo = mk(prompts[0]);
+    let want: Vec<FrameOut> = (0..6)
+        .map(|t| m.step_frame(&mut solo, &greedy, 9, t).unwrap())
+        .collect();
+    let mut lanes: Vec<Option<LaneState<CpuBackend>>> =
+        prompts.iter().map(|r| Some(mk(r))).collect();
+    let sets = |m: &Model<CpuBackend>| m.round_stats().counts().set_changes;
+    let mut got = Vec::new();
+    let mut built = Vec::new();
+    for t in 0..6u64 {
+        // rounds 0-2: four lanes; then lanes 3, 2 and 1 finish one after another
+        if t >= 3 {
+            let leaving = 6 - t as usize;
+            let l = lanes[leaving].take().unwrap();
+            m.retire(l);
+        }
+        let live: Vec<usize> = (0..4).filter(|&i| lanes[i].is_some()).collect();
+        let steps = vec![
+            LaneStep {
+                params: greedy,
+                seed: 9,
+                step: t,
+            };
+            live.len()
+        ];
+        let mut ls: Vec<&mut LaneState<CpuBackend>> = lanes.iter_mut().flatten().collect();
+        let out = m.step_frames_kept(&mut ls, &steps).unwrap();
+        assert!(
+            out.iter().all(|f| matches!(f, FrameOut::Frame(_))),
+            "EOS at round {t}"
+        );
+        got.push(out[0]);
+        built.push(sets(&m));
+    }
+    assert_eq!(got, want, "lane 0 beside ghosts = lane 0 alone");
+    // one set for four lanes, kept with 1 ghost (3 left) and 2 ghosts (2 left); the third
+    // ghost outnumbers the one lane left: the round is dropped and a new set built
+    assert_eq!(
+        built,
+        [1, 1, 1, 1, 1, 2],
+        "lane sets built after each round"
+    );
+    // a lane that is not one round past its slot's inputs is not taken as a ghost: lane 0
+    // stepped once more on the host path no longer matches its slot, so the set is rebuilt
+    let mut l0 = lanes[0].take().unwrap();
+    let mut extra = mk(prompts[1]);
+    let s = [LaneStep {
+        params: greedy,
+        seed: 9,
+        step: 6,
+    }; 2];
+    m.step_frames_kept(&mut [&mut l0, &mut extra], &s).unwrap();
+    let before = sets(&m);
+    m.step_frames_host(&mut [&mut l0], &s[..1], None, None, None)
+        .unwrap();
+    m.retire(l0);
+    m.step_frames_kept(&mut [&mut extra], &s[..1]).unwrap();
+    assert_eq!(sets(&m), before + 1, "a stale lane kept its slot");
+}
