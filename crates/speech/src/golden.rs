@@ -369,67 +369,69 @@ fn kept_round_cases<B: Backend>(
         m.prefill(&mut l, p).map_err(e)?;
         Ok(l)
     };
-    // which lanes step in round t: 0..3 first, lane 2 leaves after round 3, lane 3 joins at 6
-    let live = |t: usize, i: usize| match i {
-        2 => t < 4,
+    // which lanes step in round t: 0..3 first, lane 2 leaves after round `leave` - 1, lane 3
+    // joins at 6
+    let live = |t: usize, i: usize, leave: usize| match i {
+        2 => t < leave,
         3 => t >= 6,
         _ => true,
     };
     // kept: 0 host-drawn, 1 kept, 2 kept with lanes that are done handed back (`retire`)
-    let run = |mode: u8| -> Result<(Vec<Vec<FrameOut>>, model::RoundCounts), String> {
-        let before = m.round_stats().counts();
-        let mut lanes: Vec<Option<model::LaneState<B>>> = Vec::new();
-        for p in &prompts[..3] {
-            lanes.push(Some(mk(p)?));
-        }
-        lanes.push(None);
-        let mut out = vec![Vec::new(); prompts.len()];
-        for t in 0..rounds {
-            if t == 6 {
-                lanes[3] = Some(mk(prompts[3])?);
+    let run =
+        |mode: u8, leave: usize| -> Result<(Vec<Vec<FrameOut>>, model::RoundCounts), String> {
+            let before = m.round_stats().counts();
+            let mut lanes: Vec<Option<model::LaneState<B>>> = Vec::new();
+            for p in &prompts[..3] {
+                lanes.push(Some(mk(p)?));
             }
-            let idx: Vec<usize> = (0..prompts.len())
-                .filter(|&i| live(t, i) && !matches!(out[i].last(), Some(FrameOut::Eos)))
-                .collect();
-            if mode == 2 {
-                // lanes that left or ended go back to the model (ghosts of the kept round)
-                for (i, l) in lanes.iter_mut().enumerate() {
-                    if !idx.contains(&i) {
-                        if let Some(l) = l.take() {
-                            m.retire(l);
+            lanes.push(None);
+            let mut out = vec![Vec::new(); prompts.len()];
+            for t in 0..rounds {
+                if t == 6 {
+                    lanes[3] = Some(mk(prompts[3])?);
+                }
+                let idx: Vec<usize> = (0..prompts.len())
+                    .filter(|&i| live(t, i, leave) && !matches!(out[i].last(), Some(FrameOut::Eos)))
+                    .collect();
+                if mode == 2 {
+                    // lanes that left or ended go back to the model (ghosts of the kept round)
+                    for (i, l) in lanes.iter_mut().enumerate() {
+                        if !idx.contains(&i) {
+                            if let Some(l) = l.take() {
+                                m.retire(l);
+                            }
                         }
                     }
                 }
+                let steps: Vec<LaneStep> = idx
+                    .iter()
+                    .map(|&i| LaneStep {
+                        params,
+                        seed: 100 + i as u64,
+                        step: t as u64,
+                    })
+                    .collect();
+                let mut ls: Vec<&mut model::LaneState<B>> = lanes
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| idx.contains(i))
+                    .filter_map(|(_, l)| l.as_mut())
+                    .collect();
+                let f = if mode > 0 {
+                    m.step_frames_kept(&mut ls, &steps)
+                } else {
+                    m.step_frames_host(&mut ls, &steps, None, None, None)
+                }
+                .map_err(e)?;
+                for (&i, fo) in idx.iter().zip(f) {
+                    out[i].push(fo);
+                }
             }
-            let steps: Vec<LaneStep> = idx
-                .iter()
-                .map(|&i| LaneStep {
-                    params,
-                    seed: 100 + i as u64,
-                    step: t as u64,
-                })
-                .collect();
-            let mut ls: Vec<&mut model::LaneState<B>> = lanes
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| idx.contains(i))
-                .filter_map(|(_, l)| l.as_mut())
-                .collect();
-            let f = if mode > 0 {
-                m.step_frames_kept(&mut ls, &steps)
-            } else {
-                m.step_frames_host(&mut ls, &steps, None, None, None)
-            }
-            .map_err(e)?;
-            for (&i, fo) in idx.iter().zip(f) {
-                out[i].push(fo);
-            }
-        }
-        Ok((out, m.round_stats().counts().since(&before)))
-    };
-    let (host, _) = run(0)?;
-    let (kept, plain) = run(1)?;
-    let (ghosted, ghost) = run(2)?;
+            Ok((out, m.round_stats().counts().since(&before)))
+        };
+    let (host, _) = run(0, 4)?;
+    let (kept, plain) = run(1, 4)?;
+    let (ghosted, ghost) = run(2, 4)?;
     let drawn: usize = host.iter().map(Vec::len).sum();
     r.push(
         "kept rounds = host rounds (sampled, lane set changing)",
@@ -441,14 +443,21 @@ fn kept_round_cases<B: Backend>(
     );
     // a lane handed back keeps its slot: fewer new lane sets, the same frames
     let ok = host == ghosted && ghost.set_changes < plain.set_changes;
+    // lane 2 leaving after round 0: its ghost runs in the issued rounds and in the recording
+    // too (above it only ever replays), where the round ops check each slot's counters
+    let (early_host, _) = run(0, 1)?;
+    let (early_ghosted, early) = run(2, 1)?;
+    let ok = ok && early_host == early_ghosted && early.issued + early.recorded > 0;
     r.push(
         "kept rounds with finished lanes retired (ghost slots) = host rounds",
         ok,
         format!(
-            "frames equal: {}; lane sets built: {} with retired lanes as ghosts, {} without",
+            "frames equal: {}; lane sets built: {} with retired lanes as ghosts, {} without; \
+             a ghost from round 1 (issued and recorded beside it): frames equal: {}",
             host == ghosted,
             ghost.set_changes,
-            plain.set_changes
+            plain.set_changes,
+            early_host == early_ghosted
         ),
     );
     guided_kept_case(r, m, &prompts, rounds)
