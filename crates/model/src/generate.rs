@@ -681,6 +681,7 @@ impl<B: Backend> Model<B> {
             ..
         } = k;
         let slot_leaders = *slot_leaders;
+        let has_ghosts = !ghosts.is_empty();
         // every slot's lane: the caller's, or a ghost
         let mut seats: Vec<Option<&mut LaneState<B>>> =
             (0..slot_inputs.len()).map(|_| None).collect();
@@ -755,7 +756,30 @@ impl<B: Backend> Model<B> {
         }
         *runs += 1;
         *since_retire += 1;
-        let all = be.round_frames(round)?;
+        let all = match be.round_frames(round) {
+            Ok(all) => all,
+            Err(e @ crate::BackendError::NonFinite { .. }) if has_ghosts => {
+                // A device error flag is one for the whole round, and a ghost (a finished lane
+                // computing on) may have raised it. The round ran to its end, so if every
+                // lane's newest hidden is finite their frames stand, and the round is rebuilt
+                // without its ghosts next time; otherwise the error is a lane's.
+                let mut lanes_finite = true;
+                for &s in &slot_of {
+                    let h = slots[s]
+                        .last_hidden
+                        .as_ref()
+                        .ok_or(ModelError::NotPrefilled)?;
+                    lanes_finite &= be.download(h)?.iter().all(|v| v.is_finite());
+                }
+                if !lanes_finite {
+                    return Err(e.into());
+                }
+                tracing::warn!("a kept round's ghost slot raised an error, rebuilding: {e}");
+                *since_retire = GHOST_ROUNDS;
+                be.round_frames(round)?
+            }
+            Err(e) => return Err(e.into()),
+        };
         drop(slots);
         let frames: Vec<Row> = slot_of.iter().map(|&s| all[s]).collect();
         bump(&stats.kept_ns, t_round.elapsed().as_nanos() as u64);
