@@ -134,47 +134,42 @@ pub fn round_leaders(lanes: &[RoundLane]) -> BResult<usize> {
         op: "round_write",
         why,
     };
+    // the drawing lanes are those before the first unconditional one
     let n = lanes
         .iter()
         .position(|l| matches!(l.branch, Branch::Uncond { .. }))
         .unwrap_or(lanes.len());
-    let mut claimed = vec![false; lanes.len()];
     for (i, l) in lanes.iter().enumerate() {
         match l.branch {
-            Branch::Own => {
-                if i >= n {
-                    return Err(bad(format!(
-                        "lane {i} draws but comes after unconditional lane {n}"
-                    )));
-                }
+            Branch::Own | Branch::Guided { .. } if i >= n => {
+                return Err(bad(format!(
+                    "lane {i} draws but comes after unconditional lane {n}"
+                )));
             }
+            Branch::Own => {}
+            // the pairs name each other, so no branch serves two lanes
             Branch::Guided { uncond, gamma } => {
-                if i >= n {
-                    return Err(bad(format!(
-                        "lane {i} draws but comes after unconditional lane {n}"
-                    )));
-                }
                 if !gamma.is_finite() {
                     return Err(bad(format!(
                         "lane {i}'s guidance scale {gamma} is not finite"
                     )));
                 }
-                let ok = lanes
+                let named = lanes
                     .get(uncond)
                     .is_some_and(|u| u.branch == Branch::Uncond { of: i });
-                if !ok || claimed[uncond] {
+                if !named {
                     return Err(bad(format!(
-                        "lane {i}'s unconditional branch {uncond} is not an unclaimed \
-                         unconditional lane of it ({} lanes)",
+                        "lane {i}'s unconditional branch {uncond} is not an unconditional \
+                         lane of it ({} lanes)",
                         lanes.len()
                     )));
                 }
-                claimed[uncond] = true;
             }
             Branch::Uncond { of } => {
-                if i < n
-                    || !matches!(lanes.get(of).map(|l| l.branch), Some(Branch::Guided { uncond, .. }) if uncond == i)
-                {
+                let named = lanes.get(of).is_some_and(
+                    |g| matches!(g.branch, Branch::Guided { uncond, .. } if uncond == i),
+                );
+                if !named {
                     return Err(bad(format!(
                         "unconditional lane {i} follows lane {of}, which does not name it"
                     )));
@@ -596,5 +591,65 @@ pub trait Backend: Send + Sync + Sized {
     /// Runs the round's recording once; `false` if it has none.
     fn round_replay(&self, _round: &Self::Round) -> BResult<bool> {
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lanes(branches: &[Branch]) -> Vec<RoundLane> {
+        branches
+            .iter()
+            .map(|&branch| RoundLane {
+                rows: 1,
+                tower_rows: 0,
+                last: [0; crate::ROW_WIDTH],
+                params: SamplingParams::greedy(),
+                seed: 0,
+                step: 0,
+                recent: [0; RAS_WINDOW],
+                n_recent: 0,
+                branch,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_leaders_checks_the_guidance_pairs() {
+        use Branch::*;
+        let g = |uncond| Guided { uncond, gamma: 1.5 };
+        assert_eq!(round_leaders(&lanes(&[Own, Own])).unwrap(), 2);
+        assert_eq!(
+            round_leaders(&lanes(&[
+                g(4),
+                Own,
+                g(3),
+                Uncond { of: 2 },
+                Uncond { of: 0 }
+            ]))
+            .unwrap(),
+            3
+        );
+        let refused = [
+            // a drawing lane after an unconditional one
+            vec![g(1), Uncond { of: 0 }, Own],
+            // a guided lane naming a drawing lane, or a branch of another lane
+            vec![g(1), Own],
+            vec![g(3), g(2), Uncond { of: 1 }, Uncond { of: 1 }],
+            // a branch no lane names, one out of range, a non-finite scale
+            vec![Own, Uncond { of: 0 }],
+            vec![g(1), Uncond { of: 7 }],
+            vec![
+                Guided {
+                    uncond: 1,
+                    gamma: f32::NAN,
+                },
+                Uncond { of: 0 },
+            ],
+        ];
+        for r in refused {
+            assert!(round_leaders(&lanes(&r)).is_err(), "{r:?}");
+        }
     }
 }
