@@ -128,24 +128,9 @@ impl<B: Backend> Model<B> {
         hook: Option<LogitsHook<'_>>,
         mut trace: Option<&mut Vec<StepTrace>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
-        check_lanes(lanes, steps)?;
-        if let Some(gd) = guidance.as_deref() {
-            if gd.uncond.len() != lanes.len() || gd.gamma.len() != lanes.len() {
-                return Err(ModelError::Unsupported(format!(
-                    "{} lanes but guidance for {} (gamma for {})",
-                    lanes.len(),
-                    gd.uncond.len(),
-                    gd.gamma.len()
-                )));
-            }
-        }
+        check_lanes(lanes, steps, guidance.as_deref())?;
         if lanes.is_empty() {
             return Ok(Vec::new());
-        }
-        if let Some(gd) = guidance.as_deref() {
-            for u in gd.uncond.iter().flatten() {
-                u.check_room(1)?;
-            }
         }
         let g = &self.geometry;
         let n_lanes = lanes.len();
@@ -306,11 +291,13 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// Step settings for each lane, and each lane able to take a frame: room for its backbone row
-/// (checked before anything is drawn) and not spent by an EOS in a kept round.
+/// Step settings for each lane, guidance (if any) for each lane, and each lane and
+/// unconditional branch able to take a frame: room for its backbone row (checked before
+/// anything is drawn) and not spent by an EOS in a kept round.
 fn check_lanes<B: Backend>(
     lanes: &[&mut LaneState<B>],
     steps: &[LaneStep],
+    guidance: Option<&Guidance<'_, B>>,
 ) -> Result<(), ModelError> {
     if lanes.len() != steps.len() {
         return Err(ModelError::Unsupported(format!(
@@ -319,7 +306,18 @@ fn check_lanes<B: Backend>(
             steps.len()
         )));
     }
-    for l in lanes {
+    if let Some(gd) = guidance {
+        if gd.uncond.len() != lanes.len() || gd.gamma.len() != lanes.len() {
+            return Err(ModelError::Unsupported(format!(
+                "{} lanes but guidance for {} (gamma for {})",
+                lanes.len(),
+                gd.uncond.len(),
+                gd.gamma.len()
+            )));
+        }
+    }
+    let branches = guidance.into_iter().flat_map(|g| g.uncond.iter().flatten());
+    for l in lanes.iter().map(|l| &**l).chain(branches.map(|u| &**u)) {
         l.check_room(1)?;
         if l.ended {
             return Err(ModelError::Unsupported(
@@ -445,13 +443,11 @@ pub(crate) struct Ghost<B: Backend> {
 
 impl<B: Backend> KeptRound<B> {
     /// The slot of each lane of `key` (with `branch`, the first `leaders` drawing) if this
-    /// round can run them: every slot is one of them or a ghost, they keep their roles and
-    /// guidance pairs, and ghosts are no more than the lanes (a ghost costs what a lane does).
+    /// round can run them: every slot is one of them or a ghost, and they keep their roles
+    /// and guidance pairs. (Ghosts are never more than the lanes: `retire` drops a round
+    /// before they would be.)
     fn seat(&self, key: &[(u64, u64)], branch: &[Branch], leaders: usize) -> Option<Vec<usize>> {
-        if self.ghosts.len() > key.len()
-            || self.inputs.len() != self.key.len()
-            || (!self.ghosts.is_empty() && self.since_retire >= GHOST_ROUNDS)
-        {
+        if !self.ghosts.is_empty() && self.since_retire >= GHOST_ROUNDS {
             return None;
         }
         let slot_of = key
@@ -513,27 +509,14 @@ impl<B: Backend> Model<B> {
         steps: &[LaneStep],
         guidance: Option<&mut Guidance<'_, B>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
-        check_lanes(lanes, steps)?;
+        check_lanes(lanes, steps, guidance.as_deref())?;
         let leaders = lanes.len();
         let mut branch = vec![Branch::Own; leaders];
         let mut all: Vec<&mut LaneState<B>> = lanes.iter_mut().map(|l| &mut **l).collect();
         let mut all_steps = steps.to_vec();
         if let Some(gd) = guidance {
-            if gd.uncond.len() != leaders || gd.gamma.len() != leaders {
-                return Err(ModelError::Unsupported(format!(
-                    "{leaders} lanes but guidance for {} (gamma for {})",
-                    gd.uncond.len(),
-                    gd.gamma.len()
-                )));
-            }
             for (i, u) in gd.uncond.iter_mut().enumerate() {
                 if let Some(u) = u.as_deref_mut() {
-                    u.check_room(1)?;
-                    if u.ended {
-                        return Err(ModelError::Unsupported(
-                            "an unconditional branch was spent with its lane's EOS".into(),
-                        ));
-                    }
                     branch[i] = Branch::Guided {
                         uncond: all.len(),
                         gamma: gd.gamma[i],
@@ -560,9 +543,7 @@ impl<B: Backend> Model<B> {
                 // only a lane exactly one round past the inputs its slot last ran, with its
                 // buffers in place (not one a failed prefill or round left part-way)
                 let drew = s < k.leaders;
-                let fits = k.inputs.len() == k.key.len()
-                    && !k.ghosts.iter().any(|g| g.slot == s)
-                    && lane.last_hidden.is_some()
+                let fits = lane.last_hidden.is_some()
                     && lane.rows == k.inputs[s].rows + 1
                     && (!drew || lane.tower_rows == k.inputs[s].tower_rows + 1)
                     && lane.check_room(1).is_ok();
@@ -638,12 +619,22 @@ impl<B: Backend> Model<B> {
         let _span = crate::prof::span(Phase::Tower);
         let stats = &self.round_stats;
         let t_round = std::time::Instant::now();
-        bump(&stats.kept, 1);
         let key: Vec<(u64, u64)> = lanes.iter().map(|l| (l.id, l.gen)).collect();
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         let seated = kept.as_ref().and_then(|k| k.seat(&key, branch, leaders));
         let slot_of = match seated {
-            Some(s) => s,
+            Some(slot_of) => {
+                let Some(k) = kept.as_mut() else {
+                    unreachable!("seated in it")
+                };
+                for (inp, &s) in inputs.iter().zip(&slot_of) {
+                    k.inputs[s] = RoundLane {
+                        branch: slot_branch(inp.branch, &slot_of),
+                        ..*inp
+                    };
+                }
+                slot_of
+            }
             None => {
                 // the old round's recording and buffers go first, then its ghosts
                 *kept = None;
@@ -655,7 +646,8 @@ impl<B: Backend> Model<B> {
                     no_record: false,
                     since_retire: 0,
                     leaders,
-                    inputs: inputs.clone(),
+                    // a new set's slots are its lanes in order
+                    inputs,
                     ghosts: Vec::new(),
                 });
                 (0..lanes.len()).collect()
@@ -664,12 +656,6 @@ impl<B: Backend> Model<B> {
         let Some(k) = kept.as_mut() else {
             unreachable!("set above")
         };
-        for (inp, &s) in inputs.iter().zip(&slot_of) {
-            k.inputs[s] = RoundLane {
-                branch: slot_branch(inp.branch, &slot_of),
-                ..*inp
-            };
-        }
         let KeptRound {
             round,
             runs,
@@ -782,6 +768,7 @@ impl<B: Backend> Model<B> {
         };
         drop(slots);
         let frames: Vec<Row> = slot_of.iter().map(|&s| all[s]).collect();
+        bump(&stats.kept, 1);
         bump(&stats.kept_ns, t_round.elapsed().as_nanos() as u64);
         let mut out = Vec::with_capacity(leaders);
         for (i, (l, f)) in lanes.iter_mut().zip(frames).enumerate() {

@@ -845,8 +845,12 @@ impl<B: Backend> Model<B> {
         rows: &[Row],
         chunk: usize,
     ) -> Result<()> {
-        rows.chunks(chunk.max(1))
-            .try_for_each(|piece| self.prefill(lane, piece))
+        for piece in rows.chunks(chunk.max(1)) {
+            self.prefill_traced(lane, piece, None, None)?;
+        }
+        // one wait for the whole prompt, not one per piece
+        self.backend.settle()?;
+        Ok(())
     }
 
     fn prefill_traced(

@@ -27,6 +27,7 @@ pub struct Metrics {
     cache_hits: IntGauge,
     cache_misses: IntGauge,
     rounds: IntCounterVec,
+    lane_sets: IntCounter,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
@@ -87,8 +88,7 @@ impl Metrics {
             Opts::new(
                 "dramatis_frame_rounds_total",
                 "Frame rounds by how they ran: host (draws on the host), replayed (a recorded \
-                 graph), recorded, issued (launched one by one); lane_set_changes counts new \
-                 lane sets",
+                 graph), recorded, issued (launched one by one)",
             ),
             &["how"],
         )
@@ -98,6 +98,11 @@ impl Metrics {
             .expect("unique metric");
         Self {
             rounds,
+            lane_sets: counter(
+                &registry,
+                "dramatis_frame_round_lane_sets_total",
+                "Lane sets a round kept on the backend was built for (each a new recording)",
+            ),
             frames: counter(
                 &registry,
                 "dramatis_frames_generated_total",
@@ -169,28 +174,29 @@ impl Metrics {
             .set(i64::try_from(stats.prompt_cache_hits).unwrap_or(i64::MAX));
         self.cache_misses
             .set(i64::try_from(stats.prompt_cache_misses).unwrap_or(i64::MAX));
-        // The engine counts frames; the counter follows it (monotonic, so only ever forward).
-        let seen = self.frames.get();
-        if stats.frames_total > seen {
-            self.frames.inc_by(stats.frames_total - seen);
-        }
+        // The engine counts frames and rounds; the counters follow it.
+        follow(&self.frames, stats.frames_total);
         let r = stats.rounds;
         for (how, n) in [
             ("host", r.host),
             ("replayed", r.replayed),
             ("recorded", r.recorded),
             ("issued", r.issued),
-            ("lane_set_changes", r.set_changes),
         ] {
-            let c = self.rounds.with_label_values(&[how]);
-            let seen = c.get();
-            if n > seen {
-                c.inc_by(n - seen);
-            }
+            follow(&self.rounds.with_label_values(&[how]), n);
         }
+        follow(&self.lane_sets, r.set_changes);
         TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}
+
+/// Moves `c` up to the engine's count `n` (a counter is monotonic: only ever forward).
+fn follow(c: &IntCounter, n: u64) {
+    let seen = c.get();
+    if n > seen {
+        c.inc_by(n - seen);
     }
 }
 
