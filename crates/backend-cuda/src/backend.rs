@@ -1038,6 +1038,11 @@ impl CudaBackend {
                 id: next_mem_id(),
             });
         }
+        self.alloc_exact(bytes)
+    }
+
+    /// `bytes` from the stream-ordered pool, uninitialised.
+    fn alloc_exact(&self, bytes: usize) -> BResult<Mem> {
         // SAFETY: the memory is uninitialised; every user writes before it reads, or zeroes it.
         let s: CudaSlice<u8> = unsafe { self.gpu.stream.alloc(bytes.max(1)) }.map_err(dev)?;
         let ptr = s.device_ptr(&self.gpu.stream).0;
@@ -1060,15 +1065,7 @@ impl CudaBackend {
         self.prof
             .allocs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        // SAFETY: zeroed below before any use.
-        let s: CudaSlice<u8> = unsafe { self.gpu.stream.alloc(bytes.max(1)) }.map_err(dev)?;
-        let ptr = s.device_ptr(&self.gpu.stream).0;
-        let m = Mem {
-            ptr,
-            owner: Owner::Driver(s),
-            bytes,
-            id: next_mem_id(),
-        };
+        let m = self.alloc_exact(bytes)?;
         // SAFETY: m covers `bytes` bytes.
         unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.cu_stream()) }.map_err(dev)?;
         Ok(m)
@@ -1146,12 +1143,6 @@ impl CudaBackend {
             });
         }
         Ok(out)
-    }
-
-    /// Waits for the work issued so far and reports an error a kernel raised in it (the
-    /// device error flag, read and cleared as a download does).
-    fn settle_errors(&self) -> BResult<()> {
-        self.dtoh::<u8>(0, 0).map(|_| ())
     }
 
     fn dtod(&self, dst: u64, src: u64, bytes: usize) -> BResult<()> {
@@ -2806,7 +2797,8 @@ impl Backend for CudaBackend {
     }
 
     fn settle(&self) -> BResult<()> {
-        self.settle_errors()
+        // a download of nothing: the wait, and the device error flag read and cleared
+        self.dtoh::<u8>(0, 0).map(|_| ())
     }
 
     fn resident_rounds(&self) -> bool {

@@ -1617,7 +1617,13 @@ pub(super) fn gemm_lt(c: &mut Ctx) -> Result<()> {
         let case = format!("{rows} rows x {k} into {n}");
         let bes = [Variant::Exact, Variant::LowPrecision, Variant::Planted].map(make);
         let got: Vec<Vec<f32>> = bes.iter().map(run).collect::<Result<_>>()?;
-        let ran = bes[0].lt_status();
+        // every build ran it (a build without it would fall back to the tiled GEMM, whose own
+        // low-precision and planted variants would stand in for cuBLASLt's)
+        let ran = bes
+            .iter()
+            .map(|b| b.lt_status())
+            .find(|r| r.is_err())
+            .unwrap_or(Ok(()));
         c.push(
             format!("{case}: cuBLASLt ran"),
             Kind::Check,
@@ -2031,8 +2037,7 @@ pub(super) fn attn_decode_split(c: &mut Ctx) -> Result<()> {
 /// from flat distributions over every token, where f32 sums (the low-precision build) move a
 /// few draws in a hundred; the planted build draws from the next step's counter. The last
 /// `uncond` lanes are the unconditional branches of the first ones (classifier-free guidance):
-/// those lanes draw from `sampling::cfg_mix` of the two rows, the branches draw nothing and
-/// read back their lane's frame.
+/// those lanes draw from `sampling::cfg_mix` of the two rows, the branches draw nothing.
 pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
     use model::backend::{Branch, RoundLane, RoundSpec, Slot};
     use model::sampling::{cfg_mix, sample_head, sample_main, SamplingParams};
@@ -2175,10 +2180,6 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
             for (f, w) in frames.iter().zip(&rep.want) {
                 bad += usize::from(f[0] != w.0 || f[1] != w.0 - i64::from(sem0))
                     + usize::from(f[2 + rep.r] != w.1);
-            }
-            // an unconditional branch reads back its lane's frame
-            for (j, f) in frames[leaders..].iter().enumerate() {
-                bad += usize::from(*f != frames[j]);
             }
         }
         Ok(bad)

@@ -605,9 +605,7 @@ impl<E: Exec> EncCore<E> {
         if pcm.is_empty() {
             return Err(CodecError::Audio("no samples to encode".into()).into());
         }
-        if let Some(p) = pcm.iter().position(|v| !v.is_finite()) {
-            return Err(CodecError::Audio(format!("sample {p} is not finite")).into());
-        }
+        // a non-finite sample is refused by the push, at its index in the clip
         let mut st = self.state()?;
         let out = self.encode_padded(&mut st, pcm);
         self.release(st);
