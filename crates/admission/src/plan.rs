@@ -416,6 +416,19 @@ impl Plan {
     pub fn total(&self, memory: Memory) -> Option<&MemoryTotal> {
         self.totals.iter().find(|t| t.memory == memory)
     }
+
+    /// The device classes beyond the weights (`weights_*`): the KV pool, per-lane state,
+    /// scratch, codec state, staging and caches, which a backend reserves at start-up once the
+    /// weights are resident.
+    pub fn device_state_bytes(&self) -> Bytes {
+        Bytes(
+            self.classes
+                .iter()
+                .filter(|c| c.memory == Memory::Device && !c.class.starts_with("weights_"))
+                .map(|c| c.bytes.0)
+                .fold(0u64, u64::saturating_add),
+        )
+    }
 }
 
 /// Everything derived from (geometry, request) at one C and lane count.

@@ -542,3 +542,35 @@ fn budget_flags_override_detection() {
     // `--host-gib 0.5` style figures.
     assert_eq!(Bytes::from_gib_f64(0.5), Some(Bytes(1 << 29)));
 }
+
+#[test]
+fn device_state_is_the_device_total_less_the_weights() {
+    let g = ModelGeometry::drama3();
+    let mut req = request(4096, 100, FrameCap::Default);
+    req.lanes = Lanes(32);
+    let r = plan(&g, &req);
+    let total = r.total(Memory::Device).unwrap().needed.0;
+    let weights: u64 = r
+        .classes
+        .iter()
+        .filter(|c| c.memory == Memory::Device && c.class.starts_with("weights_"))
+        .map(|c| c.bytes.0)
+        .sum();
+    assert!(
+        weights > 30 << 30,
+        "FP8 experts alone are over 30 GiB: {weights}"
+    );
+    let state = r.device_state_bytes().0;
+    assert_eq!(state + weights, total);
+    // the KV pool is in it, and grows with the lanes
+    let kv: u64 = ["backbone_kv", "tower_kv"]
+        .iter()
+        .map(|k| r.classes.iter().find(|c| c.class == *k).unwrap().bytes.0)
+        .sum();
+    assert!(state > kv && kv > 0);
+    req.lanes = Lanes(1);
+    assert!(plan(&g, &req).device_state_bytes().0 < state);
+    // the CPU backend's plan has no device side
+    let cpu = plan(&g, &PlanRequest::new(Backend::Cpu));
+    assert_eq!(cpu.device_state_bytes(), Bytes(0));
+}

@@ -545,6 +545,10 @@ pub struct CudaOptions {
     /// hundred rows the 64-row tiles are mostly empty (about 8 rows per expert at 256 rows)
     /// and the GEMVs, which read the weights once per 8 rows, are faster (NOTES.md).
     pub gemm_min_rows: usize,
+    /// Routed experts of a `Rows::Bulk` call run grouped by expert from this many rows
+    /// (`DRAMATIS_CUDA_GROUP_MIN`, default `gemm_min_rows`): apart from the dense threshold so
+    /// parity can tell the two bulk paths apart.
+    pub group_min_rows: usize,
     /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
@@ -555,8 +559,9 @@ pub struct CudaOptions {
     /// `DRAMATIS_CUDA_GRAPH=0` issues every launch instead.
     pub graphs: bool,
     /// Split decode attention's head groups over more blocks when blocks are few
-    /// (`kernels::decode_heads_per_block`): `DRAMATIS_CUDA_HEAD_SPLIT=1`. Off by default until
-    /// the contract has run it on the device (written after the session's device time ran out).
+    /// (`kernels::decode_heads_per_block`); on by default (contract and goldens pass with it,
+    /// one lane 82.0 -> 88.5 frames/s, `bench/cuda-drama3-head-split-*-2026-11-29-s7.json`):
+    /// `DRAMATIS_CUDA_HEAD_SPLIT=0` turns it off.
     pub decode_head_split: bool,
     /// `Rows::Bulk` BF16 linears (from `gemm_min_rows` rows) run as BF16 tensor-core GEMMs
     /// through cuBLASLt with split activations (`lt.rs`) instead of the tiled GEMM:
@@ -593,10 +598,14 @@ impl CudaOptions {
             },
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
             gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
+            group_min_rows: num(
+                "DRAMATIS_CUDA_GROUP_MIN",
+                num("DRAMATIS_CUDA_GEMM_MIN", 512),
+            ),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
-            decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_some_and(|v| v.trim() == "1"),
+            decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
         }
     }
@@ -2770,7 +2779,7 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(y);
         }
-        if _rows == Rows::Bulk && !nvfp4 && n >= self.opts.gemm_min_rows {
+        if _rows == Rows::Bulk && !nvfp4 && n >= self.opts.group_min_rows {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y)?;
             return Ok(y);
         }
@@ -2799,6 +2808,29 @@ impl Backend for CudaBackend {
     fn settle(&self) -> BResult<()> {
         // a download of nothing: the wait, and the device error flag read and cleared
         self.dtoh::<u8>(0, 0).map(|_| ())
+    }
+
+    fn reserve(&self, bytes: u64) -> BResult<u64> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let gib = bytes as f64 / (1u64 << 30) as f64;
+        let n = usize::try_from(bytes)
+            .map_err(|_| dev(format!("a reservation of {bytes} bytes does not fit usize")))?;
+        // One block from the stream-ordered pool, handed straight back: the pool keeps freed
+        // memory (`keep_pool_memory`: release threshold u64::MAX) and serves every later
+        // allocation of this context from it, lane state and scratch alike.
+        let block = self.alloc_exact(n).map_err(|e| {
+            let free = self.mem_info().map(|(f, _)| f).unwrap_or(0);
+            dev(format!(
+                "the memory plan's device state is {gib:.3} GiB ({bytes} bytes) and cannot be \
+                 reserved: {e} ({:.3} GiB free on the device); lower --parallel or --context",
+                free as f64 / (1u64 << 30) as f64
+            ))
+        })?;
+        drop(block);
+        self.synchronize()?;
+        Ok(bytes)
     }
 
     fn resident_rounds(&self) -> bool {
@@ -3231,14 +3263,38 @@ mod tests {
         assert!(!one("DRAMATIS_CUDA_ROUNDS", "host").kept_rounds);
         assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
-        assert!(!d.decode_head_split && one("DRAMATIS_CUDA_HEAD_SPLIT", "1").decode_head_split);
+        assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );
         assert_eq!(
-            (d.split_min_keys, d.flash_min_rows, d.gemm_min_rows),
-            (1, 2, 512)
+            (
+                d.split_min_keys,
+                d.flash_min_rows,
+                d.gemm_min_rows,
+                d.group_min_rows
+            ),
+            (1, 2, 512, 512)
+        );
+        // the experts' threshold follows the dense one unless set apart
+        let g = |a: &'static str, b: Option<&'static str>| {
+            CudaOptions::from_lookup(move |k| match k {
+                "DRAMATIS_CUDA_GEMM_MIN" => Some(a.to_string()),
+                "DRAMATIS_CUDA_GROUP_MIN" => b.map(str::to_string),
+                _ => None,
+            })
+        };
+        assert_eq!(
+            (g("32", None).gemm_min_rows, g("32", None).group_min_rows),
+            (32, 32)
+        );
+        assert_eq!(
+            (
+                g("32", Some("4096")).gemm_min_rows,
+                g("32", Some("4096")).group_min_rows
+            ),
+            (32, 4096)
         );
         let set = |k: &str| -> Option<String> {
             match k {

@@ -18,6 +18,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         split_min_keys: usize::MAX,
         flash_min_rows: usize::MAX,
         gemm_min_rows: usize::MAX,
+        group_min_rows: usize::MAX,
         tc_gemv: true,
         kept_rounds: true,
         graphs: true,
@@ -52,6 +53,7 @@ fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
 fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
     let o = CudaOptions {
         gemm_min_rows: 2,
+        group_min_rows: 2,
         ..base_opts(true)
     };
     CudaBackend::with_gpu(c.shared.clone(), v, o)

@@ -145,9 +145,11 @@ its own thread during the load and every decode run; peak_engine_bytes = peak_us
 baseline_used_bytes (the baseline, taken before the load, holds this process's CUDA context and \
 other processes); allocations shorter than the interval can be missed, so the peak is a lower \
 bound; planned_device_bytes includes ceilings that fill only under load (reference_cache, the \
-KV pool at every lane's full window: see planned_device_classes); the prefill section loads a \
-second model copy beside the engine and is sampled apart (prefill_peak_used_bytes), never \
-compared with the plan";
+KV pool at every lane's full window: see planned_device_classes), and the engine reserves those \
+(every device class but the weights, reserved_device_bytes) from the stream-ordered pool at \
+start-up, so a peak above the plan is state the plan did not account for; the prefill section \
+loads a second model copy beside the engine and is sampled apart (prefill_peak_used_bytes), \
+never compared with the plan";
 
 /// Device memory over one bench: figures in bytes, all device-wide (every process counts).
 struct DeviceMemory {
@@ -161,6 +163,8 @@ struct DeviceMemory {
     planned_classes: Vec<(&'static str, u64)>,
     /// The highest figure during the prefill section, when it ran.
     prefill_peak: Option<speech::DevicePeak>,
+    /// What the engine reserved at start-up for the plan's state beyond the weights.
+    reserved: u64,
 }
 
 impl DeviceMemory {
@@ -206,6 +210,7 @@ fn device_memory_json(m: &DeviceMemory) -> serde_json::Value {
         "samples": m.peak.samples,
         "sample_interval_ms": m.peak.interval_ms,
         "prefill_peak_used_bytes": m.prefill_peak.map(|p| p.used_bytes),
+        "reserved_device_bytes": m.reserved,
         "note": DEVICE_MEMORY_NOTE,
     })
 }
@@ -438,6 +443,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             planned: eng.planned_device_bytes(),
             planned_classes: planned_device_classes(&eng),
             prefill_peak,
+            reserved: eng.reserved_device_bytes(),
         }),
         _ => None,
     };
@@ -587,6 +593,7 @@ mod tests {
             planned,
             planned_classes: vec![("weights_backbone_bf16", 60_000), ("backbone_kv", 40_000)],
             prefill_peak: None,
+            reserved: 40_000,
         }
     }
 

@@ -516,6 +516,16 @@ pub trait Backend: Send + Sync + Sized {
         Ok(())
     }
 
+    /// Takes `bytes` of memory for the state the plan admits (KV pool, lane state, scratch,
+    /// codec state, caches) at start-up and keeps it for the process's later allocations, so
+    /// what was admitted cannot fail for want of memory another process took (ADMISSION.md: a
+    /// pool sized at start-up). Returns the bytes now held; a backend whose memory is the
+    /// host's, budgeted by the plan, holds nothing (0).
+    fn reserve(&self, bytes: u64) -> BResult<u64> {
+        let _ = bytes;
+        Ok(0)
+    }
+
     // ---- frame rounds kept on the backend (no host round trip inside a frame) ----
 
     /// Whether the model should run frame rounds through the round ops below (draws on the

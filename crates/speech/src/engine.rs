@@ -246,6 +246,8 @@ pub struct Engine {
     frames_total: Arc<AtomicU64>,
     /// The model's frame-round counters (shared with the worker's model).
     round_stats: Arc<model::RoundStats>,
+    /// Device bytes the backend reserved at start-up for the plan's state (0 on the CPU).
+    device_reserved: u64,
     cache_hits: Arc<AtomicU64>,
     cache_misses: Arc<AtomicU64>,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -484,8 +486,9 @@ impl Engine {
                 .max(codec.frame_length() as u64),
             max_pause: std::time::Duration::from_secs_f64(opts.max_pause_seconds),
             prefill_chunk: usize::try_from(req.prefill_chunk_rows.0).unwrap_or(usize::MAX),
+            device_reserve: plan.device_state_bytes().0,
         };
-        let (handle, backend_name, round_stats) = match opts.backend {
+        let (handle, backend_name, round_stats, device_reserved) = match opts.backend {
             BackendChoice::Cpu => spawn_worker(&ck, backend_cpu::CpuBackend::new(), ctx)?,
             #[cfg(feature = "cuda")]
             BackendChoice::Cuda => {
@@ -523,6 +526,7 @@ impl Engine {
             shared,
             frames_total,
             round_stats,
+            device_reserved,
             cache_hits,
             cache_misses,
             worker: Mutex::new(Some(handle)),
@@ -557,6 +561,12 @@ impl Engine {
 
     /// Device bytes the plan accounts for (weights, KV pool, state, codec, staging); `None` on
     /// the CPU backend, whose plan has no device side.
+    /// Device bytes reserved at start-up for the plan's state beyond the weights (KV pool,
+    /// lane state, scratch, codec state, caches): 0 on the CPU backend.
+    pub fn reserved_device_bytes(&self) -> u64 {
+        self.device_reserved
+    }
+
     pub fn planned_device_bytes(&self) -> Option<u64> {
         self.plan
             .total(admission::Memory::Device)
@@ -1431,6 +1441,8 @@ struct WorkerCtx {
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
+    /// The plan's device state beyond the weights, reserved once the model is loaded.
+    device_reserve: u64,
 }
 
 /// Loads the model on `backend` and starts the frame-round thread.
@@ -1438,9 +1450,23 @@ fn spawn_worker<B: Backend + 'static>(
     ck: &Checkpoint,
     backend: B,
     ctx: WorkerCtx,
-) -> Result<(std::thread::JoinHandle<()>, String, Arc<model::RoundStats>), SpeechError> {
+) -> Result<
+    (
+        std::thread::JoinHandle<()>,
+        String,
+        Arc<model::RoundStats>,
+        u64,
+    ),
+    SpeechError,
+> {
     let name = backend.name().to_string();
     let model = Model::load(ck, backend).map_err(err)?;
+    // The KV pool, lane state, scratch, codec state and caches the plan admitted, taken now so
+    // that nothing admitted later fails for want of device memory (ADMISSION.md).
+    let reserved = model
+        .backend
+        .reserve(ctx.device_reserve)
+        .map_err(|e| SpeechError::Engine(format!("start-up: {e}")))?;
     let round_stats = model.round_stats();
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
@@ -1503,7 +1529,7 @@ fn spawn_worker<B: Backend + 'static>(
             let _ = codec_thread.join();
         })
         .map_err(|e| SpeechError::Engine(format!("cannot start the worker thread: {e}")))?;
-    Ok((h, name, round_stats))
+    Ok((h, name, round_stats, reserved))
 }
 
 struct Worker<B: Backend> {
