@@ -346,3 +346,276 @@ extern "C" __global__ void moe_group_combine(const unsigned int* __restrict__ id
         y[i] = acc;
     }
 }
+
+// ---------------------------------------------------------------- the same tiles on tensor cores
+// 64 rows x 64 outputs per block, 32 keys a step, as m16n8k8 TF32 MMAs with outputs as M and rows
+// as N (warp w takes outputs 16 (w % 4).. and rows 32 (w / 4).., four groups of 8 rows). BF16 and
+// e4m3 weights are exact in TF32; each activation is split x = hi + lo into two TF32 values (about
+// 22 of its 24 bits kept) and each MMA starts from zero and is added in f32, as gemv_tc does (the
+// tensor core's own accumulation truncates, which biases a sum over K). An FP8 weight enters raw
+// and its 128x128 block scale multiplies each 128-key block's partial sum:
+// y = sum_b s_b (sum_{k in b} w_k x_k). An output of a row depends on that row alone (an MMA's
+// columns are independent) in a fixed key order, not on the rows beside it or their grouping.
+// K a multiple of 32. PLANT 1: the scale of the next key block (experts) / the last 32-key step
+// skipped (dense). LOWP: lo dropped (one TF32 MMA per step).
+#define TK 32
+#define TPAD 4
+
+// Eight activations into the row-major hi/lo tiles at (row lr, key lk..).
+__device__ __forceinline__ void stage_x_tf32(unsigned int (*Xh)[TK + TPAD], unsigned int (*Xl)[TK + TPAD], int lr,
+                                             int lk, const float (&v)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        unsigned int h = to_tf32(v[i]);
+        Xh[lr][lk + i] = h;
+#ifdef LOWP
+        Xl[lr][lk + i] = 0u;
+#else
+        Xl[lr][lk + i] = to_tf32(v[i] - __uint_as_float(h));
+#endif
+    }
+}
+
+// The raw e4m3 values of 8 keys of weight row r (zeros past rows_w).
+__device__ __forceinline__ void load_w8_fp8_raw(const fp8_t* __restrict__ w, int rows_w, int K, int r, int k,
+                                                float (&v)[8]) {
+    if (r < rows_w) {
+        uint2 u = *(const uint2*)(w + (long long)r * K + k);
+        unsigned short p[4] = {(unsigned short)(u.x & 0xffff), (unsigned short)(u.x >> 16),
+                               (unsigned short)(u.y & 0xffff), (unsigned short)(u.y >> 16)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = fp8x2_to_f32(p[i]);
+            v[2 * i] = f.x;
+            v[2 * i + 1] = f.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.0f;
+    }
+}
+
+// blk[q][e] += (W tile rows mo.. x X rows rq..)'s MMAs over the 32 staged keys, hi then lo, each
+// MMA from zero. Row groups at or past `count` are skipped (uniform across the warp).
+__device__ __forceinline__ void tc_tile(const float (*Ws)[TK + TPAD], const unsigned int (*Xh)[TK + TPAD],
+                                        const unsigned int (*Xl)[TK + TPAD], int mo, int half, int count,
+                                        float (&blk)[4][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < TK; ks += 8) {
+        const unsigned int a[4] = {__float_as_uint(Ws[mo + g][ks + t]), __float_as_uint(Ws[mo + g + 8][ks + t]),
+                                   __float_as_uint(Ws[mo + g][ks + t + 4]),
+                                   __float_as_uint(Ws[mo + g + 8][ks + t + 4])};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int rq = half + 8 * q;
+            if (rq >= count) break;
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(d, a, Xh[rq + g][ks + t], Xh[rq + g][ks + t + 4]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) blk[q][e] += d[e];
+#ifndef LOWP
+            float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(dl, a, Xl[rq + g][ks + t], Xl[rq + g][ks + t + 4]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) blk[q][e] += dl[e];
+#endif
+        }
+    }
+}
+
+// The 128x128 block scale of outputs n0.. (n0 a multiple of 64: one block row) at key block kb.
+__device__ __forceinline__ float tile_scale(const float* __restrict__ sc, int n0, int K, int kb) {
+    const int nkb = (K + 127) >> 7;
+#if PLANT == 1
+    kb = (kb + 1) % nkb;
+#endif
+    return sc[(long long)(n0 >> 7) * nkb + kb];
+}
+
+// y[r, n] = sum_k x[r, k] W[n, k] on tensor cores. W bf16 [N, K], x [rows, K], K a multiple of 32.
+// Grid (ceil(N / 64), ceil(rows / 64)), block 256.
+extern "C" __global__ void __launch_bounds__(256) gemm_bf16_tc(const bf16_t* __restrict__ W,
+                                                               const float* __restrict__ x, float* __restrict__ y,
+                                                               int N, int K, int rows) {
+    __shared__ __align__(16) float Ws[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xh[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xl[GM][TK + TPAD];
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    const int mo = (warp & 3) * 16, half = (warp >> 2) * 32;
+    const int n0 = blockIdx.x * GN, r0 = blockIdx.y * GM;
+    const int count = rows - r0 < GM ? rows - r0 : GM;
+    const int lr = t >> 2, lk = (t & 3) * 8;
+    const bool xok = lr < count, wok = n0 + lr < N;
+    const float* xr = x + (long long)(r0 + (xok ? lr : 0)) * K;
+    const bf16_t* wr = W + (long long)(wok ? n0 + lr : 0) * K;
+    float acc[4][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[q][e] = 0.0f;
+    int kend = K;
+#if PLANT == 1
+    kend -= TK;
+#endif
+    for (int k0 = 0; k0 < kend; k0 += TK) {
+        float xv[8], wv[8];
+        load_x8(xr, xok, k0 + lk, K, xv);
+        if (wok) {
+            uint4 u = *(const uint4*)(wr + k0 + lk);
+            float2 a = bf16x2_to_f32(u.x), b = bf16x2_to_f32(u.y), c = bf16x2_to_f32(u.z), d = bf16x2_to_f32(u.w);
+            wv[0] = a.x; wv[1] = a.y; wv[2] = b.x; wv[3] = b.y; wv[4] = c.x; wv[5] = c.y; wv[6] = d.x; wv[7] = d.y;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) wv[i] = 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) Ws[lr][lk + i] = wv[i];
+        stage_x_tf32(Xh, Xl, lr, lk, xv);
+        __syncthreads();
+        tc_tile(Ws, Xh, Xl, mo, half, count, acc);
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = n0 + mo + g + (e >= 2 ? 8 : 0);
+            const int m = half + 8 * q + 2 * tq + (e & 1);
+            if (n < N && m < count) y[(long long)(r0 + m) * N + n] = acc[q][e];
+        }
+}
+
+// moe_group_gate_up on tensor cores: hbuf[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]).
+// Grid (ceil(I / 64), an upper bound on the tile count), block 256; H a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256) moe_group_gate_up_tc(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ x, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ hbuf, int I, int H, int k,
+    int E) {
+    __shared__ __align__(16) float Gs[GM][TK + TPAD];
+    __shared__ __align__(16) float Us[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xh[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xl[GM][TK + TPAD];
+    __shared__ int e_sh;
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    if (t == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    const int e = e_sh;
+    if (e < 0) return;
+    const int first = offsets[e] + (blockIdx.y - tiles[e]) * GM;
+    int count = offsets[e + 1] - first;
+    if (count > GM) count = GM;
+    const fp8_t* gate = (const fp8_t*)tab[6 * e];
+    const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
+    const float* gs = (const float*)tab[6 * e + 3];
+    const float* us = (const float*)tab[6 * e + 4];
+    const int mo = (warp & 3) * 16, half = (warp >> 2) * 32;
+    const int n0 = blockIdx.x * GN;
+    const int lr = t >> 2, lk = (t & 3) * 8;
+    const bool xok = lr < count;
+    const float* xr = x + (long long)(xok ? order[first + lr] / k : 0) * H;
+    float ga[4][4], ua[4][4], gb[4][4], ub[4][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ga[q][j] = ua[q][j] = gb[q][j] = ub[q][j] = 0.0f;
+    for (int k0 = 0; k0 < H; k0 += TK) {
+        float xv[8], gv[8], uv[8];
+        load_x8(xr, xok, k0 + lk, H, xv);
+        load_w8_fp8_raw(gate, I, H, n0 + lr, k0 + lk, gv);
+        load_w8_fp8_raw(up, I, H, n0 + lr, k0 + lk, uv);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            Gs[lr][lk + i] = gv[i];
+            Us[lr][lk + i] = uv[i];
+        }
+        stage_x_tf32(Xh, Xl, lr, lk, xv);
+        __syncthreads();
+        tc_tile(Gs, Xh, Xl, mo, half, count, gb);
+        tc_tile(Us, Xh, Xl, mo, half, count, ub);
+        if (((k0 + TK) & 127) == 0 || k0 + TK >= H) {
+            const int kb = k0 >> 7;
+            const float sg = tile_scale(gs, n0, H, kb), su = tile_scale(us, n0, H, kb);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    ga[q][j] = fmaf(sg, gb[q][j], ga[q][j]);
+                    ua[q][j] = fmaf(su, ub[q][j], ua[q][j]);
+                    gb[q][j] = ub[q][j] = 0.0f;
+                }
+        }
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = n0 + mo + g + (j >= 2 ? 8 : 0);
+            const int m = half + 8 * q + 2 * tq + (j & 1);
+            if (n < I && m < count) hbuf[(long long)order[first + m] * I + n] = silu(ga[q][j]) * ua[q][j];
+        }
+}
+
+// moe_group_down on tensor cores: obuf[s, h] = down_e . hbuf[s]. Grid (ceil(H / 64), tile bound),
+// block 256; I a multiple of 32.
+extern "C" __global__ void __launch_bounds__(256) moe_group_down_tc(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ hbuf, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ obuf, int I, int H, int E) {
+    __shared__ __align__(16) float Ws[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xh[GM][TK + TPAD];
+    __shared__ __align__(16) unsigned int Xl[GM][TK + TPAD];
+    __shared__ int e_sh;
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    if (t == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    const int e = e_sh;
+    if (e < 0) return;
+    const int first = offsets[e] + (blockIdx.y - tiles[e]) * GM;
+    int count = offsets[e + 1] - first;
+    if (count > GM) count = GM;
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const float* ds = (const float*)tab[6 * e + 5];
+    const int mo = (warp & 3) * 16, half = (warp >> 2) * 32;
+    const int n0 = blockIdx.x * GN;
+    const int lr = t >> 2, lk = (t & 3) * 8;
+    const bool xok = lr < count;
+    const float* xr = hbuf + (long long)(xok ? order[first + lr] : 0) * I;
+    float acc[4][4], blk[4][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[q][j] = blk[q][j] = 0.0f;
+    for (int k0 = 0; k0 < I; k0 += TK) {
+        float xv[8], wv[8];
+        load_x8(xr, xok, k0 + lk, I, xv);
+        load_w8_fp8_raw(down, H, I, n0 + lr, k0 + lk, wv);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) Ws[lr][lk + i] = wv[i];
+        stage_x_tf32(Xh, Xl, lr, lk, xv);
+        __syncthreads();
+        tc_tile(Ws, Xh, Xl, mo, half, count, blk);
+        if (((k0 + TK) & 127) == 0 || k0 + TK >= I) {
+            const float s = tile_scale(ds, n0, I, k0 >> 7);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[q][j] = fmaf(s, blk[q][j], acc[q][j]);
+                    blk[q][j] = 0.0f;
+                }
+        }
+    }
+    const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int n = n0 + mo + g + (j >= 2 ? 8 : 0);
+            const int m = half + 8 * q + 2 * tq + (j & 1);
+            if (n < H && m < count) obuf[(long long)order[first + m] * H + n] = acc[q][j];
+        }
+}

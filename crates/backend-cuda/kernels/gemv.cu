@@ -136,23 +136,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
 
 // ---------------------------------------------------------------- tensor-core GEMV (TF32 x2)
 
-// TF32 of f32 (round to nearest, ties away), as the bits mma.sync takes.
-__device__ __forceinline__ unsigned int to_tf32(float f) {
-    unsigned int r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
-    return r;
-}
-
-// D = A B + D on tensor cores, m16n8k8, TF32 in, f32 accumulate.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
-                                         unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 #define TC_KC 512  // keys per warp: a block of ceil(K / 512) warps covers one 16-output tile
 
 // y[r, n] = sum_k W[n, k] x[r, k] for 16 outputs n0.. of one weight on tensor cores. BF16 weights

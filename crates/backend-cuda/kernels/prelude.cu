@@ -65,6 +65,23 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     float t = lane < nw ? scratch[lane] : 0.0f;
     return warp_sum(t);
 }
+// TF32 of f32 (round to nearest, ties away), as the bits mma.sync takes.
+__device__ __forceinline__ unsigned int to_tf32(float f) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+
+// D = A B + D on tensor cores, m16n8k8, TF32 in, f32 accumulate.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                         unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 #ifndef PLANT
 #define PLANT 0
 #endif

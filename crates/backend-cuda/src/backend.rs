@@ -569,6 +569,11 @@ pub struct CudaOptions {
     /// the device (written after the session's device time ran out); without the library the
     /// tiled GEMM runs.
     pub gemm_lt: bool,
+    /// `Rows::Bulk` BF16 linears and grouped FP8 experts run their 64x64 tiles on TF32 tensor
+    /// cores (activations split hi + lo, per-MMA f32 adds, FP8 block scales per 128-key block)
+    /// instead of FMA tiles, where K is a multiple of 32: `DRAMATIS_CUDA_TC_BULK=1`. Off until a
+    /// device run has passed the contract, goldens and parity with it.
+    pub tc_bulk: bool,
 }
 
 impl CudaOptions {
@@ -607,6 +612,7 @@ impl CudaOptions {
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
+            tc_bulk: get("DRAMATIS_CUDA_TC_BULK").is_some_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -1563,6 +1569,12 @@ impl CudaBackend {
         let offsets = counts + 4 * e as u64;
         let tiles = offsets + 4 * (e as u64 + 1);
         let cursor = tiles + 4 * (e as u64 + 1);
+        // the tensor-core tiles take both depths (H, I) in 32-key steps
+        let (gate_up, down) = if self.opts.tc_bulk && i.is_multiple_of(32) && h.is_multiple_of(32) {
+            ("moe_group_gate_up_tc", "moe_group_down_tc")
+        } else {
+            ("moe_group_gate_up", "moe_group_down")
+        };
         let max_slots = CHUNK.min(x.rows) * k;
         let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
@@ -1586,9 +1598,9 @@ impl CudaBackend {
                 &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
             // at most ceil(slots / 64) + min(E, slots) tiles; blocks past the count exit
             let tile_bound = u32v(op, slots.div_ceil(64) + e.min(slots))?;
-            go!(self, Source::Gemm, "moe_group_gate_up", (u32v(op, i.div_ceil(64))?, tile_bound, 1), 256, 0;
+            go!(self, Source::Gemm, gate_up, (u32v(op, i.div_ceil(64))?, tile_bound, 1), 256, 0;
                 &tab, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32, &e32);
-            go!(self, Source::Gemm, "moe_group_down", (u32v(op, h.div_ceil(64))?, tile_bound, 1), 256, 0;
+            go!(self, Source::Gemm, down, (u32v(op, h.div_ceil(64))?, tile_bound, 1), 256, 0;
                 &tab, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32, &e32);
             let rows64 = i64v(op, rn)?;
             go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
@@ -2394,6 +2406,12 @@ impl Backend for CudaBackend {
                 if self.opts.gemm_lt && self.gemm_lt(mem.ptr, x, &out, n_out, k)? {
                     return Ok(out);
                 }
+                // the tensor-core tile takes K in 32-key steps
+                let name = if self.opts.tc_bulk && k.is_multiple_of(32) {
+                    "gemm_bf16_tc"
+                } else {
+                    "gemm_bf16_tiled"
+                };
                 let mut r0 = 0;
                 while r0 < x.rows {
                     // grid.y is at most 65535 tiles of 64 rows
@@ -2401,7 +2419,7 @@ impl Backend for CudaBackend {
                     let (xp, yp) = (x.row_ptr(r0)?, out.row_ptr(r0)?);
                     let rn32 = i32v(op, rn)?;
                     let g = (u32v(op, n_out.div_ceil(64))?, u32v(op, rn.div_ceil(64))?, 1);
-                    go!(self, Source::Gemm, "gemm_bf16_tiled", g, 256, 0;
+                    go!(self, Source::Gemm, name, g, 256, 0;
                         &mem.ptr, &xp, &yp, &n32, &k32, &rn32);
                     r0 += rn;
                 }
@@ -3265,6 +3283,7 @@ mod tests {
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
+        assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

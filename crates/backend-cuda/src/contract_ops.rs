@@ -24,6 +24,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         graphs: true,
         decode_head_split: false,
         gemm_lt: false,
+        tc_bulk: false,
     }
 }
 
@@ -51,9 +52,15 @@ fn flash_backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
 
 /// A backend whose `Rows::Bulk` linears and FP8 experts take the tiled GEMMs from 2 rows on.
 fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
+    gemm_backend_tc(c, v, false)
+}
+
+/// [`gemm_backend`] with the tiles on tensor cores (`tc`) or FMA.
+fn gemm_backend_tc(c: &Ctx, v: Variant, tc: bool) -> CudaBackend {
     let o = CudaOptions {
         gemm_min_rows: 2,
         group_min_rows: 2,
+        tc_bulk: tc,
         ..base_opts(true)
     };
     CudaBackend::with_gpu(c.shared.clone(), v, o)
@@ -1642,7 +1649,31 @@ pub(super) fn gemm_lt(c: &mut Ctx) -> Result<()> {
 
 /// The tiled BF16 GEMM of `Rows::Bulk` linears: against FP64, with row, output and depth tails.
 pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
-    for (rows, k, n) in [(100usize, 2048usize, 1000usize), (70, 200, 130)] {
+    gemm_tiles(c, false, &[(100, 2048, 1000), (70, 200, 130)])?;
+    c.limit(
+        "4096 rows x 2048 into 8192",
+        crate::kernels::plan_gemm(4096, 2048, 8192),
+    );
+    Ok(())
+}
+
+/// The same tiles on TF32 tensor cores (`gemm_bf16_tc`, K a multiple of 32): against FP64 with
+/// row and output tails, and in other bits than the FMA tile (so the tensor-core kernel ran).
+pub(super) fn gemm_tc(c: &mut Ctx) -> Result<()> {
+    gemm_tiles(
+        c,
+        true,
+        &[(100, 2048, 1000), (70, 224, 130), (130, 4096, 64)],
+    )?;
+    c.limit(
+        "4096 rows x 2048 into 8192",
+        crate::kernels::plan_gemm_tc(4096, 2048, 8192),
+    );
+    Ok(())
+}
+
+fn gemm_tiles(c: &mut Ctx, tc: bool, shapes: &[(usize, usize, usize)]) -> Result<()> {
+    for &(rows, k, n) in shapes {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let w = c.rng.normals_bf16(n * k, 0.05);
         let reference = gemv_ref(&w, &x, k, rows, n);
@@ -1653,18 +1684,34 @@ pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
         let case = format!("{rows} rows x {k} into {n}");
         let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
             .iter()
-            .map(|&v| run(&gemm_backend(c, v)))
+            .map(|&v| run(&gemm_backend_tc(c, v, tc)))
             .collect::<Result<_>>()?;
         let tol = tol_f32(k);
         c.check(&case, rel_l2(&got[0], &reference), tol);
         c.discriminate(&case, rel_l2(&got[1], &reference), tol);
         c.control(&case, rel_l2(&got[2], &reference), tol);
+        if tc {
+            let fma = run(&gemm_backend_tc(c, Variant::Exact, false))?;
+            tc_ran(c, &case, &got[0], &fma);
+        }
     }
-    c.limit(
-        "4096 rows x 2048 into 8192",
-        crate::kernels::plan_gemm(4096, 2048, 8192),
-    );
     Ok(())
+}
+
+/// A tensor-core case's result is not the FMA tile's bits: the tensor-core kernel ran (a
+/// backend that fell back would give the FMA tile's bits exactly).
+fn tc_ran(c: &mut Ctx, case: &str, tc: &[f32], fma: &[f32]) {
+    let differ = !bits_equal(tc, fma);
+    c.push(
+        format!("{case}: the tensor-core tile ran"),
+        Kind::Check,
+        differ,
+        if differ {
+            "bits differ from the FMA tile".to_string()
+        } else {
+            "bits equal the FMA tile: the tensor-core kernel did not run".to_string()
+        },
+    );
 }
 
 /// The routed FP8 experts of many rows, grouped by expert: against FP64, with a pruned expert
@@ -1674,7 +1721,21 @@ pub(super) fn experts_grouped(c: &mut Ctx) -> Result<()> {
     // a small table, and the Drama 3 layer (256 experts, top-8, I 512, H 2048) with mostly
     // part-filled tiles
     for (e, i, h, rows, k) in [(12, 256, 512, 150, 4), (256, 512, 2048, 64, 8)] {
-        experts_grouped_case(c, e, i, h, rows, k)?;
+        experts_grouped_case(c, e, i, h, rows, k, false)?;
+    }
+    Ok(())
+}
+
+/// The grouped experts' tiles on TF32 tensor cores (`moe_group_{gate_up,down}_tc`): the same
+/// cases, Drama 3's expert shape with full tiles (16 experts, about 100 slots each), and other
+/// bits than the FMA tiles.
+pub(super) fn experts_grouped_tc(c: &mut Ctx) -> Result<()> {
+    for (e, i, h, rows, k) in [
+        (12, 256, 512, 150, 4),
+        (256, 512, 2048, 64, 8),
+        (16, 512, 2048, 400, 4),
+    ] {
+        experts_grouped_case(c, e, i, h, rows, k, true)?;
     }
     Ok(())
 }
@@ -1686,6 +1747,7 @@ fn experts_grouped_case(
     h: usize,
     rows: usize,
     k: usize,
+    tc: bool,
 ) -> Result<()> {
     let mats: Vec<[Fp8Mat; 3]> = (0..e)
         .map(|_| {
@@ -1728,12 +1790,16 @@ fn experts_grouped_case(
     let case = case.as_str();
     let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
         .iter()
-        .map(|&v| run(&gemm_backend(c, v)))
+        .map(|&v| run(&gemm_backend_tc(c, v, tc)))
         .collect::<Result<_>>()?;
     let tol = tol_f32(h * k);
     c.check(case, rel_l2(&got[0], &reference), tol);
     c.discriminate(case, rel_l2(&got[1], &reference), tol);
     c.control(case, rel_l2(&got[2], &reference), tol);
+    if tc {
+        tc_ran(c, case, &got[0], &run(&be0)?);
+    }
+    let be0 = gemm_backend_tc(c, Variant::Exact, tc);
     let again = run(&be0)?;
     let same = bits_equal(&again, &got[0]);
     c.push(

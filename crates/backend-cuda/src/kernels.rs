@@ -806,6 +806,16 @@ pub fn plan_gemm(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
     })
 }
 
+/// `gemm_bf16_tc`: the tiled GEMM's grid on tensor cores (K a multiple of 32).
+pub fn plan_gemm_tc(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
+    Ok(LaunchPlan {
+        kernel: "gemm_bf16_tc",
+        // a [64][36] f32 weight tile and two [64][36] u32 activation tiles (hi, lo)
+        smem: 3 * 64 * 36 * 4,
+        ..plan_gemm(rows, k, n)?
+    })
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
