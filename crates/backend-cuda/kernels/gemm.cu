@@ -152,17 +152,17 @@ extern "C" __global__ void moe_group_count(const unsigned int* __restrict__ ids,
     atomicAdd(&counts[e], 1);
 }
 
-// One block: offsets[e] = sum of counts before e, tiles[e] = sum of ceil(counts / 64) before e
-// (tiles[E] = the total), cursor[e] = 0. E <= 1024.
+// One block: offsets[e] = sum of counts before e, tiles[e] = sum of ceil(counts / tm) before e
+// (tiles[E] = the total; tm slots a tile), cursor[e] = 0. E <= 1024.
 extern "C" __global__ void moe_group_scan(const int* __restrict__ counts, int* __restrict__ offsets,
-                                          int* __restrict__ tiles, int* __restrict__ cursor, int E) {
+                                          int* __restrict__ tiles, int* __restrict__ cursor, int E, int tm) {
     if (threadIdx.x == 0) {
         int o = 0, tl = 0;
         for (int e = 0; e < E; ++e) {
             offsets[e] = o;
             tiles[e] = tl;
             o += counts[e];
-            tl += (counts[e] + GM - 1) / GM;
+            tl += (counts[e] + tm - 1) / tm;
         }
         offsets[E] = o;
         tiles[E] = tl;
@@ -180,17 +180,6 @@ extern "C" __global__ void moe_group_fill(const unsigned int* __restrict__ ids, 
     if (e < 0 || e >= E || tab[6 * e] == 0ull) return;
     int p = offsets[e] + atomicAdd(&cursor[e], 1);
     order[p] = s;
-}
-
-// The expert of tile `b` (tiles[e] <= b < tiles[e+1]), or -1 past the last tile.
-__device__ __forceinline__ int tile_expert(const int* __restrict__ tiles, int E, int b) {
-    if (b >= tiles[E]) return -1;
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (tiles[mid] <= b) lo = mid; else hi = mid - 1;
-    }
-    return lo;
 }
 
 // Eight e4m3 weights of row `r` at k, times the row's 128x128 block scale.

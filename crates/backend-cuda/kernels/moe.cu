@@ -505,3 +505,164 @@ extern "C" __global__ void __launch_bounds__(256) gemv_nvfp4(
         if (lane == 0) y[(long long)r * n_out + n] = d;
     }
 }
+
+// ---- routed experts grouped by expert with the per-row kernels' arithmetic: slots are grouped
+// by expert (moe_group_count / scan / fill with SR-slot tiles), and a warp takes SO consecutive
+// outputs of one expert for up to SR of its slots. Each (slot, output) is exactly
+// moe_*_tab_body's sequence (fp8_rows_dot's per-lane chain, then warp_sum), so the results equal
+// the per-row kernels' bit for bit at any row count; the weight rows are read once per SR slots of
+// their expert instead of once per slot. down writes each slot's dot to obuf, and
+// moe_group_combine sums a row's experts in rank order with moe_down_tab_body's fmaf chain.
+// PLANT 1 and LOWP as fp8_rows_dot / moe_*_tab_body.
+#define SR 8
+#define SO 4
+
+// acc[r][o] = fp8_rows_dot of weight row o with slot r's activations (r < count), before the warp
+// sum. Weights are loaded once per step for all slots.
+template <int O>
+__device__ __forceinline__ void fp8_rows_dot_slots(const fp8_t* const (&wr)[O], const float* const (&xs)[SR],
+                                                   int count, const float* const (&sr)[O], int n, int lane,
+                                                   float (&acc)[SR][O]) {
+#pragma unroll
+    for (int r = 0; r < SR; ++r)
+#pragma unroll
+        for (int o = 0; o < O; ++o) acc[r][o] = 0.0f;
+    int nvec = n >> 4;
+    for (int v = lane; v < nvec; v += 32) {
+        int col = v << 4;
+        uint4 q[O];
+        float sc[O];
+#pragma unroll
+        for (int o = 0; o < O; ++o) {
+            q[o] = ld_stream((const uint4*)wr[o] + v);
+#if PLANT == 1
+            sc[o] = sr[o][(col >> 7) / 4];  // wrong scale block index
+#else
+            sc[o] = sr[o][col >> 7];
+#endif
+        }
+#pragma unroll
+        for (int r = 0; r < SR; ++r) {
+            if (r >= count) break;  // uniform across the warp
+            const float4* xp = (const float4*)(xs[r] + col);
+            float4 xv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) xv[j] = __ldg(xp + j);
+#pragma unroll
+            for (int o = 0; o < O; ++o) {
+                unsigned int words[4] = {q[o].x, q[o].y, q[o].z, q[o].w};
+                float part = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float2 a = fp8x2_to_f32((unsigned short)(words[j] & 0xffffu));
+                    float2 b = fp8x2_to_f32((unsigned short)(words[j] >> 16));
+                    part = fmaf(a.x, xv[j].x, part); part = fmaf(a.y, xv[j].y, part);
+                    part = fmaf(b.x, xv[j].z, part); part = fmaf(b.y, xv[j].w, part);
+                }
+                acc[r][o] = fmaf(sc[o], part, acc[r][o]);
+            }
+        }
+    }
+}
+
+// The tile's expert, first slot and slot count (count 0: past the last tile).
+__device__ __forceinline__ int slot_tile(const int* __restrict__ offsets, const int* __restrict__ tiles, int E,
+                                         int& first, int& count) {
+    __shared__ int e_sh;
+    if (threadIdx.x == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    int e = e_sh;
+    count = 0;
+    if (e < 0) return e;
+    first = offsets[e] + (blockIdx.y - tiles[e]) * SR;
+    count = offsets[e + 1] - first;
+    if (count > SR) count = SR;
+    return e;
+}
+
+// hbuf[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]). Grid (ceil(I / (8 SO)), tile bound),
+// block 256; I a multiple of SO.
+extern "C" __global__ void __launch_bounds__(256) moe_slots_gate_up(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ x, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ hbuf, int I, int H, int k,
+    int E) {
+    int first, count;
+    int e = slot_tile(offsets, tiles, E, first, count);
+    int lane = threadIdx.x & 31;
+    long long i0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SO;
+    if (e < 0 || i0 >= I) return;
+    const fp8_t* gate = (const fp8_t*)tab[6 * e + 0];
+    const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
+    const float* gate_s = (const float*)tab[6 * e + 3];
+    const float* up_s = (const float*)tab[6 * e + 4];
+    int sb_cols = (H + 127) >> 7;
+    const fp8_t* wr[2 * SO];
+    const float* sr[2 * SO];
+#pragma unroll
+    for (int o = 0; o < SO; ++o) {
+        long long i = i0 + o;
+        long long s_off = (i >> 7) * sb_cols;
+        wr[o] = gate + i * H;
+        sr[o] = gate_s + s_off;
+        wr[SO + o] = up + i * H;
+        sr[SO + o] = up_s + s_off;
+    }
+    const float* xs[SR];
+#pragma unroll
+    for (int r = 0; r < SR; ++r) xs[r] = x + (long long)(r < count ? order[first + r] / k : 0) * H;
+    float acc[SR][2 * SO];
+    fp8_rows_dot_slots<2 * SO>(wr, xs, count, sr, H, lane, acc);
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+        if (r >= count) break;
+        float* hout = hbuf + (long long)order[first + r] * I + i0;
+#pragma unroll
+        for (int o = 0; o < SO; ++o) {
+            float g = warp_sum(acc[r][o]);
+            float u = warp_sum(acc[r][SO + o]);
+            if (lane == 0) {
+                float v = silu(g) * u;
+                v = lowp(v);
+                hout[o] = v;
+            }
+        }
+    }
+}
+
+// obuf[s, n] = down_e . hbuf[s] (the warp-summed dot, as moe_down_tab_body's dj). Grid
+// (ceil(H / (8 SO)), tile bound), block 256; H a multiple of SO.
+extern "C" __global__ void __launch_bounds__(256) moe_slots_down(
+    const unsigned long long* __restrict__ tab, const float* __restrict__ hbuf, const int* __restrict__ order,
+    const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ obuf, int I, int H, int E) {
+    int first, count;
+    int e = slot_tile(offsets, tiles, E, first, count);
+    int lane = threadIdx.x & 31;
+    long long n0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SO;
+    if (e < 0 || n0 >= H) return;
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const float* down_s = (const float*)tab[6 * e + 5];
+    int sb_cols = (I + 127) >> 7;
+    const fp8_t* wr[SO];
+    const float* sr[SO];
+#pragma unroll
+    for (int o = 0; o < SO; ++o) {
+        wr[o] = down + (n0 + o) * I;
+        sr[o] = down_s + ((n0 + o) >> 7) * sb_cols;
+    }
+    const float* xs[SR];
+#pragma unroll
+    for (int r = 0; r < SR; ++r) xs[r] = hbuf + (long long)(r < count ? order[first + r] : 0) * I;
+    float acc[SR][SO];
+    fp8_rows_dot_slots<SO>(wr, xs, count, sr, I, lane, acc);
+#pragma unroll
+    for (int r = 0; r < SR; ++r) {
+        if (r >= count) break;
+        float* out = obuf + (long long)order[first + r] * H + n0;
+#pragma unroll
+        for (int o = 0; o < SO; ++o) {
+            float dj = warp_sum(acc[r][o]);
+            dj = lowp(dj);
+            if (lane == 0) out[o] = dj;
+        }
+    }
+}

@@ -82,6 +82,17 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The expert of tile `b` (tiles[e] <= b < tiles[e+1]), or -1 past the last tile.
+__device__ __forceinline__ int tile_expert(const int* __restrict__ tiles, int E, int b) {
+    if (b >= tiles[E]) return -1;
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tiles[mid] <= b) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 #ifndef PLANT
 #define PLANT 0
 #endif

@@ -549,6 +549,10 @@ pub struct CudaOptions {
     /// (`DRAMATIS_CUDA_GROUP_MIN`, default `gemm_min_rows`): apart from the dense threshold so
     /// parity can tell the two bulk paths apart.
     pub group_min_rows: usize,
+    /// Routed experts of calls of at least this many rows (below the bulk tiles) run grouped
+    /// by expert with the per-row arithmetic (`moe_slots_*`, the same bits):
+    /// `DRAMATIS_CUDA_SLOTS_MIN` (default 24; a large value keeps the per-row kernels).
+    pub slots_min_rows: usize,
     /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
@@ -607,6 +611,7 @@ impl CudaOptions {
                 "DRAMATIS_CUDA_GROUP_MIN",
                 num("DRAMATIS_CUDA_GEMM_MIN", 512),
             ),
+            slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", 24),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -795,6 +800,9 @@ impl Drop for CudaBackend {
 /// From this many rows on, BF16 GEMVs take four outputs per warp (`*_w4`, gemv.cu): a quarter
 /// of the activation loads, the same bits; below it one output per warp keeps more blocks.
 const GEMV_WIDE_ROWS: usize = 4;
+/// moe.cu's `SR` (slots a group) and `SO` (outputs a warp) of `moe_slots_*`.
+const SLOTS_TILE: usize = 8;
+const SLOTS_PER_WARP: usize = 4;
 
 /// Threads per RMSNorm group (`rmsnorm_groups`, `add_rmsnorm_groups`): one rule for both, so
 /// the fused op's reduction order, and bits, equal the plain norm's.
@@ -1543,10 +1551,13 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The routed FP8 experts of many rows grouped by expert (gemm.cu): slots (row, rank) are
-    /// counted and listed per expert on the device, each expert's rows run as 64-row tiles of a
-    /// GEMM (gate/up with SiLU-mul, then down), and each row sums its experts in rank order.
-    /// Rows go 4096 at a time, which bounds the two slot buffers (`[4096·k, I]`, `[4096·k, H]`).
+    /// The routed FP8 experts of many rows grouped by expert: slots (row, rank) are counted and
+    /// listed per expert on the device (gemm.cu), each expert's slots run together, and each
+    /// row sums its experts in rank order. `slots`: as SR-slot groups with the per-row kernels'
+    /// arithmetic (moe.cu `moe_slots_*`, the same bits as `moe_*_tab`, each weight row read
+    /// once per group instead of once per slot); otherwise as 64-row GEMM tiles (gate/up with
+    /// SiLU-mul, then down). Rows go 4096 at a time, which bounds the two slot buffers
+    /// (`[4096·k, I]`, `[4096·k, H]`).
     #[allow(clippy::too_many_arguments)]
     fn experts_grouped(
         &self,
@@ -1557,6 +1568,7 @@ impl CudaBackend {
         i: usize,
         h: usize,
         y: &CudaBuf,
+        slots: bool,
     ) -> BResult<()> {
         const CHUNK: usize = 4096;
         let op = "moe_experts";
@@ -1569,12 +1581,28 @@ impl CudaBackend {
         let offsets = counts + 4 * e as u64;
         let tiles = offsets + 4 * (e as u64 + 1);
         let cursor = tiles + 4 * (e as u64 + 1);
-        // the tensor-core tiles take both depths (H, I) in 32-key steps
-        let (gate_up, down) = if self.opts.tc_bulk && i.is_multiple_of(32) && h.is_multiple_of(32) {
-            ("moe_group_gate_up_tc", "moe_group_down_tc")
+        // (source, gate/up, down, slots a tile, outputs a block)
+        let (src, gate_up, down, tm, per_block) = if slots {
+            (
+                Source::Moe,
+                "moe_slots_gate_up",
+                "moe_slots_down",
+                SLOTS_TILE,
+                8 * SLOTS_PER_WARP,
+            )
+        } else if self.opts.tc_bulk && i.is_multiple_of(32) && h.is_multiple_of(32) {
+            // the tensor-core tiles take both depths (H, I) in 32-key steps
+            (
+                Source::Gemm,
+                "moe_group_gate_up_tc",
+                "moe_group_down_tc",
+                64,
+                64,
+            )
         } else {
-            ("moe_group_gate_up", "moe_group_down")
+            (Source::Gemm, "moe_group_gate_up", "moe_group_down", 64, 64)
         };
+        let tm32 = i32v(op, tm)?;
         let max_slots = CHUNK.min(x.rows) * k;
         let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
@@ -1582,25 +1610,25 @@ impl CudaBackend {
         let mut r0 = 0;
         while r0 < x.rows {
             let rn = (x.rows - r0).min(CHUNK);
-            let slots = rn * k;
-            let s32 = i32v(op, slots)?;
+            let n_slots = rn * k;
+            let s32 = i32v(op, n_slots)?;
             let ids = route.ids.at(r0 * k * 4)?;
             let wts = route.wts.at(r0 * k * 4)?;
             let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
             // SAFETY: `ints` holds 4E + 2 i32: counts [E] are zeroed here.
             unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
-            let sg = (u32v(op, slots.div_ceil(256))?, 1, 1);
+            let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
             go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
                 &ids, &tab, &counts, &s32, &e32, &ep);
             go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
-                &counts, &offsets, &tiles, &cursor, &e32);
+                &counts, &offsets, &tiles, &cursor, &e32, &tm32);
             go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
                 &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
-            // at most ceil(slots / 64) + min(E, slots) tiles; blocks past the count exit
-            let tile_bound = u32v(op, slots.div_ceil(64) + e.min(slots))?;
-            go!(self, Source::Gemm, gate_up, (u32v(op, i.div_ceil(64))?, tile_bound, 1), 256, 0;
+            // at most ceil(slots / tm) + min(E, slots) tiles; blocks past the count exit
+            let tile_bound = u32v(op, n_slots.div_ceil(tm) + e.min(n_slots))?;
+            go!(self, src, gate_up, (u32v(op, i.div_ceil(per_block))?, tile_bound, 1), 256, 0;
                 &tab, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32, &e32);
-            go!(self, Source::Gemm, down, (u32v(op, h.div_ceil(64))?, tile_bound, 1), 256, 0;
+            go!(self, src, down, (u32v(op, h.div_ceil(per_block))?, tile_bound, 1), 256, 0;
                 &tab, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32, &e32);
             let rows64 = i64v(op, rn)?;
             go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
@@ -2798,7 +2826,16 @@ impl Backend for CudaBackend {
             return Ok(y);
         }
         if _rows == Rows::Bulk && !nvfp4 && n >= self.opts.group_min_rows {
-            self.experts_grouped(x, route, tab, experts.len(), i, h, &y)?;
+            self.experts_grouped(x, route, tab, experts.len(), i, h, &y, false)?;
+            return Ok(y);
+        }
+        // many rows: the same bits with each expert's weights read once per slot group
+        if wide
+            && n >= self.opts.slots_min_rows
+            && i.is_multiple_of(SLOTS_PER_WARP)
+            && h.is_multiple_of(SLOTS_PER_WARP)
+        {
+            self.experts_grouped(x, route, tab, experts.len(), i, h, &y, true)?;
             return Ok(y);
         }
         let hw = self.alloc(cmul(op, &[n, k, i, 4])?)?;

@@ -19,6 +19,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         flash_min_rows: usize::MAX,
         gemm_min_rows: usize::MAX,
         group_min_rows: usize::MAX,
+        slots_min_rows: usize::MAX,
         tc_gemv: true,
         kept_rounds: true,
         graphs: true,
@@ -1721,7 +1722,7 @@ pub(super) fn experts_grouped(c: &mut Ctx) -> Result<()> {
     // a small table, and the Drama 3 layer (256 experts, top-8, I 512, H 2048) with mostly
     // part-filled tiles
     for (e, i, h, rows, k) in [(12, 256, 512, 150, 4), (256, 512, 2048, 64, 8)] {
-        experts_grouped_case(c, e, i, h, rows, k, false)?;
+        experts_grouped_case(c, e, i, h, rows, k, Grouped::Tiles { tc: false })?;
     }
     Ok(())
 }
@@ -1735,7 +1736,41 @@ pub(super) fn experts_grouped_tc(c: &mut Ctx) -> Result<()> {
         (256, 512, 2048, 64, 8),
         (16, 512, 2048, 400, 4),
     ] {
-        experts_grouped_case(c, e, i, h, rows, k, true)?;
+        experts_grouped_case(c, e, i, h, rows, k, Grouped::Tiles { tc: true })?;
+    }
+    Ok(())
+}
+
+/// Which grouped path a case runs: the 64-row GEMM tiles (FMA or tensor cores) of
+/// `Rows::Bulk`, or the slot groups with the per-row arithmetic (`moe_slots_*`).
+#[derive(Clone, Copy, PartialEq)]
+enum Grouped {
+    Tiles { tc: bool },
+    Slots,
+}
+
+/// A backend that takes `path` from 2 rows on.
+fn grouped_backend(c: &Ctx, v: Variant, path: Grouped) -> CudaBackend {
+    match path {
+        Grouped::Tiles { tc } => gemm_backend_tc(c, v, tc),
+        Grouped::Slots => CudaBackend::with_gpu(
+            c.shared.clone(),
+            v,
+            CudaOptions {
+                slots_min_rows: 2,
+                ..base_opts(true)
+            },
+        ),
+    }
+}
+
+/// The routed FP8 experts grouped by expert with the per-row kernels' arithmetic
+/// (`moe_slots_*` + `moe_group_combine`): against FP64 with low-precision and planted twins,
+/// and bitwise equal to the per-row kernels (`moe_*_tab4`) on the same rows; a small table
+/// with many slots per expert (several slot groups each) and the Drama 3 layer at 32 rows.
+pub(super) fn experts_slots(c: &mut Ctx) -> Result<()> {
+    for (e, i, h, rows, k) in [(12, 256, 512, 40, 4), (256, 512, 2048, 32, 8)] {
+        experts_grouped_case(c, e, i, h, rows, k, Grouped::Slots)?;
     }
     Ok(())
 }
@@ -1747,7 +1782,7 @@ fn experts_grouped_case(
     h: usize,
     rows: usize,
     k: usize,
-    tc: bool,
+    path: Grouped,
 ) -> Result<()> {
     let mats: Vec<[Fp8Mat; 3]> = (0..e)
         .map(|_| {
@@ -1784,22 +1819,48 @@ fn experts_grouped_case(
             })
             .collect::<Result<Vec<_>>>()?;
         let xd = be.upload(&x, rows, h)?;
-        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Bulk)?)?)
+        let kind = match path {
+            Grouped::Tiles { .. } => Rows::Bulk,
+            Grouped::Slots => Rows::Exact,
+        };
+        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, kind)?)?)
     };
     let case = format!("{rows} rows, top-{k} of {e} experts (one pruned), I {i}, H {h}");
     let case = case.as_str();
     let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
         .iter()
-        .map(|&v| run(&gemm_backend_tc(c, v, tc)))
+        .map(|&v| run(&grouped_backend(c, v, path)))
         .collect::<Result<_>>()?;
     let tol = tol_f32(h * k);
     c.check(case, rel_l2(&got[0], &reference), tol);
     c.discriminate(case, rel_l2(&got[1], &reference), tol);
     c.control(case, rel_l2(&got[2], &reference), tol);
-    if tc {
-        tc_ran(c, case, &got[0], &run(&be0)?);
+    match path {
+        Grouped::Tiles { tc: true } => tc_ran(c, case, &got[0], &run(&be0)?),
+        Grouped::Tiles { tc: false } => {}
+        Grouped::Slots => {
+            // the per-row kernels on the same rows (a backend without the slot path)
+            let rows_path = run(&backend(c, Variant::Exact, true))?;
+            let same = bits_equal(&got[0], &rows_path);
+            c.push(
+                format!("{case}: bitwise = the per-row kernels"),
+                Kind::Check,
+                same,
+                if same {
+                    "same bits".to_string()
+                } else {
+                    format!(
+                        "differs: rel_l2 {:.3e}",
+                        rel_l2(
+                            &got[0],
+                            &rows_path.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()
+                        )
+                    )
+                },
+            );
+        }
     }
-    let be0 = gemm_backend_tc(c, Variant::Exact, tc);
+    let be0 = grouped_backend(c, Variant::Exact, path);
     let again = run(&be0)?;
     let same = bits_equal(&again, &got[0]);
     c.push(
