@@ -550,8 +550,9 @@ pub struct CudaOptions {
     /// parity can tell the two bulk paths apart.
     pub group_min_rows: usize,
     /// Routed experts of calls of at least this many rows (below the bulk tiles) run grouped
-    /// by expert with the per-row arithmetic (`moe_slots_*`, the same bits):
-    /// `DRAMATIS_CUDA_SLOTS_MIN` (default 24; a large value keeps the per-row kernels).
+    /// by expert with the per-row arithmetic (`moe_slots_*`, the same bits; contract and
+    /// goldens pass): `DRAMATIS_CUDA_SLOTS_MIN=ROWS`. Off by default: at 32 lanes a round took
+    /// 38.4 ms against 34.2 ms with the per-row kernels (`bench/cuda-drama3-slots-*-2026-11-29-s7.json`).
     pub slots_min_rows: usize,
     /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
@@ -611,7 +612,7 @@ impl CudaOptions {
                 "DRAMATIS_CUDA_GROUP_MIN",
                 num("DRAMATIS_CUDA_GEMM_MIN", 512),
             ),
-            slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", 24),
+            slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -3321,6 +3322,8 @@ mod tests {
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
+        assert_eq!(d.slots_min_rows, usize::MAX);
+        assert_eq!(one("DRAMATIS_CUDA_SLOTS_MIN", "24").slots_min_rows, 24);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );
