@@ -71,6 +71,9 @@ struct EngineArgs {
     /// Host memory budget in GiB (default: MemAvailable).
     #[arg(long)]
     host_gib: Option<f64>,
+    /// Device memory budget in GiB for --backend cuda (default: the device's total memory).
+    #[arg(long)]
+    device_gib: Option<f64>,
     /// Classifier-free guidance strength on the semantic logits (0 = off).
     #[arg(long, default_value_t = 0.0)]
     cfg_gamma: f32,
@@ -246,6 +249,7 @@ fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
         context: a.context,
         voices_dir: a.voices.clone(),
         host_gib: a.host_gib,
+        device_gib: a.device_gib,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,

@@ -16,6 +16,21 @@ pub fn device_memory_used() -> Option<u64> {
     }
 }
 
+/// Device 0's total memory in bytes (the device budget the memory plan detects at start-up);
+/// `None` without the `cuda` feature or a usable driver.
+pub fn device_total_bytes() -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    {
+        backend_cuda::memwatch::device_facts()
+            .ok()
+            .map(|f| f.total_bytes)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 /// Device 0 for receipts (name, compute capability, memory, CUDA driver version); `None`
 /// without the `cuda` feature or a usable driver.
 pub fn device_facts() -> Option<serde_json::Value> {

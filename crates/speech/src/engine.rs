@@ -50,6 +50,9 @@ pub struct EngineOptions {
     pub limits: Limits,
     /// Host memory budget override (GiB); default `MemAvailable`.
     pub host_gib: Option<f64>,
+    /// Device memory budget override (GiB) for the CUDA backend; default the device's total
+    /// memory.
+    pub device_gib: Option<f64>,
     pub backend: BackendChoice,
     /// Decoded audio a job may hold that its caller has not read yet (seconds): beyond it the
     /// job's lane sits out frame rounds until the caller reads (a slow streaming client slows
@@ -81,6 +84,7 @@ impl Default for EngineOptions {
             cfg: CfgOptions::default(),
             limits: Limits::default(),
             host_gib: None,
+            device_gib: None,
             backend: BackendChoice::Cpu,
             max_unread_audio_seconds: DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
             max_pause_seconds: DEFAULT_MAX_PAUSE_SECONDS,
@@ -312,6 +316,7 @@ impl Engine {
         }
         for (flag, v) in [
             ("--host-gib", opts.host_gib),
+            ("--device-gib", opts.device_gib),
             ("--prompt-cache-gib", Some(opts.prompt_cache_gib)),
         ] {
             if let Some(v) = v {
@@ -395,6 +400,14 @@ impl Engine {
         let host_flag = opts.host_gib.and_then(admission::Bytes::from_gib_f64);
         req.host_budget =
             admission::MemoryBudget::choose(host_flag, admission::host_mem_available());
+        // the device side is checked against the device (or --device-gib) before anything is
+        // loaded; what the plan admits is then reserved once the weights are in
+        if opts.backend == BackendChoice::Cuda {
+            req.device_budget = admission::MemoryBudget::choose(
+                opts.device_gib.and_then(admission::Bytes::from_gib_f64),
+                crate::device_memory::device_total_bytes().map(admission::Bytes),
+            );
+        }
         let plan = admission::plan(&geom, &req);
         // What the host has beyond the plan, shared by every request that may be in flight, is
         // what one whole (not streamed) reply may hold.
@@ -405,7 +418,7 @@ impl Engine {
             .unwrap_or(u64::MAX);
         if !plan.is_admitted() {
             return Err(SpeechError::Engine(format!(
-                "start-up refused by the memory plan (use --context, --parallel or --host-gib):\n{}",
+                "start-up refused by the memory plan (use --context, --parallel, --host-gib or --device-gib):\n{}",
                 plan.render_table()
             )));
         }

@@ -373,3 +373,33 @@ fn a_caller_that_never_reads_is_stopped_and_its_lane_freed() {
     assert!(next.frames > 0);
     assert_eq!(e.stats().lanes_busy, 0);
 }
+
+#[test]
+fn a_cuda_plan_past_the_device_budget_is_refused_before_loading() {
+    let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+    std::env::set_var("XDG_CACHE_HOME", &cache);
+    // 1 MiB of device memory holds no weights: start-up names the device side and the flag,
+    // on any build (the plan is checked before a backend exists)
+    let err = Engine::load(EngineOptions {
+        backend: speech::BackendChoice::Cuda,
+        device_gib: Some(1.0 / 1024.0),
+        voices_dir: Some(cache.join("voices-device")),
+        ..Default::default()
+    })
+    .err()
+    .expect("a plan over the device budget must be refused");
+    let msg = err.to_string();
+    assert!(msg.contains("refused by the memory plan"), "{msg}");
+    assert!(msg.contains("--device-gib"), "{msg}");
+    assert!(msg.to_lowercase().contains("device"), "{msg}");
+    // a bad figure is named as such
+    let err = Engine::load(EngineOptions {
+        backend: speech::BackendChoice::Cuda,
+        device_gib: Some(-1.0),
+        ..Default::default()
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("--device-gib -1"), "{err}");
+}
