@@ -801,7 +801,9 @@ impl Drop for CudaBackend {
 /// From this many rows on, BF16 GEMVs take four outputs per warp (`*_w4`, gemv.cu): a quarter
 /// of the activation loads, the same bits; below it one output per warp keeps more blocks.
 const GEMV_WIDE_ROWS: usize = 4;
-/// moe.cu's `SR` (slots a group) and `SO` (outputs a warp) of `moe_slots_*`.
+/// moe.cu's `SR` (slots a group) and `SO` (outputs a warp) of `moe_slots_*`: they must match
+/// (the scan builds `SLOTS_TILE`-slot groups the kernels walk as `SR`); a drift fails the
+/// contract's `moe_experts_slots_fp8` against FP64.
 const SLOTS_TILE: usize = 8;
 const SLOTS_PER_WARP: usize = 4;
 
@@ -1604,13 +1606,18 @@ impl CudaBackend {
             (Source::Gemm, "moe_group_gate_up", "moe_group_down", 64, 64)
         };
         let tm32 = i32v(op, tm)?;
-        let max_slots = CHUNK.min(x.rows) * k;
+        // rows a pass: at most 4096, and few enough that the tile bound (ceil(slots / tm) +
+        // min(E, slots)) stays within grid.y
+        let chunk = CHUNK
+            .min((MAX_GRID_Y.saturating_sub(e) * tm / k.max(1)).max(1))
+            .min(x.rows.max(1));
+        let max_slots = chunk * k;
         let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
         let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
         let mut r0 = 0;
         while r0 < x.rows {
-            let rn = (x.rows - r0).min(CHUNK);
+            let rn = (x.rows - r0).min(chunk);
             let n_slots = rn * k;
             let s32 = i32v(op, n_slots)?;
             let ids = route.ids.at(r0 * k * 4)?;
@@ -2870,23 +2877,40 @@ impl Backend for CudaBackend {
         if bytes == 0 {
             return Ok(0);
         }
-        let gib = bytes as f64 / (1u64 << 30) as f64;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
         let n = usize::try_from(bytes)
             .map_err(|_| dev(format!("a reservation of {bytes} bytes does not fit usize")))?;
         // One block from the stream-ordered pool, handed straight back: the pool keeps freed
         // memory (`keep_pool_memory`: release threshold u64::MAX) and serves every later
         // allocation of this context from it, lane state and scratch alike.
-        let block = self.alloc_exact(n).map_err(|e| {
-            let free = self.mem_info().map(|(f, _)| f).unwrap_or(0);
-            dev(format!(
-                "the memory plan's device state is {gib:.3} GiB ({bytes} bytes) and cannot be \
-                 reserved: {e} ({:.3} GiB free on the device); lower --parallel or --context",
-                free as f64 / (1u64 << 30) as f64
-            ))
-        })?;
+        let block = match self.alloc_exact(n) {
+            Ok(b) => b,
+            Err(e) => {
+                let free = self.mem_info().map(|(f, _)| f as u64).unwrap_or(0);
+                // what the failed start-up took goes back to the driver, not only to the pool
+                let _ = self.synchronize();
+                let _ = crate::memwatch::trim_pool();
+                return Err(dev(format!(
+                    "the memory plan's device state is {:.3} GiB ({bytes} bytes: KV pool, lane \
+                     state, scratch, codec state, reference cache) and cannot be reserved: {e} \
+                     ({:.3} GiB free on the device); lower --parallel, --context or \
+                     --prompt-cache-gib, or leave guidance off",
+                    gib(bytes),
+                    gib(free)
+                )));
+            }
+        };
         drop(block);
         self.synchronize()?;
-        Ok(bytes)
+        // what the pool now keeps unallocated: the reservation, if the driver kept it
+        let held = match (
+            crate::memwatch::pool_reserved_bytes(),
+            crate::memwatch::pool_used_bytes(),
+        ) {
+            (Ok(r), Ok(u)) => r.saturating_sub(u).min(bytes),
+            _ => 0,
+        };
+        Ok(held)
     }
 
     fn resident_rounds(&self) -> bool {

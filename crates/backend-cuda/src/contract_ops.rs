@@ -1839,6 +1839,20 @@ fn experts_grouped_case(
         Grouped::Tiles { tc: true } => tc_ran(c, case, &got[0], &run(&be0)?),
         Grouped::Tiles { tc: false } => {}
         Grouped::Slots => {
+            // the slot path ran: its planted build (the combine sums in reverse rank order) is
+            // not the per-row kernels' planted build, whose exact bits it otherwise shares
+            let rows_planted = run(&backend(c, Variant::Planted, true))?;
+            let ran = !bits_equal(&got[2], &rows_planted);
+            c.push(
+                format!("{case}: the slot kernels ran"),
+                Kind::Check,
+                ran,
+                if ran {
+                    "planted bits differ from the per-row kernels' planted bits".to_string()
+                } else {
+                    "planted bits equal the per-row kernels': the slot path did not run".to_string()
+                },
+            );
             // the per-row kernels on the same rows (a backend without the slot path)
             let rows_path = run(&backend(c, Variant::Exact, true))?;
             let same = bits_equal(&got[0], &rows_path);

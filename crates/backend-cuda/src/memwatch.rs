@@ -157,6 +157,68 @@ fn poll(interval: Duration, stop: &AtomicBool, peak: &AtomicU64, samples: &Atomi
     }
 }
 
+/// Device 0's default memory pool (the stream-ordered allocator every allocation of the engine,
+/// the GPU codec included, is served from), its context current on this thread.
+fn default_pool() -> Result<cudarc::driver::sys::CUmemoryPool> {
+    use cudarc::driver::sys;
+    let ctx = context()?;
+    ctx.bind_to_thread()?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the context is current; `pool` is a live local that receives the handle.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+    Ok(pool)
+}
+
+/// One u64 attribute of the default pool.
+fn pool_attr(attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<u64> {
+    let pool = default_pool()?;
+    let mut v: u64 = 0;
+    // SAFETY: the pool handle is live; the three attributes read here are u64 values.
+    unsafe { cudarc::driver::sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) }
+        .result()?;
+    Ok(v)
+}
+
+/// What the default pool holds from the driver, in use or kept for reuse (bytes).
+pub fn pool_reserved_bytes() -> Result<u64> {
+    pool_attr(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+}
+
+/// What of the default pool is allocated now (bytes).
+pub fn pool_used_bytes() -> Result<u64> {
+    pool_attr(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+}
+
+/// The most of the default pool allocated at once since [`reset_pool_used_high`] (bytes).
+pub fn pool_used_high_bytes() -> Result<u64> {
+    pool_attr(cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+}
+
+/// Restarts the pool's high-water mark from what is allocated now.
+pub fn reset_pool_used_high() -> Result<()> {
+    let pool = default_pool()?;
+    let mut zero: u64 = 0;
+    // SAFETY: as pool_attr; the driver accepts only zero for this attribute (a reset).
+    unsafe {
+        cudarc::driver::sys::cuMemPoolSetAttribute(
+            pool,
+            cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&mut zero as *mut u64).cast(),
+        )
+    }
+    .result()?;
+    Ok(())
+}
+
+/// Gives the default pool's unused memory back to the driver (a failed start-up, or an engine
+/// that stopped, leaves nothing held for other processes).
+pub fn trim_pool() -> Result<()> {
+    let pool = default_pool()?;
+    // SAFETY: the pool handle is live; trimming releases only memory no allocation holds.
+    unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) }.result()?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -147,9 +147,11 @@ other processes); allocations shorter than the interval can be missed, so the pe
 bound; planned_device_bytes includes ceilings that fill only under load (reference_cache, the \
 KV pool at every lane's full window: see planned_device_classes), and the engine reserves those \
 (every device class but the weights, reserved_device_bytes) from the stream-ordered pool at \
-start-up, so a peak above the plan is state the plan did not account for; the prefill section \
-loads a second model copy beside the engine and is sampled apart (prefill_peak_used_bytes), \
-never compared with the plan";
+start-up, so peak_engine_bytes meets the plan by construction and a peak above it is state or \
+overhead (modules, graphs, recorded rounds' own buffers) the plan does not count; \
+state_used_peak_bytes is the pool's high-water mark of allocated state during the decode runs, \
+against state_planned_bytes; the prefill section loads a second model copy beside the engine \
+and is sampled apart (prefill_peak_used_bytes), never compared with the plan";
 
 /// Device memory over one bench: figures in bytes, all device-wide (every process counts).
 struct DeviceMemory {
@@ -163,8 +165,13 @@ struct DeviceMemory {
     planned_classes: Vec<(&'static str, u64)>,
     /// The highest figure during the prefill section, when it ran.
     prefill_peak: Option<speech::DevicePeak>,
-    /// What the engine reserved at start-up for the plan's state beyond the weights.
+    /// What the pool kept reserved at start-up for the plan's state beyond the weights.
     reserved: u64,
+    /// The plan's state beyond the weights (what start-up asked to reserve).
+    state_planned: u64,
+    /// The most state the engine had allocated at once during the decode runs (the pool's
+    /// high-water mark above what it held allocated once loaded), when the driver reports it.
+    state_used: Option<u64>,
 }
 
 impl DeviceMemory {
@@ -211,6 +218,12 @@ fn device_memory_json(m: &DeviceMemory) -> serde_json::Value {
         "sample_interval_ms": m.peak.interval_ms,
         "prefill_peak_used_bytes": m.prefill_peak.map(|p| p.used_bytes),
         "reserved_device_bytes": m.reserved,
+        "state_planned_bytes": m.state_planned,
+        "state_used_peak_bytes": m.state_used,
+        "state_used_of_planned": m
+            .state_used
+            .filter(|_| m.state_planned > 0)
+            .map(|u| u as f64 / m.state_planned as f64),
         "note": DEVICE_MEMORY_NOTE,
     })
 }
@@ -241,6 +254,19 @@ fn device_memory_line(m: &DeviceMemory) -> String {
         }
         _ => format!("{measured}, no device plan"),
     }
+}
+
+/// One line for the terminal: the state the runs used against the state the plan reserves.
+fn device_state_line(m: &DeviceMemory) -> Option<String> {
+    let used = m.state_used?;
+    (m.state_planned > 0).then(|| {
+        format!(
+            "device state: used at most {} of the {} the plan reserves ({:.1}%; the plan counts every lane's full window)",
+            gib(used),
+            gib(m.state_planned),
+            used as f64 * 100.0 / m.state_planned as f64
+        )
+    })
 }
 
 use admission::geometry::H200_COPY_BYTES_PER_S as H200_BYTES_PER_S;
@@ -373,6 +399,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let t_load = Instant::now();
     let eng = Engine::load(opts).map_err(|e| anyhow!("{e}"))?;
     let load_s = t_load.elapsed().as_secs_f64();
+    // the pool's allocated bytes once loaded (weights; the reservation is free again): the
+    // state the runs allocate is the high-water mark above it
+    let pool_base = (cuda && speech::reset_device_pool_high())
+        .then(speech::device_pool_used)
+        .flatten()
+        .map(|(_, used)| used);
     let mut results = Vec::new();
     for &lanes in &a.lanes {
         // One warm-up run, then the measured ones.
@@ -414,6 +446,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     let decode_peak = sampler.map(speech::DevicePeakSampler::stop);
+    let state_used = pool_base
+        .and_then(|base| speech::device_pool_used().map(|(high, _)| high.saturating_sub(base)));
     // Prefill throughput: one lane, a prompt of n rows (then one frame), in 4096-row pieces.
     let mut prefill = Vec::new();
     let prefill_sampler = if cuda && !a.prefill_rows.is_empty() {
@@ -444,6 +478,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             planned_classes: planned_device_classes(&eng),
             prefill_peak,
             reserved: eng.reserved_device_bytes(),
+            state_planned: eng.planned_device_state_bytes(),
+            state_used,
         }),
         _ => None,
     };
@@ -525,6 +561,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(m) = &device_memory {
         println!("{}", device_memory_line(m));
+        if let Some(l) = device_state_line(m) {
+            println!("{l}");
+        }
     }
     eng.shutdown();
     Ok(())
@@ -594,6 +633,8 @@ mod tests {
             planned_classes: vec![("weights_backbone_bf16", 60_000), ("backbone_kv", 40_000)],
             prefill_peak: None,
             reserved: 40_000,
+            state_planned: 40_000,
+            state_used: Some(10_000),
         }
     }
 
@@ -622,6 +663,12 @@ mod tests {
         assert_eq!(v["samples"], 40);
         assert!(v["prefill_peak_used_bytes"].is_null());
         assert!(v["note"].as_str().unwrap().contains("baseline"));
+        // the state used is reported against the state planned, apart from the peak
+        assert_eq!(v["state_planned_bytes"], 40_000);
+        assert_eq!(v["state_used_peak_bytes"], 10_000);
+        assert!((v["state_used_of_planned"].as_f64().unwrap() - 0.25).abs() < 1e-12);
+        let m = memory(1_000, 103_000, Some(100_000));
+        assert!(device_state_line(&m).unwrap().contains("(25.0%"));
 
         let over = device_memory_json(&memory(1_000, 103_001, Some(100_000)));
         assert_eq!(over["within_2_percent"], false);

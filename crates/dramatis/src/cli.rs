@@ -71,7 +71,7 @@ struct EngineArgs {
     /// Host memory budget in GiB (default: MemAvailable).
     #[arg(long)]
     host_gib: Option<f64>,
-    /// Device memory budget in GiB for --backend cuda (default: the device's total memory).
+    /// Device memory budget in GiB for --backend cuda (default: the device's free memory at start-up).
     #[arg(long)]
     device_gib: Option<f64>,
     /// Classifier-free guidance strength on the semantic logits (0 = off).

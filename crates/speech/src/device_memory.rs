@@ -16,18 +16,48 @@ pub fn device_memory_used() -> Option<u64> {
     }
 }
 
-/// Device 0's total memory in bytes (the device budget the memory plan detects at start-up);
-/// `None` without the `cuda` feature or a usable driver.
-pub fn device_total_bytes() -> Option<u64> {
+/// Device 0's free memory in bytes now (total less what every process, this one's context
+/// included, holds): the device budget the memory plan detects at start-up, as `MemAvailable`
+/// is the host's. `None` without the `cuda` feature or a usable driver.
+pub fn device_free_bytes() -> Option<u64> {
     #[cfg(feature = "cuda")]
     {
-        backend_cuda::memwatch::device_facts()
-            .ok()
-            .map(|f| f.total_bytes)
+        let total = backend_cuda::memwatch::device_facts().ok()?.total_bytes;
+        let used = backend_cuda::memwatch::used_bytes().ok()?;
+        Some(total.saturating_sub(used))
     }
     #[cfg(not(feature = "cuda"))]
     {
         None
+    }
+}
+
+/// The default pool's high-water mark of allocated bytes since [`reset_device_pool_high`], and
+/// what it holds allocated now: with the weights resident and the plan's state reserved, their
+/// difference is the state a run really used (`dramatis bench`). `None` without CUDA.
+pub fn device_pool_used() -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    {
+        Some((
+            backend_cuda::memwatch::pool_used_high_bytes().ok()?,
+            backend_cuda::memwatch::pool_used_bytes().ok()?,
+        ))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
+/// Restarts the default pool's high-water mark from what is allocated now.
+pub fn reset_device_pool_high() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        backend_cuda::memwatch::reset_pool_used_high().is_ok()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
     }
 }
 

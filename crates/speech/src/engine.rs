@@ -50,8 +50,8 @@ pub struct EngineOptions {
     pub limits: Limits,
     /// Host memory budget override (GiB); default `MemAvailable`.
     pub host_gib: Option<f64>,
-    /// Device memory budget override (GiB) for the CUDA backend; default the device's total
-    /// memory.
+    /// Device memory budget override (GiB) for the CUDA backend; default the device's free
+    /// memory at start-up.
     pub device_gib: Option<f64>,
     pub backend: BackendChoice,
     /// Decoded audio a job may hold that its caller has not read yet (seconds): beyond it the
@@ -405,7 +405,7 @@ impl Engine {
         if opts.backend == BackendChoice::Cuda {
             req.device_budget = admission::MemoryBudget::choose(
                 opts.device_gib.and_then(admission::Bytes::from_gib_f64),
-                crate::device_memory::device_total_bytes().map(admission::Bytes),
+                crate::device_memory::device_free_bytes().map(admission::Bytes),
             );
         }
         let plan = admission::plan(&geom, &req);
@@ -574,16 +574,22 @@ impl Engine {
 
     /// Device bytes the plan accounts for (weights, KV pool, state, codec, staging); `None` on
     /// the CPU backend, whose plan has no device side.
-    /// Device bytes reserved at start-up for the plan's state beyond the weights (KV pool,
-    /// lane state, scratch, codec state, caches): 0 on the CPU backend.
-    pub fn reserved_device_bytes(&self) -> u64 {
-        self.device_reserved
-    }
-
     pub fn planned_device_bytes(&self) -> Option<u64> {
         self.plan
             .total(admission::Memory::Device)
             .map(|t| t.needed.0)
+    }
+
+    /// Device bytes the pool kept reserved at start-up for the plan's state beyond the weights
+    /// (KV pool, lane state, scratch, codec state, caches), as the driver reports it: 0 on the
+    /// CPU backend.
+    pub fn reserved_device_bytes(&self) -> u64 {
+        self.device_reserved
+    }
+
+    /// The plan's device state beyond the weights: what start-up asked the backend to reserve.
+    pub fn planned_device_state_bytes(&self) -> u64 {
+        self.plan.device_state_bytes().0
     }
 
     pub fn facts(&self) -> SpeechFacts {
@@ -1480,6 +1486,13 @@ fn spawn_worker<B: Backend + 'static>(
         .backend
         .reserve(ctx.device_reserve)
         .map_err(|e| SpeechError::Engine(format!("start-up: {e}")))?;
+    if reserved > 0 && reserved < ctx.device_reserve {
+        tracing::warn!(
+            "the device pool kept {reserved} of the plan's {} bytes of state reserved; the rest \
+             is allocated as it is needed",
+            ctx.device_reserve
+        );
+    }
     let round_stats = model.round_stats();
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();

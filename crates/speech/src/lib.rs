@@ -14,7 +14,10 @@ pub mod split;
 pub mod voices;
 
 pub use api::*;
-pub use device_memory::{device_facts, device_memory_used, DevicePeak, DevicePeakSampler};
+pub use device_memory::{
+    device_facts, device_memory_used, device_pool_used, reset_device_pool_high, DevicePeak,
+    DevicePeakSampler,
+};
 pub use engine::{
     BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle,
     DEFAULT_MAX_PAUSE_SECONDS, DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
