@@ -565,21 +565,6 @@ __device__ __forceinline__ void fp8_rows_dot_slots(const fp8_t* const (&wr)[O], 
     }
 }
 
-// The tile's expert, first slot and slot count (count 0: past the last tile).
-__device__ __forceinline__ int slot_tile(const int* __restrict__ offsets, const int* __restrict__ tiles, int E,
-                                         int& first, int& count) {
-    __shared__ int e_sh;
-    if (threadIdx.x == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
-    __syncthreads();
-    int e = e_sh;
-    count = 0;
-    if (e < 0) return e;
-    first = offsets[e] + (blockIdx.y - tiles[e]) * SR;
-    count = offsets[e + 1] - first;
-    if (count > SR) count = SR;
-    return e;
-}
-
 // hbuf[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]). Grid (ceil(I / (8 SO)), tile bound),
 // block 256; I a multiple of SO.
 extern "C" __global__ void __launch_bounds__(256) moe_slots_gate_up(
@@ -587,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_slots_gate_up(
     const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ hbuf, int I, int H, int k,
     int E) {
     int first, count;
-    int e = slot_tile(offsets, tiles, E, first, count);
+    int e = group_tile<SR>(offsets, tiles, E, first, count);
     int lane = threadIdx.x & 31;
     long long i0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SO;
     if (e < 0 || i0 >= I) return;
@@ -635,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_slots_down(
     const unsigned long long* __restrict__ tab, const float* __restrict__ hbuf, const int* __restrict__ order,
     const int* __restrict__ offsets, const int* __restrict__ tiles, float* __restrict__ obuf, int I, int H, int E) {
     int first, count;
-    int e = slot_tile(offsets, tiles, E, first, count);
+    int e = group_tile<SR>(offsets, tiles, E, first, count);
     int lane = threadIdx.x & 31;
     long long n0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * SO;
     if (e < 0 || n0 >= H) return;

@@ -93,6 +93,25 @@ __device__ __forceinline__ int tile_expert(const int* __restrict__ tiles, int E,
     return lo;
 }
 
+// The expert of this block's tile (blockIdx.y) of a grouped expert launch with TM-slot tiles,
+// its first slot in `order` and its slot count (at most TM); -1 past the last tile. Every
+// thread of the block must call it (one barrier).
+template <int TM>
+__device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const int* __restrict__ tiles, int E,
+                                          int& first, int& count) {
+    __shared__ int e_sh;
+    if (threadIdx.x == 0) e_sh = tile_expert(tiles, E, blockIdx.y);
+    __syncthreads();
+    const int e = e_sh;
+    first = 0;
+    count = 0;
+    if (e < 0) return e;
+    first = offsets[e] + (blockIdx.y - tiles[e]) * TM;
+    count = offsets[e + 1] - first;
+    if (count > TM) count = TM;
+    return e;
+}
+
 #ifndef PLANT
 #define PLANT 0
 #endif
