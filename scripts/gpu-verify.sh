@@ -38,5 +38,5 @@ timeout 150 "$bin" qualify-window --backend cuda --context 65536 --out "$out/win
 timeout 150 "$bin" qualify-window --backend cuda --context 262144 --out "$out/window-cuda-tiny-262144.json" > /dev/null 2>"$out/window256k.err"; echo "window 262144 rc=$?" >> "$out/summary.txt"
 "$bin" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$out/fixture.log" 2>&1; echo "fixture rc=$?" >> "$out/summary.txt"
 timeout 200 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1,8 --frames 32 --runs 3 --prefill-rows 1024,8192 --out "$out/bench-cuda-drama3.json" > "$out/bench.log" 2>&1; echo "bench rc=$?" >> "$out/summary.txt"
-grep '^device memory' "$out/bench.log" >> "$out/summary.txt"   # the bench samples it against the plan
+grep -E '^device (memory|state)' "$out/bench.log" >> "$out/summary.txt"   # the peak against the plan, the state used against the state reserved
 cat "$out/summary.txt"
