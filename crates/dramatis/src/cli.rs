@@ -533,6 +533,8 @@ struct PlanArgs {
     frames: Option<u64>,
     #[arg(long)]
     cfg: bool,
+    /// Device memory budget in GiB (default for --backend cuda: the device's free memory, where
+    /// this build has CUDA and a driver; otherwise none, and the device side is not checked).
     #[arg(long)]
     device_gib: Option<f64>,
     #[arg(long)]
@@ -599,7 +601,14 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
     let detected_host = admission::host_mem_available();
     req.host_budget =
         admission::MemoryBudget::choose(gib("--host-gib", a.host_gib)?, detected_host);
-    req.device_budget = admission::MemoryBudget::choose(gib("--device-gib", a.device_gib)?, None);
+    // the CUDA plan is checked against the device's free memory, as the engine's start-up is
+    // (none detected on a build without CUDA or a machine without a driver)
+    let detected_device = (a.backend == BackendArg::Cuda)
+        .then(speech::device_memory::device_free_bytes)
+        .flatten()
+        .map(admission::Bytes);
+    req.device_budget =
+        admission::MemoryBudget::choose(gib("--device-gib", a.device_gib)?, detected_device);
     let p = admission::plan(&geom, &req);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
