@@ -112,7 +112,12 @@ impl<B: Backend> Model<B> {
         hook: Option<LogitsHook<'_>>,
         trace: Option<&mut Vec<StepTrace>>,
     ) -> Result<Vec<FrameOut>, ModelError> {
-        if hook.is_none() && trace.is_none() && self.backend.resident_rounds() {
+        // a router trace downloads inside the round: rounds then go through the host
+        if hook.is_none()
+            && trace.is_none()
+            && self.route_trace.is_none()
+            && self.backend.resident_rounds()
+        {
             return self.step_frames_kept_guided(lanes, steps, guidance);
         }
         self.step_frames_host(lanes, steps, guidance, hook, trace)

@@ -15,6 +15,7 @@ pub mod model;
 pub mod prof;
 pub mod sampling;
 pub mod stored;
+mod trace;
 
 pub use backend::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
 pub use generate::{FrameOut, Guidance, LaneStep, LogitsHook, RoundCounts, RoundStats, StepTrace};

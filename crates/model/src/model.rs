@@ -192,6 +192,8 @@ pub struct Model<B: Backend> {
     pub(crate) capture_failures: std::sync::atomic::AtomicU64,
     /// How frame rounds ran (shared with whoever asked for [`Model::round_stats`]).
     pub(crate) round_stats: std::sync::Arc<crate::generate::RoundStats>,
+    /// `DRAMATIS_TRACE_ROUTES`: each routed call's top experts and near-tie gaps (trace.rs).
+    pub(crate) route_trace: Option<crate::trace::RouteTrace>,
 }
 
 /// Backbone outputs over a sequence, teacher-forced (for goldens).
@@ -392,6 +394,7 @@ impl<B: Backend> Model<B> {
             heads,
             kept: std::sync::Mutex::new(None),
             capture_failures: std::sync::atomic::AtomicU64::new(0),
+            route_trace: crate::trace::RouteTrace::from_env(backend.name()),
             round_stats: Default::default(),
             config: ck.config.clone(),
             geometry: g,
@@ -704,6 +707,15 @@ impl<B: Backend> Model<B> {
             [&m.router, &m.shared.gate, &m.shared.up, &m.shared_gate],
             mode,
         )?;
+        if let Some(t) = &self.route_trace {
+            let (_, e) = be.shape(&logits);
+            t.record(
+                &be.download(&logits)?,
+                e,
+                self.geometry.top_k,
+                m.keep.as_deref(),
+            );
+        }
         let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
         let routed = be.moe_experts(x, &route, &m.experts, mode)?;
         let s = be.linear(&be.silu_mul(&g, &u)?, &m.shared.down, mode)?;
