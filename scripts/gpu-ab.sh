@@ -23,6 +23,10 @@ if [ -n "$parity" ]; then
   # 64 prompt rows reach the bulk GEMM only with its threshold lowered
   DRAMATIS_CUDA_GEMM_LT=1 DRAMATIS_CUDA_GEMM_MIN=32 timeout 300 "$parity" /tmp/d3 --rows 64 --frames 8 --out "$out/parity-lt.json" > "$out/parity-lt.log" 2>&1; echo "parity lt rc=$?" >> "$s"
   tail -5 "$out/parity-lt.log" >> "$s"
+  # the bulk FMA tiles on a 64-row prompt read 1.18e-2 against the CPU (session 7): where do the
+  # two backends' routings part, and at what gap? (NOTES.md, "The bulk-prefill parity puzzle")
+  DRAMATIS_TRACE_ROUTES="$out/rt" DRAMATIS_CUDA_GEMM_MIN=32 timeout 300 "$parity" /tmp/d3 --rows 64 --frames 8 > "$out/parity-trace.log" 2>&1; echo "parity traced (bulk FMA tiles) rc=$?" >> "$s"
+  python3 "$(dirname "$0")/compare-routes.py" "$out/rt.cpu" "$out/rt.cuda" >> "$s" 2>&1
 fi
 fi
 # speed: decode at 1 and 32 lanes with the head split off and on; prefill with the tiled GEMM
