@@ -52,4 +52,6 @@ for p in sorted(glob.glob(os.path.join(sys.argv[1], "bench-*.json"))):
     pre = [(r.get("prompt_rows"), r.get("rows_per_s")) for r in (d.get("prefill") or [])]
     print(os.path.basename(p), "lanes/aggregate/decode fps", res, "prefill rows/s", pre)
 PY
+# the device tool brings back at most 8 files: logs and traces travel as one archive
+(cd "$out" && tar czf ab-logs.tgz --remove-files ./*.log ./rt.* 2>/dev/null)
 cat "$s"

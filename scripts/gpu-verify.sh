@@ -39,4 +39,6 @@ timeout 150 "$bin" qualify-window --backend cuda --context 262144 --out "$out/wi
 "$bin" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$out/fixture.log" 2>&1; echo "fixture rc=$?" >> "$out/summary.txt"
 timeout 200 "$bin" bench --model /tmp/d3 --backend cuda --lanes 1,8 --frames 32 --runs 3 --prefill-rows 1024,8192 --out "$out/bench-cuda-drama3.json" > "$out/bench.log" 2>&1; echo "bench rc=$?" >> "$out/summary.txt"
 grep -E '^device (memory|state)' "$out/bench.log" >> "$out/summary.txt"   # the peak against the plan, the state used against the state reserved
+# the device tool brings back at most 8 files: logs and audio travel as one archive
+(cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.err ./*.csv ./*.wav 2>/dev/null)
 cat "$out/summary.txt"
