@@ -1604,53 +1604,16 @@ pub(super) fn gemv_nvfp4(c: &mut Ctx) -> Result<()> {
 /// cuBLASLt ran (a backend without it would run the tiled GEMM and pass the numbers). The low-
 /// precision build casts the activations to BF16 (lo dropped); the planted one flips lo's sign.
 pub(super) fn gemm_lt(c: &mut Ctx) -> Result<()> {
-    let make = |v: Variant| {
-        let o = CudaOptions {
-            gemm_min_rows: 2,
-            gemm_lt: true,
-            ..base_opts(true)
-        };
-        CudaBackend::with_gpu(c.shared.clone(), v, o)
-    };
-    for (rows, k, n) in [
-        (100usize, 2048usize, 1000usize),
-        (70, 200, 130),
-        (8200, 512, 64),
-    ] {
-        let x = c.rng.normals_f32(rows * k, 1.0);
-        let w = c.rng.normals_bf16(n * k, 0.05);
-        let reference = gemv_ref(&w, &x, k, rows, n);
-        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-            let wd = be.weight_bf16(n, k, &w)?;
-            Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
-        };
-        let case = format!("{rows} rows x {k} into {n}");
-        let bes = [Variant::Exact, Variant::LowPrecision, Variant::Planted].map(make);
-        let got: Vec<Vec<f32>> = bes.iter().map(run).collect::<Result<_>>()?;
-        // every build ran it (a build without it would fall back to the tiled GEMM, whose own
-        // low-precision and planted variants would stand in for cuBLASLt's)
-        let ran = bes
-            .iter()
-            .map(|b| b.lt_status())
-            .find(|r| r.is_err())
-            .unwrap_or(Ok(()));
-        c.push(
-            format!("{case}: cuBLASLt ran"),
-            Kind::Check,
-            ran.is_ok(),
-            ran.err().unwrap_or_else(|| "cuBLASLt made and used".into()),
-        );
-        let tol = tol_f32(k);
-        c.check(&case, rel_l2(&got[0], &reference), tol);
-        c.discriminate(&case, rel_l2(&got[1], &reference), tol);
-        c.control(&case, rel_l2(&got[2], &reference), tol);
-    }
-    Ok(())
+    gemm_tiles(
+        c,
+        BulkGemm::Lt,
+        &[(100, 2048, 1000), (70, 200, 130), (8200, 512, 64)],
+    )
 }
 
 /// The tiled BF16 GEMM of `Rows::Bulk` linears: against FP64, with row, output and depth tails.
 pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
-    gemm_tiles(c, false, &[(100, 2048, 1000), (70, 200, 130)])?;
+    gemm_tiles(c, BulkGemm::Fma, &[(100, 2048, 1000), (70, 200, 130)])?;
     c.limit(
         "4096 rows x 2048 into 8192",
         crate::kernels::plan_gemm(4096, 2048, 8192),
@@ -1663,7 +1626,7 @@ pub(super) fn gemm_tiled(c: &mut Ctx) -> Result<()> {
 pub(super) fn gemm_tc(c: &mut Ctx) -> Result<()> {
     gemm_tiles(
         c,
-        true,
+        BulkGemm::Tc,
         &[(100, 2048, 1000), (70, 224, 130), (130, 4096, 64)],
     )?;
     c.limit(
@@ -1673,7 +1636,27 @@ pub(super) fn gemm_tc(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
-fn gemm_tiles(c: &mut Ctx, tc: bool, shapes: &[(usize, usize, usize)]) -> Result<()> {
+/// Which GEMM a `Rows::Bulk` linear takes from 2 rows on.
+#[derive(Clone, Copy, PartialEq)]
+enum BulkGemm {
+    Fma,
+    Tc,
+    Lt,
+}
+
+/// One dense bulk GEMM against FP64 on each shape, with its low-precision and planted twins,
+/// and a check that the kernel under test ran (not a fallback with numbers just as good).
+fn gemm_tiles(c: &mut Ctx, kind: BulkGemm, shapes: &[(usize, usize, usize)]) -> Result<()> {
+    let make = |c: &Ctx, v: Variant, kind: BulkGemm| {
+        let o = CudaOptions {
+            gemm_min_rows: 2,
+            group_min_rows: 2,
+            tc_bulk: kind == BulkGemm::Tc,
+            gemm_lt: kind == BulkGemm::Lt,
+            ..base_opts(true)
+        };
+        CudaBackend::with_gpu(c.shared.clone(), v, o)
+    };
     for &(rows, k, n) in shapes {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let w = c.rng.normals_bf16(n * k, 0.05);
@@ -1683,17 +1666,34 @@ fn gemm_tiles(c: &mut Ctx, tc: bool, shapes: &[(usize, usize, usize)]) -> Result
             Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
         };
         let case = format!("{rows} rows x {k} into {n}");
-        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
-            .iter()
-            .map(|&v| run(&gemm_backend_tc(c, v, tc)))
-            .collect::<Result<_>>()?;
+        let bes =
+            [Variant::Exact, Variant::LowPrecision, Variant::Planted].map(|v| make(c, v, kind));
+        let got: Vec<Vec<f32>> = bes.iter().map(run).collect::<Result<_>>()?;
         let tol = tol_f32(k);
         c.check(&case, rel_l2(&got[0], &reference), tol);
         c.discriminate(&case, rel_l2(&got[1], &reference), tol);
         c.control(&case, rel_l2(&got[2], &reference), tol);
-        if tc {
-            let fma = run(&gemm_backend_tc(c, Variant::Exact, false))?;
-            tc_ran(c, &case, &got[0], &fma);
+        match kind {
+            BulkGemm::Fma => {}
+            BulkGemm::Tc => {
+                let fma = run(&make(c, Variant::Exact, BulkGemm::Fma))?;
+                tc_ran(c, &case, &got[0], &fma);
+            }
+            BulkGemm::Lt => {
+                // every build ran it (a build without it would fall back to the tiled GEMM,
+                // whose own low-precision and planted variants would stand in for cuBLASLt's)
+                let ran = bes
+                    .iter()
+                    .map(|b| b.lt_status())
+                    .find(|r| r.is_err())
+                    .unwrap_or(Ok(()));
+                c.push(
+                    format!("{case}: cuBLASLt ran"),
+                    Kind::Check,
+                    ran.is_ok(),
+                    ran.err().unwrap_or_else(|| "cuBLASLt made and used".into()),
+                );
+            }
         }
     }
     Ok(())
