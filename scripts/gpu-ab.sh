@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The device A/B for paths that are written but off by default until a device run decides:
-# the decode head split (DRAMATIS_CUDA_HEAD_SPLIT=1) and cuBLASLt bulk linears
-# (DRAMATIS_CUDA_GEMM_LT=1). Run after scripts/gpu-verify.sh (which writes /tmp/d3).
+# The device A/B of switchable paths: the decode head split (on by default since session 7;
+# the decode phase runs it off and on) and cuBLASLt bulk linears (DRAMATIS_CUDA_GEMM_LT=1, off).
+# Run after scripts/gpu-verify.sh (which writes /tmp/d3).
 # Usage: scripts/gpu-ab.sh DRAMATIS_BIN [PARITY_BIN] [check|decode|prefill|all]. Writes logs
 # and receipts under $OUT. Each phase fits one device call (under 10 minutes); `all` does not.
 set -uo pipefail
@@ -17,7 +17,7 @@ if [ "$phase" = check ] || [ "$phase" = all ]; then
 # correctness first: the kernels' contract cases, the goldens, and Drama 3 parity with the path
 "$bin" kernel-contract --only gemm_bf16_cublaslt > "$out/contract-lt.log" 2>&1; echo "contract cublaslt rc=$?" >> "$s"
 grep '^SUMMARY' "$out/contract-lt.log" >> "$s"
-DRAMATIS_CUDA_HEAD_SPLIT=1 DRAMATIS_CUDA_GEMM_LT=1 DRAMATIS_CUDA_GEMM_MIN=32 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-ab.log" 2>&1; echo "golden split+lt rc=$?" >> "$s"
+DRAMATIS_CUDA_GEMM_LT=1 DRAMATIS_CUDA_GEMM_MIN=32 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-ab.log" 2>&1; echo "golden lt rc=$?" >> "$s"
 grep '^GOLDEN' "$out/golden-ab.log" >> "$s"
 if [ -n "$parity" ]; then
   # 64 prompt rows reach the bulk GEMM only with its threshold lowered

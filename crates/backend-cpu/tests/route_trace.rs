@@ -66,6 +66,26 @@ fn every_routed_call_is_traced_and_frames_do_not_change() {
         .unwrap()
         .iter()
         .all(|g| g.as_f64().unwrap() >= 0.0));
+    // each row's k + 1 experts are distinct ids of the layer's table, and its gaps are real
+    // logit differences (random weights: not all ties)
+    let e = ck.config.text_config.num_experts;
+    for t in top {
+        let mut ids: Vec<u64> = t
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect();
+        assert!(ids.iter().all(|&i| (i as usize) < e), "{ids:?}");
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), k + 1);
+    }
+    assert!(first["gap"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|g| g.as_f64().unwrap() > 0.0));
     let last: serde_json::Value = serde_json::from_str(lines[lines.len() - 1]).unwrap();
     assert_eq!(last["top"].as_array().unwrap().len(), 1);
     std::fs::remove_dir_all(&dir).ok();

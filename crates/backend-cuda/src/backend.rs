@@ -598,6 +598,7 @@ impl CudaOptions {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(default)
         };
+        let gemm_min = num("DRAMATIS_CUDA_GEMM_MIN", 512);
         CudaOptions {
             kv_f32: !get("DRAMATIS_CUDA_KV").is_some_and(|v| v.eq_ignore_ascii_case("bf16")),
             // 1 (always split) or never: a threshold between would pick a lane's kernel by the
@@ -607,11 +608,8 @@ impl CudaOptions {
                 _ => usize::MAX,
             },
             flash_min_rows: num("DRAMATIS_CUDA_FLASH_MIN", 2),
-            gemm_min_rows: num("DRAMATIS_CUDA_GEMM_MIN", 512),
-            group_min_rows: num(
-                "DRAMATIS_CUDA_GROUP_MIN",
-                num("DRAMATIS_CUDA_GEMM_MIN", 512),
-            ),
+            gemm_min_rows: gemm_min,
+            group_min_rows: num("DRAMATIS_CUDA_GROUP_MIN", gemm_min),
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
@@ -2846,12 +2844,10 @@ impl Backend for CudaBackend {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, false)?;
             return Ok(y);
         }
-        // many rows: the same bits with each expert's weights read once per slot group
-        if wide
-            && n >= self.opts.slots_min_rows
-            && i.is_multiple_of(SLOTS_PER_WARP)
-            && h.is_multiple_of(SLOTS_PER_WARP)
-        {
+        // many rows: the same bits with each expert's weights read once per slot group (`wide`
+        // already holds I and H to multiples of 4, which SLOTS_PER_WARP divides)
+        const _: () = assert!(4 % SLOTS_PER_WARP == 0);
+        if wide && n >= self.opts.slots_min_rows {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, true)?;
             return Ok(y);
         }

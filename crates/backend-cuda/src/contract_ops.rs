@@ -58,10 +58,16 @@ fn gemm_backend(c: &Ctx, v: Variant) -> CudaBackend {
 
 /// [`gemm_backend`] with the tiles on tensor cores (`tc`) or FMA.
 fn gemm_backend_tc(c: &Ctx, v: Variant, tc: bool) -> CudaBackend {
+    bulk_backend(c, v, if tc { BulkGemm::Tc } else { BulkGemm::Fma })
+}
+
+/// A backend whose `Rows::Bulk` linears and FP8 experts take `kind`'s GEMMs from 2 rows on.
+fn bulk_backend(c: &Ctx, v: Variant, kind: BulkGemm) -> CudaBackend {
     let o = CudaOptions {
         gemm_min_rows: 2,
         group_min_rows: 2,
-        tc_bulk: tc,
+        tc_bulk: kind == BulkGemm::Tc,
+        gemm_lt: kind == BulkGemm::Lt,
         ..base_opts(true)
     };
     CudaBackend::with_gpu(c.shared.clone(), v, o)
@@ -88,14 +94,14 @@ fn bits_equal(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// A fused op checked bit for bit against the ops it replaces (`case` names both).
+/// An op checked bit for bit against the ops it replaces or matches (`case` names both).
 fn same_bits(c: &mut Ctx, case: String, fused: &[f32], separate: &[f32]) {
     let same = bits_equal(fused, separate);
     c.push(
         case,
         Kind::Check,
         same,
-        format!("fusion {}", if same { "exact" } else { "CHANGES BITS" }),
+        (if same { "same bits" } else { "CHANGES BITS" }).to_string(),
     );
 }
 
@@ -1647,16 +1653,6 @@ enum BulkGemm {
 /// One dense bulk GEMM against FP64 on each shape, with its low-precision and planted twins,
 /// and a check that the kernel under test ran (not a fallback with numbers just as good).
 fn gemm_tiles(c: &mut Ctx, kind: BulkGemm, shapes: &[(usize, usize, usize)]) -> Result<()> {
-    let make = |c: &Ctx, v: Variant, kind: BulkGemm| {
-        let o = CudaOptions {
-            gemm_min_rows: 2,
-            group_min_rows: 2,
-            tc_bulk: kind == BulkGemm::Tc,
-            gemm_lt: kind == BulkGemm::Lt,
-            ..base_opts(true)
-        };
-        CudaBackend::with_gpu(c.shared.clone(), v, o)
-    };
     for &(rows, k, n) in shapes {
         let x = c.rng.normals_f32(rows * k, 1.0);
         let w = c.rng.normals_bf16(n * k, 0.05);
@@ -1666,8 +1662,8 @@ fn gemm_tiles(c: &mut Ctx, kind: BulkGemm, shapes: &[(usize, usize, usize)]) -> 
             Ok(be.download(&be.linear(&be.upload(&x, rows, k)?, &wd, Rows::Bulk)?)?)
         };
         let case = format!("{rows} rows x {k} into {n}");
-        let bes =
-            [Variant::Exact, Variant::LowPrecision, Variant::Planted].map(|v| make(c, v, kind));
+        let bes = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .map(|v| bulk_backend(c, v, kind));
         let got: Vec<Vec<f32>> = bes.iter().map(run).collect::<Result<_>>()?;
         let tol = tol_f32(k);
         c.check(&case, rel_l2(&got[0], &reference), tol);
@@ -1676,8 +1672,13 @@ fn gemm_tiles(c: &mut Ctx, kind: BulkGemm, shapes: &[(usize, usize, usize)]) -> 
         match kind {
             BulkGemm::Fma => {}
             BulkGemm::Tc => {
-                let fma = run(&make(c, Variant::Exact, BulkGemm::Fma))?;
-                tc_ran(c, &case, &got[0], &fma);
+                let fma = run(&bulk_backend(c, Variant::Exact, BulkGemm::Fma))?;
+                ran_check(
+                    c,
+                    format!("{case}: the tensor-core tile ran"),
+                    &got[0],
+                    &fma,
+                );
             }
             BulkGemm::Lt => {
                 // every build ran it (a build without it would fall back to the tiled GEMM,
@@ -1699,18 +1700,18 @@ fn gemm_tiles(c: &mut Ctx, kind: BulkGemm, shapes: &[(usize, usize, usize)]) -> 
     Ok(())
 }
 
-/// A tensor-core case's result is not the FMA tile's bits: the tensor-core kernel ran (a
-/// backend that fell back would give the FMA tile's bits exactly).
-fn tc_ran(c: &mut Ctx, case: &str, tc: &[f32], fma: &[f32]) {
-    let differ = !bits_equal(tc, fma);
+/// The path under test ran: its result is not the bits of the path it would fall back to
+/// (`fallback`), which on these random inputs it differs from only if it ran.
+fn ran_check(c: &mut Ctx, label: String, tested: &[f32], fallback: &[f32]) {
+    let differ = !bits_equal(tested, fallback);
     c.push(
-        format!("{case}: the tensor-core tile ran"),
+        label,
         Kind::Check,
         differ,
         if differ {
-            "bits differ from the FMA tile".to_string()
+            "bits differ from the fallback's".to_string()
         } else {
-            "bits equal the FMA tile: the tensor-core kernel did not run".to_string()
+            "bits equal the fallback's: the path under test did not run".to_string()
         },
     );
 }
@@ -1836,41 +1837,30 @@ fn experts_grouped_case(
     c.discriminate(case, rel_l2(&got[1], &reference), tol);
     c.control(case, rel_l2(&got[2], &reference), tol);
     match path {
-        Grouped::Tiles { tc: true } => tc_ran(c, case, &got[0], &run(&be0)?),
+        Grouped::Tiles { tc: true } => ran_check(
+            c,
+            format!("{case}: the tensor-core tile ran"),
+            &got[0],
+            &run(&be0)?,
+        ),
         Grouped::Tiles { tc: false } => {}
         Grouped::Slots => {
             // the slot path ran: its planted build (the combine sums in reverse rank order) is
             // not the per-row kernels' planted build, whose exact bits it otherwise shares
             let rows_planted = run(&backend(c, Variant::Planted, true))?;
-            let ran = !bits_equal(&got[2], &rows_planted);
-            c.push(
+            ran_check(
+                c,
                 format!("{case}: the slot kernels ran"),
-                Kind::Check,
-                ran,
-                if ran {
-                    "planted bits differ from the per-row kernels' planted bits".to_string()
-                } else {
-                    "planted bits equal the per-row kernels': the slot path did not run".to_string()
-                },
+                &got[2],
+                &rows_planted,
             );
             // the per-row kernels on the same rows (a backend without the slot path)
             let rows_path = run(&backend(c, Variant::Exact, true))?;
-            let same = bits_equal(&got[0], &rows_path);
-            c.push(
+            same_bits(
+                c,
                 format!("{case}: bitwise = the per-row kernels"),
-                Kind::Check,
-                same,
-                if same {
-                    "same bits".to_string()
-                } else {
-                    format!(
-                        "differs: rel_l2 {:.3e}",
-                        rel_l2(
-                            &got[0],
-                            &rows_path.iter().map(|&v| f64::from(v)).collect::<Vec<_>>()
-                        )
-                    )
-                },
+                &got[0],
+                &rows_path,
             );
         }
     }
@@ -1904,8 +1894,8 @@ fn decode_backend(
     decode_backend_split(gpu, v, kv_f32, true)
 }
 
-/// [`decode_backend`] with the head split on or off (off: whole groups per block, the default
-/// of `CudaOptions::from_env`).
+/// [`decode_backend`] with the head split on (the default of `CudaOptions::from_env`) or off
+/// (whole groups per block).
 fn decode_backend_split(
     gpu: &std::sync::Arc<crate::runtime::Gpu>,
     v: Variant,

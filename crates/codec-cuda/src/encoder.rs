@@ -98,20 +98,16 @@ impl EncWeights {
             )?;
             hop *= stride;
             let tf = if n_t > 0 {
-                // The reference hard-codes n_head = dim / 64 and FFN = 3·dim for these.
-                let heads = full / 64;
-                if heads == 0 {
-                    return Err(CudaCodecError::Weights(format!(
-                        "{p}: encoder transformer on a {full}-wide block has no 64-wide head"
-                    )));
-                }
+                let (heads, ffn) = cfg
+                    .encoder_transformer_shape(full)
+                    .map_err(|e| CudaCodecError::Weights(format!("{p}: {e}")))?;
                 let tw = b.transformer(
                     &format!("{p}.block.5"),
                     n_t,
                     full,
                     heads,
                     cfg.encoder_head_dim,
-                    3 * full,
+                    ffn,
                     cfg.encoder_norm_eps,
                     cfg.encoder_window,
                     cfg.encoder_rope_base,
@@ -612,25 +608,12 @@ impl<E: Exec> EncCore<E> {
         out
     }
 
-    /// The whole frames of `pcm`, then its zero-padded tail, through `st`.
+    /// `pcm` zero-padded to whole frames, through `st` (as `Codec::encode` pads).
     fn encode_padded(&self, st: &mut EncStateBufs, pcm: &[f32]) -> Result<Codes> {
         let fl = self.frame_length();
-        let whole = pcm.len() - pcm.len() % fl;
-        let head = self.push(st, &pcm[..whole])?;
-        if whole == pcm.len() {
-            return Ok(head);
-        }
-        let mut last = pcm[whole..].to_vec();
-        last.resize(fl, 0.0);
-        let tail = self.push(st, &last)?;
-        let nq = head.num_codebooks();
-        let frames = head.frames() + 1;
-        let mut data = Vec::with_capacity(nq * frames);
-        for q in 0..nq {
-            data.extend_from_slice(&head.data()[q * head.frames()..(q + 1) * head.frames()]);
-            data.push(tail.get(q, 0));
-        }
-        Ok(Codes::new(nq, frames, data)?)
+        let mut x = pcm.to_vec();
+        x.resize(pcm.len().div_ceil(fl) * fl, 0.0);
+        self.push(st, &x)
     }
 }
 

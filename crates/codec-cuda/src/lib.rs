@@ -405,15 +405,7 @@ pub fn fixture_goldens(
             continue;
         }
         let store = checkpoint::Store::open_file(&path).map_err(|e| e.to_string())?;
-        let codes = store
-            .get(&format!("{case}_codes"))
-            .map_err(|e| e.to_string())?;
-        let shape = codes.shape().to_vec();
-        if shape.len() != 2 {
-            return Err(format!("{case}_codes has shape {shape:?}"));
-        }
-        let codes =
-            Codes::from_i64(shape[0], shape[1], &codes.to_i64()).map_err(|e| e.to_string())?;
+        let codes = read_codes(&store, case)?;
         let pcm = store
             .get(&format!("{case}_pcm_f64"))
             .map_err(|e| e.to_string())?
@@ -449,19 +441,23 @@ pub fn fixture_encode_goldens(
         }
         let store = checkpoint::Store::open_file(&path).map_err(|e| e.to_string())?;
         let pcm = store.get(input).map_err(|e| e.to_string())?.to_f32();
-        let codes = store
-            .get(&format!("{case}_codes"))
-            .map_err(|e| e.to_string())?;
-        let shape = codes.shape().to_vec();
-        if shape.len() != 2 {
-            return Err(format!("{case}_codes has shape {shape:?}"));
-        }
-        let codes =
-            Codes::from_i64(shape[0], shape[1], &codes.to_i64()).map_err(|e| e.to_string())?;
+        let codes = read_codes(&store, case)?;
         drop(store);
         out.push((case.to_string(), pcm, codes));
     }
     Ok(out)
+}
+
+/// The golden `{case}_codes` tensor, `[codebooks, frames]`.
+fn read_codes(store: &checkpoint::Store, case: &str) -> std::result::Result<Codes, String> {
+    let codes = store
+        .get(&format!("{case}_codes"))
+        .map_err(|e| e.to_string())?;
+    let shape = codes.shape().to_vec();
+    if shape.len() != 2 {
+        return Err(format!("{case}_codes has shape {shape:?}"));
+    }
+    Codes::from_i64(shape[0], shape[1], &codes.to_i64()).map_err(|e| e.to_string())
 }
 
 /// Max |a − b| over two equally long f32 signals; `None` if the lengths differ.

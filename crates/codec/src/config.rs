@@ -114,6 +114,18 @@ struct JsonConfig {
 }
 
 impl CodecConfig {
+    /// Heads and FFN width of the transformer after a `full`-wide encoder block: the reference
+    /// hard-codes `n_head = dim / 64` and `FFN = 3·dim` there (not `encoder_head_dim`); a block
+    /// too narrow for one head is an error naming the width.
+    pub fn encoder_transformer_shape(&self, full: usize) -> Result<(usize, usize), String> {
+        match full / 64 {
+            0 => Err(format!(
+                "encoder transformer on a {full}-wide block has no 64-wide head"
+            )),
+            heads => Ok((heads, 3 * full)),
+        }
+    }
+
     /// Parses `codec_config.json` (the fixture's layout).
     pub fn from_json(text: &str) -> Result<Self, CodecError> {
         let j: JsonConfig =

@@ -205,8 +205,16 @@ impl Plan {
             p.snake(&format!("{b}.block.3"), half);
             p.conv(&format!("{b}.block.4.conv"), half, full, 2 * stride, 1.0);
             if n_t > 0 {
-                let w = (full / 64) * cfg.encoder_head_dim;
-                p.transformer(&format!("{b}.block.5"), n_t, full, w, 3 * full);
+                // a config too narrow for one head writes none (loading it then names the width)
+                if let Ok((heads, ffn)) = cfg.encoder_transformer_shape(full) {
+                    p.transformer(
+                        &format!("{b}.block.5"),
+                        n_t,
+                        full,
+                        heads * cfg.encoder_head_dim,
+                        ffn,
+                    );
+                }
             }
             d = full;
         }

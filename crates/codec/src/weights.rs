@@ -243,20 +243,16 @@ pub(crate) fn build(s: &Store, cfg: CodecConfig) -> Result<Inner, CodecError> {
             1,
         )?;
         let transformer = if n_t > 0 {
-            // The reference hard-codes n_head = dim / 64 and FFN = 3·dim for these.
-            let heads = full / 64;
-            if heads == 0 {
-                return Err(CodecError::Config(format!(
-                    "{p}: encoder transformer on a {full}-wide block has no 64-wide head"
-                )));
-            }
+            let (heads, ffn) = cfg
+                .encoder_transformer_shape(full)
+                .map_err(|e| CodecError::Config(format!("{p}: {e}")))?;
             Some(s.transformer(
                 &format!("{p}.block.5"),
                 n_t,
                 full,
                 heads,
                 cfg.encoder_head_dim,
-                3 * full,
+                ffn,
                 cfg.encoder_norm_eps,
                 cfg.encoder_window,
                 cfg.encoder_rope_base,

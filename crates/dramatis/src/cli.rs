@@ -603,12 +603,11 @@ fn plan(a: PlanArgs) -> Result<ExitCode> {
         admission::MemoryBudget::choose(gib("--host-gib", a.host_gib)?, detected_host);
     // the CUDA plan is checked against the device's free memory, as the engine's start-up is
     // (none detected on a build without CUDA or a machine without a driver)
-    let detected_device = (a.backend == BackendArg::Cuda)
-        .then(speech::device_memory::device_free_bytes)
-        .flatten()
-        .map(admission::Bytes);
-    req.device_budget =
-        admission::MemoryBudget::choose(gib("--device-gib", a.device_gib)?, detected_device);
+    let flag = gib("--device-gib", a.device_gib)?;
+    req.device_budget = match a.backend {
+        BackendArg::Cuda => speech::device_memory::device_budget(flag),
+        BackendArg::Cpu => admission::MemoryBudget::choose(flag, None),
+    };
     let p = admission::plan(&geom, &req);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);

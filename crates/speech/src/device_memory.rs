@@ -32,6 +32,12 @@ pub fn device_free_bytes() -> Option<u64> {
     }
 }
 
+/// The device budget a CUDA plan is checked against: `--device-gib` where given, else the
+/// device's free memory ([`device_free_bytes`]); none without either.
+pub fn device_budget(flag: Option<admission::Bytes>) -> Option<admission::MemoryBudget> {
+    admission::MemoryBudget::choose(flag, device_free_bytes().map(admission::Bytes))
+}
+
 /// The default pool's high-water mark of allocated bytes since [`reset_device_pool_high`], and
 /// what it holds allocated now: with the weights resident and the plan's state reserved, their
 /// difference is the state a run really used (`dramatis bench`). `None` without CUDA.

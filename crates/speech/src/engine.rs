@@ -403,9 +403,8 @@ impl Engine {
         // the device side is checked against the device (or --device-gib) before anything is
         // loaded; what the plan admits is then reserved once the weights are in
         if opts.backend == BackendChoice::Cuda {
-            req.device_budget = admission::MemoryBudget::choose(
+            req.device_budget = crate::device_memory::device_budget(
                 opts.device_gib.and_then(admission::Bytes::from_gib_f64),
-                crate::device_memory::device_free_bytes().map(admission::Bytes),
             );
         }
         let plan = admission::plan(&geom, &req);
