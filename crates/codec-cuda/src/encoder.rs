@@ -184,18 +184,8 @@ impl EncWeights {
                 b.r.conv_weight(&format!("{prefix}.out_proj"), &[dim, cb, 1])?;
             let out_b = b.r.get(&format!("{prefix}.out_proj.bias"), &[dim])?;
             let book = b.r.get(&format!("{prefix}.codebook.weight"), &[n, cb])?;
-            // The normalised rows and their Σv², exactly as the CPU codec computes them.
-            let book_n: Vec<f32> = book
-                .chunks_exact(cb)
-                .flat_map(|row| {
-                    let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-                    row.iter().map(move |v| v / norm).collect::<Vec<_>>()
-                })
-                .collect();
-            let cn2: Vec<f32> = book_n
-                .chunks_exact(cb)
-                .map(|c| c.iter().map(|v| v * v).sum())
-                .collect();
+            // the normalised rows and their Σv², as the CPU codec searches them
+            let (book_n, cn2) = codec::normalised_codebook(&book, cb);
             vqs.push(VqW {
                 in_w: b.up(&transpose(&in_w, cb, dim))?,
                 in_b: b.up(&in_b)?,

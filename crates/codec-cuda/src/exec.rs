@@ -142,20 +142,10 @@ pub(crate) fn vq_nearest_row(
     book: &[f32],
 ) -> (usize, Vec<f32>) {
     let cb = e.len();
-    let norm = e.iter().fold(0.0f32, |a, v| a + v * v).sqrt().max(1e-12);
-    let en: Vec<f32> = e.iter().map(|v| v / norm).collect();
-    let en2 = en.iter().fold(0.0f32, |a, v| a + v * v);
-    let mut best = (f32::INFINITY, 0usize);
-    for (j, c) in book_n.chunks_exact(cb).enumerate() {
-        let dot = en.iter().zip(c).fold(0.0f32, |a, (x, y)| a + x * y);
-        let dist = en2 - 2.0 * dot + cn2[j];
-        if dist < best.0 {
-            best = (dist, j);
-        }
-    }
-    let q = &book[best.1 * cb..(best.1 + 1) * cb];
+    let code = codec::nearest_code(e, book_n, cn2);
+    let q = &book[code * cb..(code + 1) * cb];
     let st = e.iter().zip(q).map(|(&ze, &zq)| ze + (zq - ze)).collect();
-    (best.1, st)
+    (code, st)
 }
 
 /// The CPU executor: every operation as a plain loop with the kernels' semantics.

@@ -207,17 +207,7 @@ fn vq_nearest_ties_and_edges() {
     let cb = 2;
     let book = [3.0f32, 4.0, 0.0, 1.0, 6.0, 8.0, -1.0, 0.0];
     let n = book.len() / cb;
-    let book_n: Vec<f32> = book
-        .chunks_exact(cb)
-        .flat_map(|r| {
-            let norm = r.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-            r.iter().map(move |v| v / norm).collect::<Vec<_>>()
-        })
-        .collect();
-    let cn2: Vec<f32> = book_n
-        .chunks_exact(cb)
-        .map(|c| c.iter().map(|v| v * v).sum())
-        .collect();
+    let (book_n, cn2) = codec::normalised_codebook(&book, cb);
     let ze = [0.6f32, 0.8, f32::NAN, 1.0, 0.0, 0.0, -2.0, 0.1];
     let t = ze.len() / cb;
     let e = HostExec::new();

@@ -313,6 +313,43 @@ fn add_scaled(x: &mut [f32], y: &[f32], gamma: &[f32]) {
 }
 
 /// One vector quantizer: `in_proj` (dim → cb), codebook `[n, cb]`, `out_proj` (cb → dim).
+/// The reference's cosine VQ tables of a codebook `[n, cb]`: each row scaled to unit length
+/// (its norm clamped at 1e-12) and each scaled row's Σv², in f32 and in order, as the CPU codec
+/// and the GPU encoder both search them.
+pub fn normalised_codebook(book: &[f32], cb: usize) -> (Vec<f32>, Vec<f32>) {
+    let book_n: Vec<f32> = book
+        .chunks_exact(cb)
+        .flat_map(|row| {
+            let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+            row.iter().map(move |v| v / norm).collect::<Vec<_>>()
+        })
+        .collect();
+    let cn2 = book_n
+        .chunks_exact(cb)
+        .map(|c| c.iter().map(|v| v * v).sum())
+        .collect();
+    (book_n, cn2)
+}
+
+/// The nearest row of a normalised codebook ([`normalised_codebook`]) to `e` by cosine
+/// distance, ‖ê‖² − 2ê·c + ‖c‖² with ê = e / max(‖e‖, 1e-12), every product and sum in f32 in
+/// order; ties (and NaN rows) go to the lower index.
+pub fn nearest_code(e: &[f32], book_n: &[f32], cn2: &[f32]) -> usize {
+    let cb = e.len();
+    let norm = e.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+    let en: Vec<f32> = e.iter().map(|v| v / norm).collect();
+    let en2: f32 = en.iter().map(|v| v * v).sum();
+    let mut best = (f32::INFINITY, 0usize);
+    for (j, c) in book_n.chunks_exact(cb).enumerate() {
+        let dot: f32 = en.iter().zip(c).map(|(a, b)| a * b).sum();
+        let dist = en2 - 2.0 * dot + cn2[j];
+        if dist < best.0 {
+            best = (dist, j);
+        }
+    }
+    best.1
+}
+
 #[derive(Debug)]
 struct Vq {
     in_w: Vec<f32>,
@@ -320,8 +357,9 @@ struct Vq {
     out_w: Vec<f32>,
     out_b: Vec<f32>,
     codebook: Vec<f32>,
-    /// Rows of the codebook, l2-normalised (for the cosine-similarity search).
+    /// Rows of the codebook, l2-normalised, and their Σv² ([`normalised_codebook`]).
     codebook_n: Vec<f32>,
+    cn2: Vec<f32>,
     n: usize,
     cb: usize,
     dim: usize,
@@ -343,27 +381,12 @@ impl Vq {
     fn quantize(&self, r: &[f32]) -> (Vec<u32>, Vec<f32>) {
         let cb = self.cb;
         let z_e = linear(r, self.dim, &self.in_w, cb, Some(&self.in_b));
-        let cn2: Vec<f32> = self
-            .codebook_n
-            .chunks_exact(cb)
-            .map(|c| c.iter().map(|v| v * v).sum())
-            .collect();
         let mut codes = Vec::with_capacity(z_e.len() / cb);
         let mut st = Vec::with_capacity(z_e.len());
         for e in z_e.chunks_exact(cb) {
-            let norm = e.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-            let en: Vec<f32> = e.iter().map(|v| v / norm).collect();
-            let en2: f32 = en.iter().map(|v| v * v).sum();
-            let mut best = (f32::INFINITY, 0usize);
-            for (j, c) in self.codebook_n.chunks_exact(cb).enumerate() {
-                let dot: f32 = en.iter().zip(c).map(|(a, b)| a * b).sum();
-                let dist = en2 - 2.0 * dot + cn2[j];
-                if dist < best.0 {
-                    best = (dist, j);
-                }
-            }
-            codes.push(best.1 as u32);
-            let q = &self.codebook[best.1 * cb..(best.1 + 1) * cb];
+            let code = nearest_code(e, &self.codebook_n, &self.cn2);
+            codes.push(code as u32);
+            let q = &self.codebook[code * cb..(code + 1) * cb];
             st.extend(e.iter().zip(q).map(|(&ze, &zq)| ze + (zq - ze)));
         }
         let out = linear(&st, cb, &self.out_w, self.dim, Some(&self.out_b));

@@ -192,13 +192,7 @@ impl Store {
         let in_w = self.conv_weight(&format!("{prefix}.in_proj"), &[cb, dim, 1])?;
         let out_w = self.conv_weight(&format!("{prefix}.out_proj"), &[dim, cb, 1])?;
         let codebook = self.get(&format!("{prefix}.codebook.weight"), &[n, cb])?;
-        let codebook_n = codebook
-            .chunks_exact(cb)
-            .flat_map(|row| {
-                let norm = row.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
-                row.iter().map(move |v| v / norm).collect::<Vec<_>>()
-            })
-            .collect();
+        let (codebook_n, cn2) = crate::normalised_codebook(&codebook, cb);
         Ok(Vq {
             in_w,
             in_b: self.get(&format!("{prefix}.in_proj.bias"), &[cb])?,
@@ -206,6 +200,7 @@ impl Store {
             out_b: self.get(&format!("{prefix}.out_proj.bias"), &[dim])?,
             codebook,
             codebook_n,
+            cn2,
             n,
             cb,
             dim,
