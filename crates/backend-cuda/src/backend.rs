@@ -2016,34 +2016,12 @@ impl CudaBackend {
     }
 }
 
-/// Raises the release threshold of the device's default memory pool, so memory freed by one
-/// op stays in the pool for the next instead of going back to the driver at each sync (and the
-/// start-up reservation stays held). A failure is logged once: allocations then still work,
-/// only slower, and `reserve` reports what the pool really keeps.
+/// `memwatch::keep_freed_memory` for the backend's device: freed memory stays in the pool for the
+/// next op (and the start-up reservation stays held). A failure is logged once: allocations
+/// then still work, only slower, and `reserve` reports what the pool really keeps.
 fn keep_pool_memory(gpu: &Gpu) {
-    use cudarc::driver::sys;
     static LOGGED: std::sync::Once = std::sync::Once::new();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold: u64 = u64::MAX;
-    // SAFETY: the context is bound to this thread first; `pool` is a live local that receives
-    // the handle; the attribute value is a live u64.
-    let r = unsafe {
-        match gpu.ctx.bind_to_thread() {
-            Err(e) => Err(e.to_string()),
-            Ok(()) => sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.ctx.cu_device())
-                .result()
-                .and_then(|()| {
-                    sys::cuMemPoolSetAttribute(
-                        pool,
-                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                        (&mut threshold as *mut u64).cast(),
-                    )
-                    .result()
-                })
-                .map_err(|e| e.to_string()),
-        }
-    };
-    if let Err(e) = r {
+    if let Err(e) = crate::memwatch::keep_freed_memory(&gpu.ctx) {
         LOGGED.call_once(|| {
             tracing::warn!("the device memory pool keeps nothing between allocations: {e}")
         });

@@ -160,13 +160,36 @@ fn poll(interval: Duration, stop: &AtomicBool, peak: &AtomicU64, samples: &Atomi
 /// Device 0's default memory pool (the stream-ordered allocator every allocation of the engine,
 /// the GPU codec included, is served from), its context current on this thread.
 fn default_pool() -> Result<cudarc::driver::sys::CUmemoryPool> {
+    pool_of(&*context()?)
+}
+
+/// The default memory pool of `ctx`'s device, `ctx` made current on this thread.
+fn pool_of(ctx: &CudaContext) -> Result<cudarc::driver::sys::CUmemoryPool> {
     use cudarc::driver::sys;
-    let ctx = context()?;
     ctx.bind_to_thread()?;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: the context is current; `pool` is a live local that receives the handle.
     unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
     Ok(pool)
+}
+
+/// Raises the release threshold of `ctx`'s device's default pool to the maximum, so memory
+/// freed to it stays there for the next allocation (and a start-up reservation stays held)
+/// instead of going back to the driver at each synchronisation.
+pub fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let pool = pool_of(ctx)?;
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: the pool handle is live; the attribute value is a live u64.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()?;
+    Ok(())
 }
 
 /// One u64 attribute of the default pool.
