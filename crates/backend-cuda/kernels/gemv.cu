@@ -247,3 +247,142 @@ extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const f
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
     gemv_tc_body((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 16);
 }
+
+// ---------------------------------------------------------------- tensor-core GEMV, short K per warp
+
+// gemv_tc's arithmetic (BF16 weights exact in TF32, activations split hi + lo, each 8-key MMA
+// from zero and added in f32, warps' partials summed in warp order) with the keys cut finer, so
+// that at one row every warp issues all its weight loads at once: warp w takes keys
+// [kc w, kc w + kc) in steps of 32 V keys (kc a multiple of 32 V, set by the caller from K
+// alone, so a row's bits depend on K and the weights, never on the rows beside it). In a step,
+// thread (g, t) loads 8 V consecutive weights of rows n0 + g and n0 + g + 8 at key kb + 8 V t
+// (V = 2: one 128-byte line per row and step) and the matching activations; MMA s (0 <= s < 4 V)
+// takes keys 8 V t + 2 s and 8 V t + 2 s + 1 of each t. G row groups of 8 per pass (G = 1 for
+// up to 8 rows: a quarter of the accumulators, the same bits). At most 16 warps.
+// GATED: the input is silu(x) * u (elementwise op 1), made as it is loaded: the product's bits,
+// so the result equals silu_mul then the linear bit for bit.
+// PLANT 1: skips each warp's last step. LOWP: one TF32 MMA (lo dropped).
+template <int G, int V, bool GATED = false>
+__device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
+                                              const float* __restrict__ u = nullptr) {
+    __shared__ float red[16][G][32][4];
+    constexpr int SK = 32 * V;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = n0 + g, rb = n0 + g + 8;
+    const int kb0 = warp * kc;
+    int kb1 = kb0 + kc < K ? kb0 + kc : K;
+#if PLANT == 1
+    kb1 -= SK;
+#endif
+    const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
+    const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
+    for (int r0 = 0; r0 < rows; r0 += 8 * G) {
+        float hi[G][4], lo[G][4];
+#pragma unroll
+        for (int q = 0; q < G; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
+#pragma unroll 4
+        for (int kb = kb0; kb < kb1; kb += SK) {
+            const int k = kb + 8 * V * t;
+            unsigned int wav[4 * V], wbv[4 * V];
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                uint4 ua = ra < n_out ? ld_stream(wa + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                uint4 ub = rb < n_out ? ld_stream(wb + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
+                wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
+            }
+#pragma unroll
+            for (int q = 0; q < G; ++q) {
+                const int r = r0 + 8 * q + g;
+                if (r0 + 8 * q >= rows) break;  // uniform across the warp
+                float xs[8 * V];
+#pragma unroll
+                for (int v = 0; v < 2 * V; ++v) {
+                    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (r < rows) {
+                        xv = __ldg((const float4*)(x + (long long)r * K + k) + v);
+                        if (GATED) {
+                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + k) + v);
+                            xv.x = lowp(silu(xv.x) * uv.x);
+                            xv.y = lowp(silu(xv.y) * uv.y);
+                            xv.z = lowp(silu(xv.z) * uv.z);
+                            xv.w = lowp(silu(xv.w) * uv.w);
+                        }
+                    }
+                    xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
+                }
+#pragma unroll
+                for (int s = 0; s < 4 * V; ++s) {
+                    const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
+                                               wbv[s] & 0xffff0000u};
+                    const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(d, a, h0, h1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
+#ifndef LOWP
+                    const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
+                    const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
+                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
+#endif
+                }
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < G; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) red[warp][q][lane][e] = hi[q][e] + lo[q][e];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int q = 0; q < G; ++q) {
+                if (r0 + 8 * q >= rows) break;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float acc = red[0][q][lane][e];
+                    for (int w = 1; w < nw; ++w) acc += red[w][q][lane][e];
+                    const int n = (e < 2 ? ra : rb);
+                    const int r = r0 + 8 * q + 2 * t + (e & 1);
+                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+#define GEMV_TC2(G, V)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(512) gemv_tc2_g##G##_v##V(                              \
+        const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int n_out, int K, \
+        int rows, int kc) {                                                                               \
+        gemv_tc2_body<G, V>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc);                                \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512) gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x, \
+                                                                              int K, int rows, int kc) {  \
+        int j = 0;                                                                                        \
+        while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;                                 \
+        gemv_tc2_body<G, V>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,                \
+                            (blockIdx.x - m.start[j]) * 16, kc);                                          \
+    }
+GEMV_TC2(1, 1)
+GEMV_TC2(4, 1)
+GEMV_TC2(1, 2)
+GEMV_TC2(4, 2)
+// y = W (silu(x) * u): silu_mul fused into the linear's input
+#define GEMV_TC2_SILU(G, V)                                                                               \
+    extern "C" __global__ void __launch_bounds__(512) gemv_tc2_silu_g##G##_v##V(                         \
+        const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
+        float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
+        gemv_tc2_body<G, V, true>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                       \
+    }
+GEMV_TC2_SILU(1, 1)
+GEMV_TC2_SILU(4, 1)
+GEMV_TC2_SILU(1, 2)
+GEMV_TC2_SILU(4, 2)

@@ -139,6 +139,62 @@ extern "C" __global__ void add_rmsnorm_groups(const float* __restrict__ a, const
     }
 }
 
+// The MoE's end fused with the residual add and the next norm: t = a2 + x * sigmoid(g) (as
+// add_sigmoid_mul), sum = a + t and out = rmsnorm_groups(sum) (as add_rmsnorm_groups): the same
+// arithmetic in the same order as the two launches, so bit for bit at the same block size. g is
+// [rows, gcols] with gcols == cols or 1. One block per group. PLANT 1: sigmoid(-g). LOWP: each
+// stage rounded to bf16, as the LOWP launches do.
+extern "C" __global__ void add_gated_rmsnorm_groups(const float* __restrict__ a, const float* __restrict__ a2,
+                                                    const float* __restrict__ x, const float* __restrict__ g,
+                                                    const float* __restrict__ w, float* __restrict__ sum,
+                                                    float* __restrict__ out, int group, int cols, int gcols,
+                                                    float eps, int plus_one) {
+    __shared__ float scratch[32];
+    long long off = (long long)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        long long j = off + i;
+        float gv = gcols == cols ? g[j] : g[(j / cols) * gcols];
+#if PLANT == 1
+        gv = -gv;
+#endif
+        float t = lowp(__fmul_rn(x[j], sigmoidf(gv)));
+        float y = lowp(__fadd_rn(a2[j], t));
+        float v = lowp(a[j] + y);
+        sum[j] = v;
+        ss = fmaf(v, v, ss);
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        out[off + i] = lowp(sum[off + i] * inv * wv);
+    }
+}
+
+// The gated RMSNorm of the GDN output: out = silu(z) * rmsnorm_groups(x) (elementwise op 1 after
+// the norm), bit for bit the two launches at the same block size. One block per group.
+// PLANT 1: silu of the norm instead of z. LOWP: the norm and the product rounded to bf16.
+extern "C" __global__ void rmsnorm_silu_groups(const float* __restrict__ x, const float* __restrict__ z,
+                                               const float* __restrict__ w, float* __restrict__ out, int group,
+                                               float eps, int plus_one) {
+    __shared__ float scratch[32];
+    long long off = (long long)blockIdx.x * group;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(x[off + i], x[off + i], ss);
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        float n = lowp(x[off + i] * inv * wv);
+#if PLANT == 1
+        out[off + i] = lowp(z[off + i] * silu(n));
+#else
+        out[off + i] = lowp(silu(z[off + i]) * n);
+#endif
+    }
+}
+
 // ---------------------------------------------------------------- elementwise
 
 // op 0: a + b; op 1: silu(a) * b; op 2: a * sigmoid(b), b [rows, bcols] with bcols == cols or 1.

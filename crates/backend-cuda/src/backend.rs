@@ -557,6 +557,12 @@ pub struct CudaOptions {
     /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
+    /// Tensor-core GEMVs with short key ranges per warp (`gemv_tc2_*`): at least this many keys
+    /// per warp (`DRAMATIS_CUDA_GEMV_KC`; 0 keeps `gemv_tc`, 512 keys per warp).
+    pub gemv_kc: usize,
+    /// `gemv_tc2_*` loads 8 `gemv_v` keys per thread and step (`DRAMATIS_CUDA_GEMV_V`, 1 or 2;
+    /// 2 where K is a multiple of 64).
+    pub gemv_v: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -612,6 +618,8 @@ impl CudaOptions {
             group_min_rows: num("DRAMATIS_CUDA_GROUP_MIN", gemm_min),
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
+            gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 0).min(8192),
+            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 1).clamp(1, 2),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -826,16 +834,49 @@ struct Bf16Gemv {
     block: u32,
     /// `gemv_tc` takes no row-id argument.
     tc: bool,
+    /// `gemv_tc2_*`: keys per warp, the kernels' last argument.
+    kc: Option<i32>,
 }
 
-fn bf16_gemv(tc_on: bool, rows: usize, k: usize) -> Bf16Gemv {
-    if tc_on && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
+/// Keys per warp of `gemv_tc2_*` for K (a multiple of 32 `v`, at most 8192): at least `base`
+/// and few enough for 16 warps to cover K. A function of K alone, so a row's bits do not depend
+/// on the row count.
+fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
+    let step = 32 * v;
+    base.max(k.div_ceil(16)).div_ceil(step) * step
+}
+
+fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
+    if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
+        if o.gemv_kc > 0 {
+            let v = if o.gemv_v == 2 && k.is_multiple_of(64) {
+                2
+            } else {
+                1
+            };
+            let kc = gemv_tc2_keys(o.gemv_kc, v, k);
+            let (single, multi) = match (rows <= 8, v) {
+                (true, 1) => ("gemv_tc2_g1_v1", "gemv_tc2_multi_g1_v1"),
+                (false, 1) => ("gemv_tc2_g4_v1", "gemv_tc2_multi_g4_v1"),
+                (true, _) => ("gemv_tc2_g1_v2", "gemv_tc2_multi_g1_v2"),
+                (false, _) => ("gemv_tc2_g4_v2", "gemv_tc2_multi_g4_v2"),
+            };
+            return Bf16Gemv {
+                single,
+                multi,
+                per_block: 16,
+                block: (32 * k.div_ceil(kc)) as u32,
+                tc: true,
+                kc: Some(kc as i32),
+            };
+        }
         Bf16Gemv {
             single: "gemv_tc",
             multi: "gemv_tc_multi",
             per_block: 16,
             block: (32 * k.div_ceil(512)) as u32,
             tc: true,
+            kc: None,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -844,6 +885,7 @@ fn bf16_gemv(tc_on: bool, rows: usize, k: usize) -> Bf16Gemv {
             per_block: 32,
             block: 256,
             tc: false,
+            kc: None,
         }
     } else {
         Bf16Gemv {
@@ -852,6 +894,7 @@ fn bf16_gemv(tc_on: bool, rows: usize, k: usize) -> Bf16Gemv {
             per_block: 8,
             block: 256,
             tc: false,
+            kc: None,
         }
     }
 }
@@ -2407,6 +2450,96 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
+    fn rms_norm_silu(
+        &self,
+        x: &CudaBuf,
+        z: &CudaBuf,
+        w: &CudaVector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("rms_norm_silu");
+        let op = "rms_norm_silu";
+        check::rms_norm(op, x.shape(), group, w.len)?;
+        same_shape(op, x, z)?;
+        let out = self.buf(x.rows, x.cols)?;
+        let groups = x.rows * (x.cols / group);
+        if groups == 0 {
+            return Ok(out);
+        }
+        let (g32, p1) = (i32v(op, group)?, i32::from(plus_one));
+        go!(self, Source::Ops, "rmsnorm_silu_groups", (u32v(op, groups)?, 1, 1), norm_block(group), 0;
+            &x.ptr(), &z.ptr(), &w.mem.ptr, &out.ptr(), &g32, &eps, &p1);
+        Ok(out)
+    }
+
+    fn add_gated_rms_norm(
+        &self,
+        a: &CudaBuf,
+        a2: &CudaBuf,
+        x: &CudaBuf,
+        gate: &CudaBuf,
+        w: &CudaVector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<(CudaBuf, CudaBuf)> {
+        let _p = self.prof.guard("add_gated_rms_norm");
+        let op = "add_gated_rms_norm";
+        same_shape(op, a, a2)?;
+        same_shape(op, a, x)?;
+        check::gate(op, x.shape(), gate.shape())?;
+        check::rms_norm(op, a.shape(), group, w.len)?;
+        let sum = self.buf(a.rows, a.cols)?;
+        let out = self.buf(a.rows, a.cols)?;
+        let groups = a.rows * (a.cols / group);
+        if groups == 0 {
+            return Ok((sum, out));
+        }
+        let (g32, c32, gc32) = (i32v(op, group)?, i32v(op, a.cols)?, i32v(op, gate.cols)?);
+        let p1 = i32::from(plus_one);
+        go!(self, Source::Ops, "add_gated_rmsnorm_groups", (u32v(op, groups)?, 1, 1), norm_block(group), 0;
+            &a.ptr(), &a2.ptr(), &x.ptr(), &gate.ptr(), &w.mem.ptr, &sum.ptr(), &out.ptr(),
+            &g32, &c32, &gc32, &eps, &p1);
+        Ok((sum, out))
+    }
+
+    fn linear_silu_mul(
+        &self,
+        gate: &CudaBuf,
+        up: &CudaBuf,
+        w: &CudaWeight,
+        rows: Rows,
+    ) -> BResult<CudaBuf> {
+        let op = "linear_silu_mul";
+        same_shape(op, gate, up)?;
+        let k = gate.cols;
+        let gv = bf16_gemv(&self.opts, gate.rows, k);
+        let bulk = rows == Rows::Bulk && gate.rows >= self.opts.gemm_min_rows;
+        let (CudaWeight::Bf16 { mem, .. }, Some(kc), false) = (w, gv.kc, bulk) else {
+            return self.linear(&self.silu_mul(gate, up)?, w, rows);
+        };
+        let _p = self.prof.guard("linear_silu_mul");
+        let n_out = w.rows();
+        check::linear(gate.shape(), (n_out, w.cols()))?;
+        let out = self.buf(gate.rows, n_out)?;
+        if gate.rows == 0 || n_out == 0 {
+            return Ok(out);
+        }
+        let name = match gv.single {
+            "gemv_tc2_g1_v1" => "gemv_tc2_silu_g1_v1",
+            "gemv_tc2_g4_v1" => "gemv_tc2_silu_g4_v1",
+            "gemv_tc2_g1_v2" => "gemv_tc2_silu_g1_v2",
+            _ => "gemv_tc2_silu_g4_v2",
+        };
+        let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, gate.rows)?);
+        let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
+        go!(self, Source::Gemv, name, g, gv.block, 0;
+            &mem.ptr, &gate.ptr(), &up.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+        Ok(out)
+    }
+
     fn linear(&self, x: &CudaBuf, w: &CudaWeight, _rows: Rows) -> BResult<CudaBuf> {
         let _p = self.prof.guard("linear");
         let op = "linear";
@@ -2452,9 +2585,12 @@ impl Backend for CudaBackend {
                         format!("BF16 GEMV needs K a multiple of 8, got {k}"),
                     ));
                 }
-                let gv = bf16_gemv(self.opts.tc_gemv, x.rows, k);
+                let gv = bf16_gemv(&self.opts, x.rows, k);
                 let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
-                if gv.tc {
+                if let Some(kc) = gv.kc {
+                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
+                        &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+                } else if gv.tc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
                 } else {
@@ -2529,8 +2665,9 @@ impl Backend for CudaBackend {
             multi: name,
             per_block,
             block,
+            kc,
             ..
-        } = bf16_gemv(self.opts.tc_gemv, x.rows, k);
+        } = bf16_gemv(&self.opts, x.rows, k);
         let mut blocks = 0usize;
         for (j, w) in ws.iter().enumerate() {
             let CudaWeight::Bf16 { mem, rows: n, .. } = w else {
@@ -2552,8 +2689,13 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
-        go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
-            &m, &x.ptr(), &k32, &r32);
+        if let Some(kc) = kc {
+            go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
+                &m, &x.ptr(), &k32, &r32, &kc);
+        } else {
+            go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
+                &m, &x.ptr(), &k32, &r32);
+        }
         Ok(outs)
     }
 

@@ -21,6 +21,9 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         group_min_rows: usize::MAX,
         slots_min_rows: usize::MAX,
         tc_gemv: true,
+        // the GEMV layout the engine runs (`DRAMATIS_CUDA_GEMV_KC` / `_V`)
+        gemv_kc: CudaOptions::from_env().gemv_kc,
+        gemv_v: CudaOptions::from_env().gemv_v,
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
@@ -330,6 +333,188 @@ pub(super) fn add_rms_norm(c: &mut Ctx) -> Result<()> {
             &fused,
             &two,
         );
+    }
+    Ok(())
+}
+
+/// The MoE's end with the residual add and the next norm in one launch: against FP64, and bit
+/// for bit `add_sigmoid_mul` then `add_rms_norm`.
+pub(super) fn add_gated_rms_norm(c: &mut Ctx) -> Result<()> {
+    for (case, rows, cols, group, gcols) in [
+        (
+            "3 x 2048, gate [3, 1], one group per row",
+            3usize,
+            2048usize,
+            2048usize,
+            1usize,
+        ),
+        ("4 x 256 in groups of 64, gate [4, 256]", 4, 256, 64, 256),
+    ] {
+        let [a, a2, x] = [0; 3].map(|_| c.rng.normals_f32(rows * cols, 1.5));
+        let g = c.rng.normals_f32(rows * gcols, 2.0);
+        let w = c.rng.normals_f32(group, 0.1);
+        let sum: Vec<f64> = (0..rows * cols)
+            .map(|i| {
+                let gv = f64::from(g[if gcols == 1 { i / cols } else { i }]);
+                f64::from(a[i]) + f64::from(a2[i]) + f64::from(x[i]) * sigmoid(gv)
+            })
+            .collect();
+        let mut reference = sum.clone();
+        for grp in sum.chunks(group) {
+            let ms = grp.iter().map(|v| v * v).sum::<f64>() / group as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            reference.extend(
+                grp.iter()
+                    .zip(&w)
+                    .map(|(v, wv)| v * inv * (1.0 + f64::from(*wv))),
+            );
+        }
+        let up = |be: &CudaBackend| -> Result<([CudaBuf; 4], CudaVector)> {
+            Ok((
+                [
+                    be.upload(&a, rows, cols)?,
+                    be.upload(&a2, rows, cols)?,
+                    be.upload(&x, rows, cols)?,
+                    be.upload(&g, rows, gcols)?,
+                ],
+                be.vector_f32(&w)?,
+            ))
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let ([ad, a2d, xd, gd], wd) = up(be)?;
+            let (s, n) = be.add_gated_rms_norm(&ad, &a2d, &xd, &gd, &wd, group, 1e-6, true)?;
+            Ok([be.download(&s)?, be.download(&n)?].concat())
+        };
+        triple3(c, case, tol_f32(group), &reference, run, false)?;
+        let be = backend(c, Variant::Exact, false);
+        let ([ad, a2d, xd, gd], wd) = up(&be)?;
+        let y = be.add_sigmoid_mul(&a2d, &xd, &gd)?;
+        let (s, n) = be.add_rms_norm(&ad, &y, &wd, group, 1e-6, true)?;
+        let two = [be.download(&s)?, be.download(&n)?].concat();
+        let fused = run(&be)?;
+        same_bits(
+            c,
+            format!("{case}: bitwise = add_sigmoid_mul then add_rms_norm"),
+            &fused,
+            &two,
+        );
+    }
+    Ok(())
+}
+
+/// The GDN's gated norm in one launch: against FP64, and bit for bit `rms_norm` then
+/// `silu_mul`.
+pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
+    for (case, rows, cols, group) in [
+        ("2 x 4096 in groups of 128", 2usize, 4096usize, 128usize),
+        ("3 x 2048, one group per row", 3, 2048, 2048),
+    ] {
+        let x = c.rng.normals_f32(rows * cols, 2.0);
+        let z = c.rng.normals_f32(rows * cols, 2.0);
+        let w = c.rng.normals_f32(group, 1.0);
+        let mut reference = Vec::new();
+        for (gi, grp) in x.chunks(group).enumerate() {
+            let ms = grp.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / group as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for (j, (v, wv)) in grp.iter().zip(&w).enumerate() {
+                let zv = f64::from(z[gi * group + j]);
+                reference.push(silu(zv) * f64::from(*v) * inv * f64::from(*wv));
+            }
+        }
+        let up = |be: &CudaBackend| -> Result<(CudaBuf, CudaBuf, CudaVector)> {
+            Ok((
+                be.upload(&x, rows, cols)?,
+                be.upload(&z, rows, cols)?,
+                be.vector_f32(&w)?,
+            ))
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let (xd, zd, wd) = up(be)?;
+            Ok(be.download(&be.rms_norm_silu(&xd, &zd, &wd, group, 1e-6, false)?)?)
+        };
+        triple3(c, case, tol_f32(group), &reference, run, false)?;
+        let be = backend(c, Variant::Exact, false);
+        let (xd, zd, wd) = up(&be)?;
+        let two = be.download(&be.silu_mul(&zd, &be.rms_norm(&xd, &wd, group, 1e-6, false)?)?)?;
+        let fused = run(&be)?;
+        same_bits(
+            c,
+            format!("{case}: bitwise = rms_norm then silu_mul"),
+            &fused,
+            &two,
+        );
+    }
+    Ok(())
+}
+
+/// The tensor-core GEMV with short key ranges per warp (`gemv_tc2_*`, both load widths), and
+/// with `silu_mul` made as it loads its input (`gemv_tc2_silu_*`): against FP64 at edge shapes,
+/// each row bitwise equal to its one-row launch, and the fused input bitwise equal to
+/// `silu_mul` then the linear.
+pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
+    for v in [1usize, 2] {
+        for (n, k, rows) in [
+            (2050usize, 4096usize, 5usize),
+            (37, 128, 9),
+            (300, 2048, 33),
+            (70, 1056, 12),
+            (40, 8192, 3),
+            (2048, 6144, 1),
+            (2048, 512, 8),
+        ] {
+            let w = c.rng.normals_bf16(n * k, 0.05);
+            let x = c.rng.normals_f32(rows * k, 1.0);
+            let u = c.rng.normals_f32(rows * k, 1.0);
+            let xs: Vec<f32> = x
+                .iter()
+                .zip(&u)
+                .map(|(&a, &b)| (silu(f64::from(a)) * f64::from(b)) as f32)
+                .collect();
+            let mut reference = gemv_ref(&w, &x, k, rows, n);
+            // the gated input's reference from the f32 products (the product's own rounding is
+            // below the GEMV's tolerance)
+            reference.extend(gemv_ref(&w, &xs, k, rows, n));
+            let make = |c: &Ctx, var| {
+                let o = CudaOptions {
+                    gemv_kc: 128,
+                    gemv_v: v,
+                    ..base_opts(false)
+                };
+                CudaBackend::with_gpu(c.shared.clone(), var, o)
+            };
+            let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+                let wd = be.weight_bf16(n, k, &w)?;
+                let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
+                let mut out = be.download(&be.linear(&xd, &wd, Rows::Exact)?)?;
+                out.extend(be.download(&be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?)?);
+                // appended for the bitwise checks: each row alone, and silu_mul then the linear
+                for r in 0..rows {
+                    let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
+                    out.extend(be.download(&be.linear(&xr, &wd, Rows::Exact)?)?);
+                }
+                out.extend(be.download(&be.linear(
+                    &be.silu_mul(&xd, &ud)?,
+                    &wd,
+                    Rows::Exact,
+                )?)?);
+                Ok(out)
+            };
+            let case = format!("V {v}: {rows} rows x {k} into {n}, plain and silu-gated input");
+            let exact = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
+            let m = rows * n;
+            same_bits(
+                c,
+                format!("{case}: each row bitwise = its one-row launch"),
+                &exact[..m],
+                &exact[2 * m..3 * m],
+            );
+            same_bits(
+                c,
+                format!("{case}: gated input bitwise = silu_mul then linear"),
+                &exact[m..2 * m],
+                &exact[3 * m..4 * m],
+            );
+        }
     }
     Ok(())
 }

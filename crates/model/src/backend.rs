@@ -382,8 +382,48 @@ pub trait Backend: Send + Sync + Sized {
         let n = self.rms_norm(&s, w, group, eps, plus_one)?;
         Ok((s, n))
     }
+    /// The MoE's end, the residual add and the next norm: `add_rms_norm(a, add_sigmoid_mul(a2,
+    /// x, gate), ...)`, bit for bit; a backend may fuse them (one launch).
+    #[allow(clippy::too_many_arguments)]
+    fn add_gated_rms_norm(
+        &self,
+        a: &Self::Buf,
+        a2: &Self::Buf,
+        x: &Self::Buf,
+        gate: &Self::Buf,
+        w: &Self::Vector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<(Self::Buf, Self::Buf)> {
+        let y = self.add_sigmoid_mul(a2, x, gate)?;
+        self.add_rms_norm(a, &y, w, group, eps, plus_one)
+    }
+    /// The gated norm: `silu_mul(z, rms_norm(x, ...))`, bit for bit; a backend may fuse them.
+    fn rms_norm_silu(
+        &self,
+        x: &Self::Buf,
+        z: &Self::Buf,
+        w: &Self::Vector,
+        group: usize,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<Self::Buf> {
+        self.silu_mul(z, &self.rms_norm(x, w, group, eps, plus_one)?)
+    }
     /// `y = x Wᵀ`: `[n, in] -> [n, out]`.
     fn linear(&self, x: &Self::Buf, w: &Self::Weight, rows: Rows) -> BResult<Self::Buf>;
+    /// `linear(silu_mul(gate, up), w)`, bit for bit; a backend may make the product as the
+    /// linear loads its input.
+    fn linear_silu_mul(
+        &self,
+        gate: &Self::Buf,
+        up: &Self::Buf,
+        w: &Self::Weight,
+        rows: Rows,
+    ) -> BResult<Self::Buf> {
+        self.linear(&self.silu_mul(gate, up)?, w, rows)
+    }
     /// Several linears of one input, `[x W_0ᵀ, x W_1ᵀ, …]`, each bit for bit its own
     /// [`Backend::linear`]; a backend may run them in one launch.
     fn linear_many(

@@ -146,6 +146,13 @@ struct Moe<B: Backend> {
     shared_gate: B::Weight,
 }
 
+/// A MoE block's output in parts: `routed + shared · sigmoid(gate)`.
+struct MoeOut<B: Backend> {
+    routed: B::Buf,
+    shared: B::Buf,
+    gate: B::Buf,
+}
+
 struct Layer<B: Backend> {
     input_norm: B::Vector,
     post_norm: B::Vector,
@@ -579,7 +586,9 @@ impl<B: Backend> Model<B> {
                 .layers
                 .get(li + 1)
                 .map_or(&self.norm, |l| &l.input_norm);
-            let (x2, h2) = be.add_rms_norm(&x1, &y, next, g.hidden, g.eps, true)?;
+            let (x2, h2) = be.add_gated_rms_norm(
+                &x1, &y.routed, &y.shared, &y.gate, next, g.hidden, g.eps, true,
+            )?;
             x = x2;
             h = h2;
             if let Some(t) = trace.as_deref_mut() {
@@ -619,8 +628,7 @@ impl<B: Backend> Model<B> {
             }
         };
         // RMSNormGated: plain w over each value head, times silu(z).
-        let o = be.rms_norm(&o, &w.norm, d.v_dim, self.geometry.eps, false)?;
-        let o = be.silu_mul(&z, &o)?;
+        let o = be.rms_norm_silu(&o, &z, &w.norm, d.v_dim, self.geometry.eps, false)?;
         Ok(be.linear(&o, &w.out, mode)?)
     }
 
@@ -697,8 +705,10 @@ impl<B: Backend> Model<B> {
         Ok(be.linear(&o, &w.o, mode)?)
     }
 
-    /// §4.5 MoE: routed experts (softmax, top-k, renormalise) plus the sigmoid-gated shared one.
-    fn moe(&self, m: &Moe<B>, x: &B::Buf, mode: Rows) -> Result<B::Buf> {
+    /// §4.5 MoE: routed experts (softmax, top-k, renormalise) and the shared one with its gate;
+    /// the output is `routed + shared · sigmoid(gate)`, which the caller adds to the residual
+    /// with the next norm (`Backend::add_gated_rms_norm`).
+    fn moe(&self, m: &Moe<B>, x: &B::Buf, mode: Rows) -> Result<MoeOut<B>> {
         let be = &self.backend;
         // router logits, the shared expert's gate and up, and its sigmoid gate [n, 1]
         let [logits, g, u, sg]: [B::Buf; 4] = linears(
@@ -718,8 +728,12 @@ impl<B: Backend> Model<B> {
         }
         let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
         let routed = be.moe_experts(x, &route, &m.experts, mode)?;
-        let s = be.linear(&be.silu_mul(&g, &u)?, &m.shared.down, mode)?;
-        Ok(be.add_sigmoid_mul(&routed, &s, &sg)?)
+        let s = be.linear_silu_mul(&g, &u, &m.shared.down, mode)?;
+        Ok(MoeOut {
+            routed,
+            shared: s,
+            gate: sg,
+        })
     }
 
     /// §4.6 main head over the candidate rows only: `[n, H] -> [n, candidates]`.
@@ -1170,5 +1184,5 @@ fn swiglu<B: Backend, W: std::borrow::Borrow<B::Weight>>(
     mode: Rows,
 ) -> Result<B::Buf> {
     let [g, u]: [B::Buf; 2] = linears(be, x, [e.gate.borrow(), e.up.borrow()], mode)?;
-    Ok(be.linear(&be.silu_mul(&g, &u)?, e.down.borrow(), mode)?)
+    Ok(be.linear_silu_mul(&g, &u, e.down.borrow(), mode)?)
 }
