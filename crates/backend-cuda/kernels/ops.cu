@@ -296,6 +296,73 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
     }
 }
 
+// The q/k norm and rotary embedding of attention in one launch: head h of row r is read in place
+// from x (the heads of [rows, groups * len] as gather_cols selects them: column c at
+// (c / len) * group + offset + c % len, len a multiple of hd), normalised as rmsnorm_groups does
+// over hd values (the same block size, so the same bits) and rotated as rope does (the same
+// angle table and products). Output [rows, groups * len]. Grid (rows, heads), hd <= 512.
+// PLANT 1: the other pairing. LOWP: the norm rounded to bf16, angles and cos/sin in f32.
+extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ out, const long long* __restrict__ pos,
+                                        long long pstride, int src_cols, int group, int offset, int len, int hd,
+                                        int rot, double theta, int interleaved, float eps, int plus_one) {
+    __shared__ float scratch[32];
+    __shared__ float nv[2 * ROPE_MAX_HALF];
+    __shared__ float cs_s[ROPE_MAX_HALF], sn_s[ROPE_MAX_HALF];
+    const long long r = blockIdx.x;
+    const int d0 = blockIdx.y * hd;
+    const float* xr = x + r * src_cols + (long long)(d0 / len) * group + offset + d0 % len;
+    float* orow = out + r * ((long long)(src_cols / group) * len) + d0;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        nv[i] = lowp(xr[i] * inv * wv);
+    }
+    const long long p = pos[r * pstride];
+#if PLANT == 1
+    interleaved = !interleaved;
+#endif
+    const int half = rot / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+#ifdef LOWP
+        float ang = (float)p * powf((float)theta, -2.0f * (float)i / (float)rot);
+        cs_s[i] = cosf(ang);
+        sn_s[i] = sinf(ang);
+#else
+        double ang = (double)p * pow(theta, -(double)(2 * i) / (double)rot);
+        cs_s[i] = (float)cos(ang);
+        sn_s[i] = (float)sin(ang);
+#endif
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        if (d >= rot) {
+            orow[d] = nv[d];
+            continue;
+        }
+        int i, a, b;
+        bool first;
+        if (interleaved) {
+            i = d / 2;
+            a = 2 * i;
+            b = a + 1;
+            first = (d & 1) == 0;
+        } else {
+            i = d < half ? d : d - half;
+            a = i;
+            b = i + half;
+            first = d < half;
+        }
+        const float cs = cs_s[i], sn = sn_s[i];
+        float x0 = nv[a], x1 = nv[b];
+        orow[d] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
+                        : __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
+    }
+}
+
 // ---------------------------------------------------------------- KV cache
 
 // Appends t rows per lane: cache[kvh, len + r, d] = k/v[(lane * t + r), kvh * hd + d].

@@ -558,10 +558,12 @@ pub struct CudaOptions {
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
     /// Tensor-core GEMVs with short key ranges per warp (`gemv_tc2_*`): at least this many keys
-    /// per warp (`DRAMATIS_CUDA_GEMV_KC`; 0 keeps `gemv_tc`, 512 keys per warp).
+    /// per warp (`DRAMATIS_CUDA_GEMV_KC`, default 256; 0 keeps `gemv_tc`, 512 keys per warp in
+    /// 32-key steps). With cold weights at one row 256 keys in 64-key steps read 1.4x faster
+    /// than `gemv_tc` (`bench/cuda-gemvbench-2026-11-30-s8.md`); one lane 88.6 -> 99.8 frames/s.
     pub gemv_kc: usize,
-    /// `gemv_tc2_*` loads 8 `gemv_v` keys per thread and step (`DRAMATIS_CUDA_GEMV_V`, 1 or 2;
-    /// 2 where K is a multiple of 64).
+    /// `gemv_tc2_*` loads 8 `gemv_v` keys per thread and step (`DRAMATIS_CUDA_GEMV_V`, 1 or 2,
+    /// default 2; 2 where K is a multiple of 64).
     pub gemv_v: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
@@ -618,8 +620,8 @@ impl CudaOptions {
             group_min_rows: num("DRAMATIS_CUDA_GROUP_MIN", gemm_min),
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
-            gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 0).min(8192),
-            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 1).clamp(1, 2),
+            gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
+            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -3313,6 +3315,67 @@ impl Backend for CudaBackend {
         let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
         go!(self, Source::Round, "round_embed", (u32v(op, rows)?, 1, 1), 128, 0;
             &tabs, &tm, &round.lane_in.ptr, &round.frames.ptr, &out.ptr(), &c32, &scale, &ss, &se, &ep);
+        Ok(out)
+    }
+
+    fn norm_rope(
+        &self,
+        x: &CudaBuf,
+        sel: (usize, usize, usize),
+        w: &CudaVector,
+        eps: f32,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        at: model::backend::RopeAt<'_, CudaRound>,
+    ) -> BResult<CudaBuf> {
+        use model::backend::RopeAt;
+        let op = "norm_rope";
+        let (group, offset, len) = sel;
+        check::cols_grouped(x.shape(), group, offset, len)?;
+        let cols = (x.cols / group) * len;
+        // heads whole inside a selected group, within the kernel's shared tables
+        if head_dim == 0 || !len.is_multiple_of(head_dim) || head_dim > 512 || rot_dims > head_dim {
+            let n = self.cols_grouped(x, group, offset, len)?;
+            let n = self.rms_norm(&n, w, head_dim, eps, true)?;
+            return match at {
+                RopeAt::Host(p) => self.rope(&n, head_dim, rot_dims, theta, style, p),
+                RopeAt::Round(r, c) => self.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
+            };
+        }
+        let _p = self.prof.guard("norm_rope");
+        check::rms_norm(op, (x.rows, cols), head_dim, w.len)?;
+        check::rope((x.rows, cols), x.rows, head_dim, rot_dims)?;
+        let out = self.buf(x.rows, cols)?;
+        if x.rows == 0 || cols == 0 {
+            return Ok(out);
+        }
+        let held;
+        let pos = match at {
+            RopeAt::Host(p) => {
+                check::rope((x.rows, cols), p.len(), head_dim, rot_dims)?;
+                let pv: Vec<i64> = p.iter().map(|&v| i64v(op, v)).collect::<BResult<_>>()?;
+                held = self.htod(&pv)?;
+                (held.ptr, 1i64)
+            }
+            RopeAt::Round(r, c) => {
+                r.check_rows(op, x.rows, c)?;
+                (r.counter_ptr(c, 0), LANE_IN_WORDS as i64)
+            }
+        };
+        let (sc, g32, o32, l32) = (
+            i32v(op, x.cols)?,
+            i32v(op, group)?,
+            i32v(op, offset)?,
+            i32v(op, len)?,
+        );
+        let (hd32, rot32) = (i32v(op, head_dim)?, i32v(op, rot_dims)?);
+        let inter = i32::from(style == Rope::Interleaved);
+        let grid = (u32v(op, x.rows)?, u32v(op, cols / head_dim)?, 1);
+        go!(self, Source::Ops, "rmsnorm_rope", grid, norm_block(head_dim), 0;
+            &x.ptr(), &w.mem.ptr, &out.ptr(), &pos.0, &pos.1, &sc, &g32, &o32, &l32, &hd32, &rot32,
+            &theta, &inter, &eps, &1i32);
         Ok(out)
     }
 

@@ -256,6 +256,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("moe_experts_grouped_fp8_tc", ops::experts_grouped_tc),
     ("moe_experts_slots_fp8", ops::experts_slots),
     ("rope_neox_interleaved", ops::rope),
+    ("norm_rope_fused", ops::norm_rope),
     ("kv_append_bf16_f32", ops::kv_append),
     ("attn_generic_bf16_f32", ops::attn_generic),
     ("attn_flash_prefill", ops::attn_flash),

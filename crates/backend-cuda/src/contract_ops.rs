@@ -668,8 +668,16 @@ pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
             }
             Ok(out)
         };
-        let case = format!("{rows} rows x {k} into {n}");
-        let exact = triple_prefix(c, &case, tol_f32(k), &reference, true, run)?;
+        // gemv_tc itself (DRAMATIS_CUDA_GEMV_KC=0); gemv_tc2 has its own case
+        let case = format!("gemv_tc: {rows} rows x {k} into {n}");
+        let make = |c: &Ctx, v| {
+            let o = CudaOptions {
+                gemv_kc: 0,
+                ..base_opts(false)
+            };
+            CudaBackend::with_gpu(c.shared.clone(), v, o)
+        };
+        let exact = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
         let half = reference.len();
         same_bits(
             c,
@@ -747,7 +755,18 @@ fn rope_ref(
     inter: bool,
     pos: &[usize],
 ) -> Vec<f64> {
-    let mut out = f64s(x);
+    rope_ref64(f64s(x), cols, hd, rot, theta, inter, pos)
+}
+
+fn rope_ref64(
+    mut out: Vec<f64>,
+    cols: usize,
+    hd: usize,
+    rot: usize,
+    theta: f64,
+    inter: bool,
+    pos: &[usize],
+) -> Vec<f64> {
     let half = rot / 2;
     for (r, &p) in pos.iter().enumerate() {
         for h in 0..cols / hd {
@@ -760,13 +779,103 @@ fn rope_ref(
                 } else {
                     (i, i + half)
                 };
-                let (x0, x1) = (f64::from(x[base + a]), f64::from(x[base + b]));
+                let (x0, x1) = (out[base + a], out[base + b]);
                 out[base + a] = x0 * cs - x1 * sn;
                 out[base + b] = x1 * cs + x0 * sn;
             }
         }
     }
     out
+}
+
+/// Attention's q/k norm and rotary embedding in one launch, heads read in place from a wider
+/// buffer (the backbone's [q ; gate] per head, the tower's fused qkv): against FP64 (norm, then
+/// rotation), and bit for bit `cols_grouped`, `rms_norm` and `rope`.
+pub(super) fn norm_rope(c: &mut Ctx) -> Result<()> {
+    for (case, rows, src_cols, sel, hd, rot, style) in [
+        (
+            "q of [q ; gate] per head, 16 heads of 256, NeoX rot 64",
+            3usize,
+            16 * 512usize,
+            (512usize, 0usize, 256usize),
+            256usize,
+            64usize,
+            Rope::Neox,
+        ),
+        (
+            "k of a fused qkv (9216 cols), 2 heads of 256, NeoX rot 64",
+            2,
+            9216,
+            (9216, 8192, 512),
+            256,
+            64,
+            Rope::Neox,
+        ),
+        (
+            "interleaved, 4 heads of 32 of 128 cols at offset 0, rot 16",
+            4,
+            128,
+            (128, 0, 128),
+            32,
+            16,
+            Rope::Interleaved,
+        ),
+    ] {
+        let (group, offset, len) = sel;
+        let cols = (src_cols / group) * len;
+        let pos: Vec<usize> = (0..rows)
+            .map(|r| [3usize, 200_000, 17, 65_535][r % 4])
+            .collect();
+        let x = c.rng.normals_f32(rows * src_cols, 2.0);
+        let w = c.rng.normals_f32(hd, 0.1);
+        let theta = 1e7;
+        let mut normed = Vec::with_capacity(rows * cols);
+        for r in 0..rows {
+            for j in 0..cols {
+                normed.push(f64::from(
+                    x[r * src_cols + (j / len) * group + offset + j % len],
+                ));
+            }
+        }
+        for grp in normed.chunks_mut(hd) {
+            let ms = grp.iter().map(|v| v * v).sum::<f64>() / hd as f64;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for (v, wv) in grp.iter_mut().zip(&w) {
+                *v *= inv * (1.0 + f64::from(*wv));
+            }
+        }
+        let reference = rope_ref64(
+            normed,
+            cols,
+            hd,
+            rot,
+            theta,
+            style == Rope::Interleaved,
+            &pos,
+        );
+        let up = |be: &CudaBackend| -> Result<(CudaBuf, CudaVector)> {
+            Ok((be.upload(&x, rows, src_cols)?, be.vector_f32(&w)?))
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let (xd, wd) = up(be)?;
+            let at = model::backend::RopeAt::Host(&pos);
+            Ok(be.download(&be.norm_rope(&xd, sel, &wd, 1e-6, hd, rot, theta, style, at)?)?)
+        };
+        triple3(c, case, tol_f32(hd), &reference, run, false)?;
+        let be = backend(c, Variant::Exact, false);
+        let (xd, wd) = up(&be)?;
+        let picked = be.cols_grouped(&xd, group, offset, len)?;
+        let n = be.rms_norm(&picked, &wd, hd, 1e-6, true)?;
+        let three = be.download(&be.rope(&n, hd, rot, theta, style, &pos)?)?;
+        let fused = run(&be)?;
+        same_bits(
+            c,
+            format!("{case}: bitwise = cols_grouped, rms_norm, rope"),
+            &fused,
+            &three,
+        );
+    }
+    Ok(())
 }
 
 pub(super) fn rope(c: &mut Ctx) -> Result<()> {

@@ -91,6 +91,22 @@ pub enum Counter {
     Tower,
 }
 
+/// Where [`Backend::norm_rope`] takes each row's position: host positions, or lane i's counter
+/// of a frame round kept on the backend.
+#[derive(Debug)]
+pub enum RopeAt<'a, R> {
+    Host(&'a [usize]),
+    Round(&'a R, Counter),
+}
+
+impl<R> Clone for RopeAt<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R> Copy for RopeAt<'_, R> {}
+
 /// One lane's inputs to a frame round kept on the backend ([`Backend::round_write`] before each
 /// round), so that a captured round replays with new values.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -603,6 +619,36 @@ pub trait Backend: Send + Sync + Sized {
         scale: f32,
         lanes: Counter,
     ) -> BResult<Self::Buf>;
+    /// Attention's q or k: the heads `cols_grouped(x, group, offset, len)` selects, each
+    /// normalised (`rms_norm` over `head_dim`, `1 + w`) and rotated (`rope` at `at`'s positions,
+    /// or `rope_round`), bit for bit those ops; a backend may fuse them (one launch).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_rope(
+        &self,
+        x: &Self::Buf,
+        sel: (usize, usize, usize),
+        w: &Self::Vector,
+        eps: f32,
+        head_dim: usize,
+        rot_dims: usize,
+        theta: f64,
+        style: Rope,
+        at: RopeAt<'_, Self::Round>,
+    ) -> BResult<Self::Buf> {
+        let (group, offset, len) = sel;
+        let picked;
+        let src = if (group, offset, len) == (self.shape(x).1, 0, group) {
+            x
+        } else {
+            picked = self.cols_grouped(x, group, offset, len)?;
+            &picked
+        };
+        let n = self.rms_norm(src, w, head_dim, eps, true)?;
+        match at {
+            RopeAt::Host(p) => self.rope(&n, head_dim, rot_dims, theta, style, p),
+            RopeAt::Round(r, c) => self.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
+        }
+    }
     /// [`Backend::rope`] with row i at lane i's `counter`.
     #[allow(clippy::too_many_arguments)]
     fn rope_round(

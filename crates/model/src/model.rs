@@ -5,8 +5,8 @@
 use checkpoint::{Checkpoint, Config, ExpertFormat, LayerType};
 
 use crate::backend::{
-    gather_row, AttnDims, Backend, CodeTerm, Counter, Expert, Frame, GdnDims, Rope, RoundSpec,
-    Rows, Slot,
+    gather_row, AttnDims, Backend, CodeTerm, Counter, Expert, Frame, GdnDims, Rope, RopeAt,
+    RoundSpec, Rows, Slot,
 };
 use crate::lane::LaneState;
 use crate::ModelError;
@@ -632,16 +632,18 @@ impl<B: Backend> Model<B> {
         Ok(be.linear(&o, &w.out, mode)?)
     }
 
-    /// §4.4 gated full attention, shared by the backbone and the tower (`dims` differ).
+    /// §4.4 gated full attention, shared by the backbone and the tower (`dims` differ). `q` and
+    /// `k` are each a buffer and the `(group, offset, len)` column selection of its heads
+    /// (`Backend::cols_grouped`), normalised and rotated in place by `Backend::norm_rope`.
     #[allow(clippy::too_many_arguments)]
     fn gated_attention(
         &self,
         kvs: &mut [&mut B::Kv],
         dims: &AttnDims,
         eps: f32,
-        q: B::Buf,
+        q: (&B::Buf, (usize, usize, usize)),
         gate: B::Buf,
-        k: B::Buf,
+        k: (&B::Buf, (usize, usize, usize)),
         v: B::Buf,
         q_norm: &B::Vector,
         k_norm: &B::Vector,
@@ -650,23 +652,19 @@ impl<B: Backend> Model<B> {
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let hd = dims.head_dim;
-        let q = be.rms_norm(&q, q_norm, hd, eps, true)?;
-        let k = be.rms_norm(&k, k_norm, hd, eps, true)?;
         let (rot, th, st) = (dims.rot_dims, dims.theta, dims.rope);
+        let at = match positions {
+            At::Host(p) => RopeAt::Host(p),
+            At::Round(r, c) => RopeAt::Round(r, c),
+        };
+        let q = be.norm_rope(q.0, q.1, q_norm, eps, hd, rot, th, st, at)?;
+        let k = be.norm_rope(k.0, k.1, k_norm, eps, hd, rot, th, st, at)?;
         let o = match positions {
-            At::Host(p) => {
-                let q = be.rope(&q, hd, rot, th, st, p)?;
-                let k = be.rope(&k, hd, rot, th, st, p)?;
-                match mode {
-                    Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
-                    Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
-                }
-            }
-            At::Round(r, c) => {
-                let q = be.rope_round(&q, hd, rot, th, st, r, c)?;
-                let k = be.rope_round(&k, hd, rot, th, st, r, c)?;
-                be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?
-            }
+            At::Host(_) => match mode {
+                Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
+                Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
+            },
+            At::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
         };
         Ok(be.sigmoid_mul(&o, &gate)?)
     }
@@ -686,16 +684,16 @@ impl<B: Backend> Model<B> {
         // q_proj rows are per head [q_h ; gate_h]: split each 2·hd block.
         let [qg, k, v]: [B::Buf; 3] = linears(be, x, [&w.q, &w.k, &w.v], mode)?;
         debug_assert_eq!(be.shape(&qg).1, 2 * hq * hd);
-        let q = be.cols_grouped(&qg, 2 * hd, 0, hd)?;
         let gate = be.cols_grouped(&qg, 2 * hd, hd, hd)?;
+        let kc = be.shape(&k).1;
         let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.kv[slot]).collect();
         let o = self.gated_attention(
             &mut kvs,
             d,
             self.geometry.eps,
-            q,
+            (&qg, (2 * hd, 0, hd)),
             gate,
-            k,
+            (&k, (kc, 0, kc)),
             v,
             &w.q_norm,
             &w.k_norm,
@@ -783,12 +781,21 @@ impl<B: Backend> Model<B> {
         let x = be.rms_norm(&m, &w.attn_norm, dim, eps, true)?;
         let qkv = be.linear(&x, &w.wqkv, mode)?;
         let (qw, kw) = (d.q_heads * d.head_dim, d.kv_heads * d.head_dim);
-        let q = be.cols(&qkv, 0, qw)?;
+        let all = be.shape(&qkv).1;
         let gate = be.cols(&qkv, qw, qw)?;
-        let k = be.cols(&qkv, 2 * qw, kw)?;
         let v = be.cols(&qkv, 2 * qw + kw, kw)?;
         let o = self.gated_attention(
-            kvs, d, eps, q, gate, k, v, &w.q_norm, &w.k_norm, positions, mode,
+            kvs,
+            d,
+            eps,
+            (&qkv, (all, 0, qw)),
+            gate,
+            (&qkv, (all, 2 * qw, kw)),
+            v,
+            &w.q_norm,
+            &w.k_norm,
+            positions,
+            mode,
         )?;
         let (r, x) = be.add_rms_norm(
             &m,
