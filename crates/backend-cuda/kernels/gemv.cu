@@ -262,10 +262,17 @@ extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const f
 // GATED: the input is silu(x) * u (elementwise op 1), made as it is loaded: the product's bits,
 // so the result equals silu_mul then the linear bit for bit.
 // PLANT 1: skips each warp's last step. LOWP: one TF32 MMA (lo dropped).
-template <int G, int V, bool GATED = false>
+// VV = 3: V = 2 with the two 8-key chunks of thread t at keys 8 t and 32 + 8 t of the step, so
+// each load instruction reads 64 contiguous bytes of a row (two whole sectors) instead of half
+// of each of four; MMA s then takes keys 32 (s / 4) + 8 t + 2 (s % 4) and the next.
+template <int G, int VV, bool GATED = false>
 __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
                                               const float* __restrict__ u = nullptr) {
+    constexpr int V = VV == 3 ? 2 : VV;
+    constexpr bool SPLIT = VV == 3;
+    // key offset of thread t's chunk c within a step
+    constexpr int CH = SPLIT ? 32 : 8;
     __shared__ float red[16][G][32][4];
     constexpr int SK = 32 * V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -286,12 +293,12 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
             for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
 #pragma unroll 4
         for (int kb = kb0; kb < kb1; kb += SK) {
-            const int k = kb + 8 * V * t;
+            const int k = kb + (SPLIT ? 8 : 8 * V) * t;
             unsigned int wav[4 * V], wbv[4 * V];
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                uint4 ua = ra < n_out ? ld_stream(wa + k + 8 * v) : make_uint4(0, 0, 0, 0);
-                uint4 ub = rb < n_out ? ld_stream(wb + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                uint4 ua = ra < n_out ? ld_stream(wa + k + CH * v) : make_uint4(0, 0, 0, 0);
+                uint4 ub = rb < n_out ? ld_stream(wb + k + CH * v) : make_uint4(0, 0, 0, 0);
                 wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
                 wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
             }
@@ -303,10 +310,12 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
 #pragma unroll
                 for (int v = 0; v < 2 * V; ++v) {
                     float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    // float4 v: chunk v / 2, half v % 2
+                    const int off = k + CH * (v >> 1) + 4 * (v & 1);
                     if (r < rows) {
-                        xv = __ldg((const float4*)(x + (long long)r * K + k) + v);
+                        xv = __ldg((const float4*)(x + (long long)r * K + off));
                         if (GATED) {
-                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + k) + v);
+                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
                             xv.x = lowp(silu(xv.x) * uv.x);
                             xv.y = lowp(silu(xv.y) * uv.y);
                             xv.z = lowp(silu(xv.z) * uv.z);
@@ -375,6 +384,8 @@ GEMV_TC2(1, 1)
 GEMV_TC2(4, 1)
 GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
+GEMV_TC2(1, 3)
+GEMV_TC2(4, 3)
 // y = W (silu(x) * u): silu_mul fused into the linear's input
 #define GEMV_TC2_SILU(G, V)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) gemv_tc2_silu_g##G##_v##V(                         \
@@ -386,3 +397,5 @@ GEMV_TC2_SILU(1, 1)
 GEMV_TC2_SILU(4, 1)
 GEMV_TC2_SILU(1, 2)
 GEMV_TC2_SILU(4, 2)
+GEMV_TC2_SILU(1, 3)
+GEMV_TC2_SILU(4, 3)

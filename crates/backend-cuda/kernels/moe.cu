@@ -80,36 +80,33 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
         p[e] = v;
     }
     __syncthreads();
+    // The top k by one warp, shuffles only (no block barrier per pick): the ranking is a strict
+    // order, so the pick is the one a block-wide search makes.
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
     float tot = 0.0f;
     for (int j = 0; j < k; ++j) {
         float bv = qnan;
         int bi = TIE_INIT;
-        for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int e = lane; e < E; e += 32)
             if (better(key[e], e, bv, bi)) { bv = key[e]; bi = e; }
-        int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(0xffffffffu, bv, o);
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
         }
-        if (lane == 0) { best_v[warp] = bv; best_i[warp] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float v0 = best_v[0];
-            int i0 = best_i[0];
-            for (int w = 1; w < nw; ++w)
-                if (better(best_v[w], best_i[w], v0, i0)) { v0 = best_v[w]; i0 = best_i[w]; }
-            // the host checked k <= kept experts, so i0 is a kept expert
-            float pw = p[i0];
-            ids[(size_t)blockIdx.x * k + j] = (unsigned int)i0;
+        // the host checked k <= kept experts, so bi is a kept expert (every lane holds it)
+        if (lane == 0) {
+            float pw = p[bi];
+            ids[(size_t)blockIdx.x * k + j] = (unsigned int)bi;
             weights[(size_t)blockIdx.x * k + j] = pw;
             tot += pw;
-            key[i0] = qnan;  // taken
+            key[bi] = qnan;  // taken
         }
-        __syncthreads();
+        __syncwarp();
     }
-    if (threadIdx.x == 0)
+    if (lane == 0)
         for (int j = 0; j < k; ++j) weights[(size_t)blockIdx.x * k + j] /= tot;
 }
 
@@ -316,6 +313,42 @@ __device__ __forceinline__ void moe_down_tab_body(const unsigned long long* __re
     if (lane == 0)
 #pragma unroll
         for (int o = 0; o < O; ++o) y[row * H + n0 + o] = bad ? __int_as_float(0x7fc00000) : acc[o];
+}
+
+// moe_down_tab with its k experts in k warps of one block per (output, row), so the k dots
+// load at once instead of one after another; warp 0 then sums them in rank order with the same
+// fmaf chain: bit for bit moe_down_tab. Block 32 k threads (k <= 32); grid (H, rows).
+extern "C" __global__ void __launch_bounds__(1024) moe_down_tab_split(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    __shared__ float dsh[32];
+    __shared__ int bad_sh;
+    const int lane = threadIdx.x & 31, j = threadIdx.x >> 5;
+    const long long row = blockIdx.y, n = blockIdx.x;
+    if (threadIdx.x == 0) bad_sh = 0;
+    __syncthreads();
+    const long long e = ids[row * k + j];
+    float dj = 0.0f;
+    if (expert_ok(tab, 6, e, E, err, lane)) {
+        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        const float* down_s = (const float*)tab[6 * e + 5];
+        const fp8_t* wr[1] = {down + n * I};
+        const float* sr[1] = {down_s + (n >> 7) * ((I + 127) >> 7)};
+        float d[1];
+        fp8_rows_dot<1>(wr, h + (row * k + j) * I, sr, I, lane, d);
+        dj = warp_sum(d[0]);
+        dj = lowp(dj);
+    } else if (lane == 0) {
+        atomicOr(&bad_sh, 1);
+    }
+    if (lane == 0) dsh[j] = dj;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int jj = 0; jj < k; ++jj) acc = fmaf(wts[row * k + jj], dsh[jj], acc);
+        y[row * H + n] = bad_sh ? __int_as_float(0x7fc00000) : acc;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tab(

@@ -937,6 +937,31 @@ extern "C" __global__ void gdn_conv_rows(PtrTab st, const float* __restrict__ x,
     u[(base + r) * C + c] = lowp(silu(acc));
 }
 
+// gdn_conv_rows then gdn_conv_shift for one row per lane, in one launch: each thread reads its
+// channel's history and row, writes the output (the same fmaf chain), then shifts the history
+// (its own channel only, so no other thread reads what it overwrites). Grid (cblocks, lanes).
+// PLANT 1: taps reversed. LOWP: output rounded to bf16.
+extern "C" __global__ void gdn_conv_one(PtrTab st, const float* __restrict__ x, const float* __restrict__ w,
+                                        float* __restrict__ u, int C, int K) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int lane = blockIdx.y;
+    if (c >= C) return;
+    float* hist = (float*)st.p[lane];
+    const float xv = x[(long long)lane * C + c];
+    float acc = 0.0f;
+    for (int j = 0; j < K; ++j) {
+        float val = j < K - 1 ? hist[(long long)j * C + c] : xv;
+#if PLANT == 1
+        float wj = w[(long long)c * K + (K - 1 - j)];
+#else
+        float wj = w[(long long)c * K + j];
+#endif
+        acc = fmaf(wj, val, acc);
+    }
+    u[(long long)lane * C + c] = lowp(silu(acc));
+    for (int i = 0; i < K - 1; ++i) hist[(long long)i * C + c] = i + 1 < K - 1 ? hist[(long long)(i + 1) * C + c] : xv;
+}
+
 // History after the t rows: the last K-1 rows of [history; x]. Grid (cblocks, lanes).
 // PLANT 1: keeps the history one row short of the newest.
 extern "C" __global__ void gdn_conv_shift(PtrTab st, const float* __restrict__ x, int t, int C, int K) {
@@ -1053,5 +1078,67 @@ extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, co
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
         __syncthreads();
+    }
+}
+
+// gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a
+// column are in flight at once (the generic kernel's column walk waits on them a few at a time)
+// and the update reuses them instead of reading S again. The same operations in the same order,
+// so the same bits. Block >= dv threads, at most 128 per block.
+extern "C" __global__ void __launch_bounds__(128) gdn_recur_k128(
+    PtrTab st, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
+    const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,
+    float* __restrict__ o, int t, int C, int nk, int dk, int nv, int dv) {
+    constexpr int DK = 128;
+    __shared__ float sk[DK], sq[DK];
+    const int h = blockIdx.x, lane = blockIdx.y;
+    const int kh = h / (nv / nk);
+    const int j = threadIdx.x;
+    float* S = (float*)st.p[lane] + (long long)h * DK * dv;
+    float s[DK];
+    if (j < dv) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) s[i] = S[(long long)i * dv + j];
+    }
+    for (int r = 0; r < t; ++r) {
+        long long R = (long long)lane * t + r;
+        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+            sk[i] = kn[(R * nk + kh) * DK + i];
+            sq[i] = qn[(R * nk + kh) * DK + i];
+        }
+        __syncthreads();
+        if (j < dv) {
+            float alpha = expf(gate[R * nv + h]);
+            float bt = beta[R * nv + h];
+            float Sk = 0.0f, Sq = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+                Sk = fmaf(s[i], sk[i], Sk);
+                Sq = fmaf(s[i], sq[i], Sq);
+            }
+            float vj = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+#if PLANT == 1
+            float delta = bt * (vj - Sk);
+            float oj = alpha * fmaf(delta, kq[R * nk + kh], Sq);
+#else
+            float delta = bt * (vj - alpha * Sk);
+            float oj = fmaf(delta, kq[R * nk + kh], alpha * Sq);
+#endif
+#pragma unroll
+            for (int i = 0; i < DK; ++i) {
+#if PLANT == 1
+                float ns = alpha * fmaf(sk[i], delta, s[i]);
+#else
+                float ns = fmaf(alpha, s[i], sk[i] * delta);
+#endif
+                s[i] = lowp(ns);
+            }
+            o[R * nv * dv + (long long)h * dv + j] = oj;
+        }
+        __syncthreads();
+    }
+    if (j < dv) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) S[(long long)i * dv + j] = s[i];
     }
 }

@@ -621,7 +621,7 @@ impl CudaOptions {
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
-            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
+            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 3),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -845,23 +845,28 @@ struct Bf16Gemv {
 /// on the row count.
 fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
     let step = 32 * v;
+    // short rows (the shared expert's down projection, K 512) keep four warps
+    let base = if k <= 1024 { base.min(128) } else { base };
     base.max(k.div_ceil(16)).div_ceil(step) * step
 }
 
 fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
     if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
         if o.gemv_kc > 0 {
-            let v = if o.gemv_v == 2 && k.is_multiple_of(64) {
-                2
+            // layouts 2 and 3 take 64 keys a step (3: each load 64 contiguous bytes of a row)
+            let v = if o.gemv_v >= 2 && k.is_multiple_of(64) {
+                o.gemv_v
             } else {
                 1
             };
-            let kc = gemv_tc2_keys(o.gemv_kc, v, k);
+            let kc = gemv_tc2_keys(o.gemv_kc, v.min(2), k);
             let (single, multi) = match (rows <= 8, v) {
                 (true, 1) => ("gemv_tc2_g1_v1", "gemv_tc2_multi_g1_v1"),
                 (false, 1) => ("gemv_tc2_g4_v1", "gemv_tc2_multi_g4_v1"),
-                (true, _) => ("gemv_tc2_g1_v2", "gemv_tc2_multi_g1_v2"),
-                (false, _) => ("gemv_tc2_g4_v2", "gemv_tc2_multi_g4_v2"),
+                (true, 2) => ("gemv_tc2_g1_v2", "gemv_tc2_multi_g1_v2"),
+                (false, 2) => ("gemv_tc2_g4_v2", "gemv_tc2_multi_g4_v2"),
+                (true, _) => ("gemv_tc2_g1_v3", "gemv_tc2_multi_g1_v3"),
+                (false, _) => ("gemv_tc2_g4_v3", "gemv_tc2_multi_g4_v3"),
             };
             return Bf16Gemv {
                 single,
@@ -1977,6 +1982,12 @@ impl CudaBackend {
         );
         let (xp, up) = (x.row_ptr(row0)?, u.row_ptr(row0)?);
         let lanes = u32v("gdn_conv", states.len())?;
+        if t == 1 {
+            // one row per lane: output and history shift in one launch (the same bits)
+            go!(self, Source::Ops, "gdn_conv_one", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
+                &tab, &xp, &w.mem.ptr, &up, &c32, &k32);
+            return Ok(());
+        }
         go!(self, Source::Ops, "gdn_conv_rows", (u32v("gdn_conv", t * cblocks)?, lanes, 1), 128, 0;
             &tab, &xp, &w.mem.ptr, &up, &t32, &c32, &k32);
         go!(self, Source::Ops, "gdn_conv_shift", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
@@ -2037,10 +2048,17 @@ impl CudaBackend {
             tab.p[i] = s.s.ptr;
         }
         let block = u32v("gdn", dv.div_ceil(32) * 32)?;
-        let smem = u32v("gdn", 2 * dk * 4)?;
         let op = o.row_ptr(row0)?;
-        go!(self, Source::Ops, "gdn_recur", (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1), block, smem;
-            &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
+        let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
+        if dk == 128 && dv <= 128 {
+            // each thread's state column in registers (the same bits)
+            go!(self, Source::Ops, "gdn_recur_k128", grid, block, 0;
+                &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
+        } else {
+            let smem = u32v("gdn", 2 * dk * 4)?;
+            go!(self, Source::Ops, "gdn_recur", grid, block, smem;
+                &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
+        }
         Ok(())
     }
 }
@@ -2533,7 +2551,9 @@ impl Backend for CudaBackend {
             "gemv_tc2_g1_v1" => "gemv_tc2_silu_g1_v1",
             "gemv_tc2_g4_v1" => "gemv_tc2_silu_g4_v1",
             "gemv_tc2_g1_v2" => "gemv_tc2_silu_g1_v2",
-            _ => "gemv_tc2_silu_g4_v2",
+            "gemv_tc2_g4_v2" => "gemv_tc2_silu_g4_v2",
+            "gemv_tc2_g1_v3" => "gemv_tc2_silu_g1_v3",
+            _ => "gemv_tc2_silu_g4_v3",
         };
         let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, gate.rows)?);
         let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
@@ -2987,9 +3007,17 @@ impl Backend for CudaBackend {
             let gx = u32v(op, (k * i).div_ceil(8 * per_warp))?;
             go!(self, Source::Moe, gate_up, (gx, rows, 1), 256, 0;
                 &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
-            let gx = u32v(op, h.div_ceil(8 * per_warp))?;
-            go!(self, Source::Moe, down, (gx, rows, 1), 256, 0;
-                &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
+            if per_warp == 1 && !nvfp4 && (1..=32).contains(&k) {
+                // the k experts of an output in k warps of one block: the same bits, the k
+                // dots' loads at once
+                let block = u32v(op, 32 * k)?;
+                go!(self, Source::Moe, "moe_down_tab_split", (u32v(op, h)?, rows, 1), block, 0;
+                    &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
+            } else {
+                let gx = u32v(op, h.div_ceil(8 * per_warp))?;
+                go!(self, Source::Moe, down, (gx, rows, 1), 256, 0;
+                    &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
+            }
             r0 += rn;
         }
         Ok(y)

@@ -447,12 +447,12 @@ pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
-/// The tensor-core GEMV with short key ranges per warp (`gemv_tc2_*`, both load widths), and
+/// The tensor-core GEMV with short key ranges per warp (`gemv_tc2_*`, its three load layouts), and
 /// with `silu_mul` made as it loads its input (`gemv_tc2_silu_*`): against FP64 at edge shapes,
 /// each row bitwise equal to its one-row launch, and the fused input bitwise equal to
 /// `silu_mul` then the linear.
 pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
-    for v in [1usize, 2] {
+    for v in [1usize, 2, 3] {
         for (n, k, rows) in [
             (2050usize, 4096usize, 5usize),
             (37, 128, 9),
@@ -1323,10 +1323,11 @@ pub(super) fn conv_rows(c: &mut Ctx) -> Result<()> {
     let gd = gdn_dims(2, 4, 16);
     let (ch, k) = (gd.channels(), gd.conv_kernel);
     let w = c.rng.normals_f32(ch * k, 0.5);
-    let x = c.rng.normals_f32(8 * ch, 1.0);
-    // two calls, 5 rows then 3, continuing the history; then the final history
+    let x = c.rng.normals_f32(9 * ch, 1.0);
+    // three calls, 5 rows, 3 and 1 (the one-row kernel), continuing the history; then the
+    // final history
     let mut reference = Vec::new();
-    for r in 0..8 {
+    for r in 0..9 {
         for cc in 0..ch {
             let mut acc = 0.0;
             for j in 0..k {
@@ -1341,19 +1342,22 @@ pub(super) fn conv_rows(c: &mut Ctx) -> Result<()> {
             reference.push(silu(acc));
         }
     }
-    reference.extend(f64s(&x[5 * ch..8 * ch]));
+    reference.extend(f64s(&x[6 * ch..9 * ch]));
     triple3(
         c,
-        "C 128, 4 taps, 5 rows then 3 (history carried)",
+        "C 128, 4 taps, 5 rows, 3, then 1 (history carried)",
         tol_f32(4),
         &reference,
         |be| {
             let wd = be.vector_f32(&w)?;
             let mut st = be.gdn_new(&gd)?;
             let a = be.gdn_conv(&be.upload(&x[..5 * ch], 5, ch)?, &wd, &gd, &mut st)?;
-            let b = be.gdn_conv(&be.upload(&x[5 * ch..], 3, ch)?, &wd, &gd, &mut st)?;
+            let b = be.gdn_conv(&be.upload(&x[5 * ch..8 * ch], 3, ch)?, &wd, &gd, &mut st)?;
+            let one = be.upload(&x[8 * ch..], 1, ch)?;
+            let d = be.gdn_conv_step(&one, &wd, &gd, &mut [&mut st])?;
             let mut out = be.download(&a)?;
             out.extend(be.download(&b)?);
+            out.extend(be.download(&d)?);
             out.extend(be.gdn_download(&st)?.0);
             Ok(out)
         },
