@@ -259,13 +259,14 @@ extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const f
 // (V = 2: one 128-byte line per row and step) and the matching activations; MMA s (0 <= s < 4 V)
 // takes keys 8 V t + 2 s and 8 V t + 2 s + 1 of each t. G row groups of 8 per pass (G = 1 for
 // up to 8 rows: a quarter of the accumulators, the same bits). At most 16 warps.
-// GATED: the input is silu(x) * u (elementwise op 1), made as it is loaded: the product's bits,
-// so the result equals silu_mul then the linear bit for bit.
+// ACT 1: the input is silu(x) * u (elementwise op 1); ACT 2: x * sigmoid(u) (op 2); made as it
+// is loaded with the elementwise op's bits, so the result equals the op then the linear bit for
+// bit.
 // PLANT 1: skips each warp's last step. LOWP: one TF32 MMA (lo dropped).
 // VV = 3: V = 2 with the two 8-key chunks of thread t at keys 8 t and 32 + 8 t of the step, so
 // each load instruction reads 64 contiguous bytes of a row (two whole sectors) instead of half
 // of each of four; MMA s then takes keys 32 (s / 4) + 8 t + 2 (s % 4) and the next.
-template <int G, int VV, bool GATED = false>
+template <int G, int VV, int ACT = 0>
 __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
                                               const float* __restrict__ u = nullptr) {
@@ -314,12 +315,18 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
                     const int off = k + CH * (v >> 1) + 4 * (v & 1);
                     if (r < rows) {
                         xv = __ldg((const float4*)(x + (long long)r * K + off));
-                        if (GATED) {
+                        if (ACT == 1) {
                             const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
                             xv.x = lowp(silu(xv.x) * uv.x);
                             xv.y = lowp(silu(xv.y) * uv.y);
                             xv.z = lowp(silu(xv.z) * uv.z);
                             xv.w = lowp(silu(xv.w) * uv.w);
+                        } else if (ACT == 2) {
+                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                            xv.x = lowp(xv.x * sigmoidf(uv.x));
+                            xv.y = lowp(xv.y * sigmoidf(uv.y));
+                            xv.z = lowp(xv.z * sigmoidf(uv.z));
+                            xv.w = lowp(xv.w * sigmoidf(uv.w));
                         }
                     }
                     xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
@@ -386,12 +393,17 @@ GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
 GEMV_TC2(1, 3)
 GEMV_TC2(4, 3)
-// y = W (silu(x) * u): silu_mul fused into the linear's input
+// y = W (silu(x) * u) and y = W (x * sigmoid(u)): silu_mul / sigmoid_mul fused into the input
 #define GEMV_TC2_SILU(G, V)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) gemv_tc2_silu_g##G##_v##V(                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
-        gemv_tc2_body<G, V, true>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                       \
+        gemv_tc2_body<G, V, 1>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \
+    }                                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512) gemv_tc2_sigm_g##G##_v##V(                         \
+        const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
+        float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
+        gemv_tc2_body<G, V, 2>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \
     }
 GEMV_TC2_SILU(1, 1)
 GEMV_TC2_SILU(4, 1)

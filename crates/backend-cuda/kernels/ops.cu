@@ -172,6 +172,32 @@ extern "C" __global__ void add_gated_rmsnorm_groups(const float* __restrict__ a,
     }
 }
 
+// The tower's input: [rmsnorm(a) | rmsnorm(b)] row by row (a and b [rows, ca] and [rows, cb],
+// each normalised over its whole row with its own weights), bit for bit rmsnorm_groups of each
+// (the same block size) then concat_cols. Grid (rows, 2): block y = 0 takes a, 1 takes b.
+// PLANT 1: ignores plus_one. LOWP: output rounded to bf16.
+extern "C" __global__ void rmsnorm_concat(const float* __restrict__ a, const float* __restrict__ wa,
+                                          const float* __restrict__ b, const float* __restrict__ wb,
+                                          float* __restrict__ out, int ca, int cb, float eps, int plus_one) {
+    __shared__ float scratch[32];
+    const bool second = blockIdx.y == 1;
+    const int group = second ? cb : ca;
+    const float* xr = (second ? b : a) + (long long)blockIdx.x * group;
+    const float* w = second ? wb : wa;
+    float* orow = out + (long long)blockIdx.x * (ca + cb) + (second ? ca : 0);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+#if PLANT == 1
+    plus_one = 0;
+#endif
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float wv = plus_one ? 1.0f + w[i] : w[i];
+        orow[i] = lowp(xr[i] * inv * wv);
+    }
+}
+
 // The gated RMSNorm of the GDN output: out = silu(z) * rmsnorm_groups(x) (elementwise op 1 after
 // the norm), bit for bit the two launches at the same block size. One block per group.
 // PLANT 1: silu of the norm instead of z. LOWP: the norm and the product rounded to bf16.

@@ -838,6 +838,25 @@ struct Bf16Gemv {
     tc: bool,
     /// `gemv_tc2_*`: keys per warp, the kernels' last argument.
     kc: Option<i32>,
+    /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
+    /// the input loads (`Act`).
+    act: Option<(&'static str, &'static str)>,
+}
+
+/// The elementwise op a `gemv_tc2_*` input load makes: `silu(x) * u` or `x * sigmoid(u)`.
+#[derive(Clone, Copy)]
+enum Act {
+    Silu,
+    Sigmoid,
+}
+
+impl Act {
+    fn op(self) -> &'static str {
+        match self {
+            Act::Silu => "linear_silu_mul",
+            Act::Sigmoid => "linear_sigmoid_mul",
+        }
+    }
 }
 
 /// Keys per warp of `gemv_tc2_*` for K (a multiple of 32 `v`, at most 8192): at least `base`
@@ -860,13 +879,43 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                 1
             };
             let kc = gemv_tc2_keys(o.gemv_kc, v.min(2), k);
-            let (single, multi) = match (rows <= 8, v) {
-                (true, 1) => ("gemv_tc2_g1_v1", "gemv_tc2_multi_g1_v1"),
-                (false, 1) => ("gemv_tc2_g4_v1", "gemv_tc2_multi_g4_v1"),
-                (true, 2) => ("gemv_tc2_g1_v2", "gemv_tc2_multi_g1_v2"),
-                (false, 2) => ("gemv_tc2_g4_v2", "gemv_tc2_multi_g4_v2"),
-                (true, _) => ("gemv_tc2_g1_v3", "gemv_tc2_multi_g1_v3"),
-                (false, _) => ("gemv_tc2_g4_v3", "gemv_tc2_multi_g4_v3"),
+            let (single, multi, silu, sigm) = match (rows <= 8, v) {
+                (true, 1) => (
+                    "gemv_tc2_g1_v1",
+                    "gemv_tc2_multi_g1_v1",
+                    "gemv_tc2_silu_g1_v1",
+                    "gemv_tc2_sigm_g1_v1",
+                ),
+                (false, 1) => (
+                    "gemv_tc2_g4_v1",
+                    "gemv_tc2_multi_g4_v1",
+                    "gemv_tc2_silu_g4_v1",
+                    "gemv_tc2_sigm_g4_v1",
+                ),
+                (true, 2) => (
+                    "gemv_tc2_g1_v2",
+                    "gemv_tc2_multi_g1_v2",
+                    "gemv_tc2_silu_g1_v2",
+                    "gemv_tc2_sigm_g1_v2",
+                ),
+                (false, 2) => (
+                    "gemv_tc2_g4_v2",
+                    "gemv_tc2_multi_g4_v2",
+                    "gemv_tc2_silu_g4_v2",
+                    "gemv_tc2_sigm_g4_v2",
+                ),
+                (true, _) => (
+                    "gemv_tc2_g1_v3",
+                    "gemv_tc2_multi_g1_v3",
+                    "gemv_tc2_silu_g1_v3",
+                    "gemv_tc2_sigm_g1_v3",
+                ),
+                (false, _) => (
+                    "gemv_tc2_g4_v3",
+                    "gemv_tc2_multi_g4_v3",
+                    "gemv_tc2_silu_g4_v3",
+                    "gemv_tc2_sigm_g4_v3",
+                ),
             };
             return Bf16Gemv {
                 single,
@@ -875,6 +924,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                 block: (32 * k.div_ceil(kc)) as u32,
                 tc: true,
                 kc: Some(kc as i32),
+                act: Some((silu, sigm)),
             };
         }
         Bf16Gemv {
@@ -884,6 +934,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: (32 * k.div_ceil(512)) as u32,
             tc: true,
             kc: None,
+            act: None,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -893,6 +944,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             tc: false,
             kc: None,
+            act: None,
         }
     } else {
         Bf16Gemv {
@@ -902,6 +954,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             tc: false,
             kc: None,
+            act: None,
         }
     }
 }
@@ -1891,6 +1944,45 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `linear(act(x, u), w)` with the elementwise op made as `gemv_tc2_*` loads its input
+    /// (bit for bit the op then the linear); `None` where that kernel does not run (bulk rows,
+    /// other weight formats, `gemv_tc`), for the caller to compose.
+    fn linear_act(
+        &self,
+        x: &CudaBuf,
+        u: &CudaBuf,
+        w: &CudaWeight,
+        rows: Rows,
+        act: Act,
+    ) -> BResult<Option<CudaBuf>> {
+        let op = act.op();
+        same_shape(op, x, u)?;
+        let k = x.cols;
+        let gv = bf16_gemv(&self.opts, x.rows, k);
+        let bulk = rows == Rows::Bulk && x.rows >= self.opts.gemm_min_rows;
+        let (CudaWeight::Bf16 { mem, .. }, Some(kc), Some((silu, sigm)), false) =
+            (w, gv.kc, gv.act, bulk)
+        else {
+            return Ok(None);
+        };
+        let _p = self.prof.guard(op);
+        let n_out = w.rows();
+        check::linear(x.shape(), (n_out, w.cols()))?;
+        let out = self.buf(x.rows, n_out)?;
+        if x.rows == 0 || n_out == 0 {
+            return Ok(Some(out));
+        }
+        let name = match act {
+            Act::Silu => silu,
+            Act::Sigmoid => sigm,
+        };
+        let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, x.rows)?);
+        let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
+        go!(self, Source::Gemv, name, g, gv.block, 0;
+            &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+        Ok(Some(out))
+    }
+
     fn decode_counters(&self) -> BResult<u64> {
         self.decode_count
             .as_ref()
@@ -2532,33 +2624,51 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         rows: Rows,
     ) -> BResult<CudaBuf> {
-        let op = "linear_silu_mul";
-        same_shape(op, gate, up)?;
-        let k = gate.cols;
-        let gv = bf16_gemv(&self.opts, gate.rows, k);
-        let bulk = rows == Rows::Bulk && gate.rows >= self.opts.gemm_min_rows;
-        let (CudaWeight::Bf16 { mem, .. }, Some(kc), false) = (w, gv.kc, bulk) else {
-            return self.linear(&self.silu_mul(gate, up)?, w, rows);
-        };
-        let _p = self.prof.guard("linear_silu_mul");
-        let n_out = w.rows();
-        check::linear(gate.shape(), (n_out, w.cols()))?;
-        let out = self.buf(gate.rows, n_out)?;
-        if gate.rows == 0 || n_out == 0 {
+        match self.linear_act(gate, up, w, rows, Act::Silu)? {
+            Some(y) => Ok(y),
+            None => self.linear(&self.silu_mul(gate, up)?, w, rows),
+        }
+    }
+
+    fn linear_sigmoid_mul(
+        &self,
+        x: &CudaBuf,
+        gate: &CudaBuf,
+        w: &CudaWeight,
+        rows: Rows,
+    ) -> BResult<CudaBuf> {
+        match self.linear_act(x, gate, w, rows, Act::Sigmoid)? {
+            Some(y) => Ok(y),
+            None => self.linear(&self.sigmoid_mul(x, gate)?, w, rows),
+        }
+    }
+
+    fn rms_norm_concat(
+        &self,
+        a: &CudaBuf,
+        wa: &CudaVector,
+        b: &CudaBuf,
+        wb: &CudaVector,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<CudaBuf> {
+        let op = "rms_norm_concat";
+        check::rms_norm(op, a.shape(), a.cols, wa.len)?;
+        check::rms_norm(op, b.shape(), b.cols, wb.len)?;
+        check::concat_cols(a.shape(), b.shape())?;
+        if norm_block(a.cols) != norm_block(b.cols) {
+            let an = self.rms_norm(a, wa, a.cols, eps, plus_one)?;
+            let bn = self.rms_norm(b, wb, b.cols, eps, plus_one)?;
+            return self.concat_cols(&an, &bn);
+        }
+        let _p = self.prof.guard(op);
+        let out = self.buf(a.rows, a.cols + b.cols)?;
+        if a.rows == 0 || a.cols + b.cols == 0 {
             return Ok(out);
         }
-        let name = match gv.single {
-            "gemv_tc2_g1_v1" => "gemv_tc2_silu_g1_v1",
-            "gemv_tc2_g4_v1" => "gemv_tc2_silu_g4_v1",
-            "gemv_tc2_g1_v2" => "gemv_tc2_silu_g1_v2",
-            "gemv_tc2_g4_v2" => "gemv_tc2_silu_g4_v2",
-            "gemv_tc2_g1_v3" => "gemv_tc2_silu_g1_v3",
-            _ => "gemv_tc2_silu_g4_v3",
-        };
-        let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, gate.rows)?);
-        let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
-        go!(self, Source::Gemv, name, g, gv.block, 0;
-            &mem.ptr, &gate.ptr(), &up.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+        let (ca, cb, p1) = (i32v(op, a.cols)?, i32v(op, b.cols)?, i32::from(plus_one));
+        go!(self, Source::Ops, "rmsnorm_concat", (u32v(op, a.rows)?, 2, 1), norm_block(a.cols), 0;
+            &a.ptr(), &wa.mem.ptr, &b.ptr(), &wb.mem.ptr, &out.ptr(), &ca, &cb, &eps, &p1);
         Ok(out)
     }
 

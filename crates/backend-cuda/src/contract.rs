@@ -248,6 +248,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("add_sigmoid_mul_fused", ops::add_sigmoid_mul),
     ("add_gated_rms_norm_fused", ops::add_gated_rms_norm),
     ("rms_norm_silu_fused", ops::rms_norm_silu),
+    ("rms_norm_concat_fused", ops::rms_norm_concat),
     ("gemv_tc2", ops::gemv_tc2),
     ("gemm_bf16_tiled", ops::gemm_tiled),
     ("gemm_bf16_cublaslt", ops::gemm_lt),

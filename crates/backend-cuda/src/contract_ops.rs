@@ -402,6 +402,55 @@ pub(super) fn add_gated_rms_norm(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// The tower's input norms and their concatenation in one launch: against FP64, and bit for
+/// bit two `rms_norm` then `concat_cols`.
+pub(super) fn rms_norm_concat(c: &mut Ctx) -> Result<()> {
+    let (rows, cols) = (3usize, 2048usize);
+    let a = c.rng.normals_f32(rows * cols, 2.0);
+    let b = c.rng.normals_f32(rows * cols, 0.5);
+    let (wa, wb) = (c.rng.normals_f32(cols, 0.1), c.rng.normals_f32(cols, 0.1));
+    let norm = |x: &[f32], w: &[f32]| -> Vec<f64> {
+        let ms = x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / cols as f64;
+        let inv = 1.0 / (ms + 1e-6).sqrt();
+        x.iter()
+            .zip(w)
+            .map(|(&v, &wv)| f64::from(v) * inv * (1.0 + f64::from(wv)))
+            .collect()
+    };
+    let mut reference = Vec::new();
+    for r in 0..rows {
+        reference.extend(norm(&a[r * cols..(r + 1) * cols], &wa));
+        reference.extend(norm(&b[r * cols..(r + 1) * cols], &wb));
+    }
+    let up = |be: &CudaBackend| -> Result<(CudaBuf, CudaBuf, CudaVector, CudaVector)> {
+        Ok((
+            be.upload(&a, rows, cols)?,
+            be.upload(&b, rows, cols)?,
+            be.vector_f32(&wa)?,
+            be.vector_f32(&wb)?,
+        ))
+    };
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let (ad, bd, wad, wbd) = up(be)?;
+        Ok(be.download(&be.rms_norm_concat(&ad, &wad, &bd, &wbd, 1e-6, true)?)?)
+    };
+    let case = "3 rows, [2048 | 2048]";
+    triple3(c, case, tol_f32(cols), &reference, run, false)?;
+    let be = backend(c, Variant::Exact, false);
+    let (ad, bd, wad, wbd) = up(&be)?;
+    let an = be.rms_norm(&ad, &wad, cols, 1e-6, true)?;
+    let bn = be.rms_norm(&bd, &wbd, cols, 1e-6, true)?;
+    let three = be.download(&be.concat_cols(&an, &bn)?)?;
+    let fused = run(&be)?;
+    same_bits(
+        c,
+        format!("{case}: bitwise = rms_norm, rms_norm, concat_cols"),
+        &fused,
+        &three,
+    );
+    Ok(())
+}
+
 /// The GDN's gated norm in one launch: against FP64, and bit for bit `rms_norm` then
 /// `silu_mul`.
 pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
@@ -470,10 +519,16 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
                 .zip(&u)
                 .map(|(&a, &b)| (silu(f64::from(a)) * f64::from(b)) as f32)
                 .collect();
+            let xg: Vec<f32> = x
+                .iter()
+                .zip(&u)
+                .map(|(&a, &b)| (f64::from(a) * sigmoid(f64::from(b))) as f32)
+                .collect();
             let mut reference = gemv_ref(&w, &x, k, rows, n);
-            // the gated input's reference from the f32 products (the product's own rounding is
+            // the gated inputs' references from the f32 products (the product's own rounding is
             // below the GEMV's tolerance)
             reference.extend(gemv_ref(&w, &xs, k, rows, n));
+            reference.extend(gemv_ref(&w, &xg, k, rows, n));
             let make = |c: &Ctx, var| {
                 let o = CudaOptions {
                     gemv_kc: 128,
@@ -487,32 +542,39 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
                 let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
                 let mut out = be.download(&be.linear(&xd, &wd, Rows::Exact)?)?;
                 out.extend(be.download(&be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?)?);
-                // appended for the bitwise checks: each row alone, and silu_mul then the linear
+                out.extend(be.download(&be.linear_sigmoid_mul(&xd, &ud, &wd, Rows::Exact)?)?);
+                // appended for the bitwise checks: each row alone, and each op then the linear
                 for r in 0..rows {
                     let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
                     out.extend(be.download(&be.linear(&xr, &wd, Rows::Exact)?)?);
                 }
-                out.extend(be.download(&be.linear(
-                    &be.silu_mul(&xd, &ud)?,
-                    &wd,
-                    Rows::Exact,
-                )?)?);
+                let silu_in = be.silu_mul(&xd, &ud)?;
+                out.extend(be.download(&be.linear(&silu_in, &wd, Rows::Exact)?)?);
+                let sigm_in = be.sigmoid_mul(&xd, &ud)?;
+                out.extend(be.download(&be.linear(&sigm_in, &wd, Rows::Exact)?)?);
                 Ok(out)
             };
-            let case = format!("V {v}: {rows} rows x {k} into {n}, plain and silu-gated input");
+            let case =
+                format!("V {v}: {rows} rows x {k} into {n}, plain, silu- and sigmoid-gated input");
             let exact = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
             let m = rows * n;
             same_bits(
                 c,
                 format!("{case}: each row bitwise = its one-row launch"),
                 &exact[..m],
-                &exact[2 * m..3 * m],
+                &exact[3 * m..4 * m],
             );
             same_bits(
                 c,
-                format!("{case}: gated input bitwise = silu_mul then linear"),
+                format!("{case}: silu-gated input bitwise = silu_mul then linear"),
                 &exact[m..2 * m],
-                &exact[3 * m..4 * m],
+                &exact[4 * m..5 * m],
+            );
+            same_bits(
+                c,
+                format!("{case}: sigmoid-gated input bitwise = sigmoid_mul then linear"),
+                &exact[2 * m..3 * m],
+                &exact[5 * m..6 * m],
             );
         }
     }

@@ -427,8 +427,34 @@ pub trait Backend: Send + Sync + Sized {
     ) -> BResult<Self::Buf> {
         self.silu_mul(z, &self.rms_norm(x, w, group, eps, plus_one)?)
     }
+    /// `concat_cols(rms_norm(a, wa, ..), rms_norm(b, wb, ..))`, each normalised over its whole
+    /// row, bit for bit; a backend may fuse them (one launch).
+    fn rms_norm_concat(
+        &self,
+        a: &Self::Buf,
+        wa: &Self::Vector,
+        b: &Self::Buf,
+        wb: &Self::Vector,
+        eps: f32,
+        plus_one: bool,
+    ) -> BResult<Self::Buf> {
+        let an = self.rms_norm(a, wa, self.shape(a).1, eps, plus_one)?;
+        let bn = self.rms_norm(b, wb, self.shape(b).1, eps, plus_one)?;
+        self.concat_cols(&an, &bn)
+    }
     /// `y = x Wᵀ`: `[n, in] -> [n, out]`.
     fn linear(&self, x: &Self::Buf, w: &Self::Weight, rows: Rows) -> BResult<Self::Buf>;
+    /// `linear(sigmoid_mul(x, gate), w)` with `gate` the shape of `x`, bit for bit; a backend may
+    /// make the product as the linear loads its input.
+    fn linear_sigmoid_mul(
+        &self,
+        x: &Self::Buf,
+        gate: &Self::Buf,
+        w: &Self::Weight,
+        rows: Rows,
+    ) -> BResult<Self::Buf> {
+        self.linear(&self.sigmoid_mul(x, gate)?, w, rows)
+    }
     /// `linear(silu_mul(gate, up), w)`, bit for bit; a backend may make the product as the
     /// linear loads its input.
     fn linear_silu_mul(

@@ -635,6 +635,8 @@ impl<B: Backend> Model<B> {
     /// §4.4 gated full attention, shared by the backbone and the tower (`dims` differ). `q` and
     /// `k` are each a buffer and the `(group, offset, len)` column selection of its heads
     /// (`Backend::cols_grouped`), normalised and rotated in place by `Backend::norm_rope`.
+    /// Returns the attention output and its gate: the output projection takes
+    /// `o ⊙ sigmoid(gate)` (`Backend::linear_sigmoid_mul`).
     #[allow(clippy::too_many_arguments)]
     fn gated_attention(
         &self,
@@ -649,7 +651,7 @@ impl<B: Backend> Model<B> {
         k_norm: &B::Vector,
         positions: At<'_, B>,
         mode: Rows,
-    ) -> Result<B::Buf> {
+    ) -> Result<(B::Buf, B::Buf)> {
         let be = &self.backend;
         let hd = dims.head_dim;
         let (rot, th, st) = (dims.rot_dims, dims.theta, dims.rope);
@@ -666,7 +668,7 @@ impl<B: Backend> Model<B> {
             },
             At::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
         };
-        Ok(be.sigmoid_mul(&o, &gate)?)
+        Ok((o, gate))
     }
 
     fn attention(
@@ -700,7 +702,7 @@ impl<B: Backend> Model<B> {
             positions,
             mode,
         )?;
-        Ok(be.linear(&o, &w.o, mode)?)
+        Ok(be.linear_sigmoid_mul(&o.0, &o.1, &w.o, mode)?)
     }
 
     /// §4.5 MoE: routed experts (softmax, top-k, renormalise) and the shared one with its gate;
@@ -774,9 +776,12 @@ impl<B: Backend> Model<B> {
         let w = &self.tower[t];
         let d = &g.tower_attn;
         let (dim, eps) = (g.hidden, g.tower_eps);
-        let en = be.rms_norm(e, &w.enorm, dim, eps, true)?;
-        let hn = be.rms_norm(h, &w.hnorm, dim, eps, true)?;
-        let m = be.linear(&be.concat_cols(&en, &hn)?, &w.eh_proj, mode)?;
+        debug_assert_eq!((be.shape(e).1, be.shape(h).1), (dim, dim));
+        let m = be.linear(
+            &be.rms_norm_concat(e, &w.enorm, h, &w.hnorm, eps, true)?,
+            &w.eh_proj,
+            mode,
+        )?;
         // wqkv rows are [query | gate | key | value], heads contiguous inside each.
         let x = be.rms_norm(&m, &w.attn_norm, dim, eps, true)?;
         let qkv = be.linear(&x, &w.wqkv, mode)?;
@@ -799,7 +804,7 @@ impl<B: Backend> Model<B> {
         )?;
         let (r, x) = be.add_rms_norm(
             &m,
-            &be.linear(&o, &w.wo, mode)?,
+            &be.linear_sigmoid_mul(&o.0, &o.1, &w.wo, mode)?,
             &w.ffn_norm,
             dim,
             eps,
