@@ -270,8 +270,10 @@ template <int G, int VV, int ACT = 0>
 __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
                                               const float* __restrict__ u = nullptr) {
-    constexpr int V = VV == 3 ? 2 : VV;
+    // VV = 4: layout 2 with loads that ask L2 for whole 256-byte segments
+    constexpr int V = VV >= 3 ? 2 : VV;
     constexpr bool SPLIT = VV == 3;
+    constexpr bool L2PF = VV == 4;
     // key offset of thread t's chunk c within a step
     constexpr int CH = SPLIT ? 32 : 8;
     __shared__ float red[16][G][32][4];
@@ -298,8 +300,9 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
             unsigned int wav[4 * V], wbv[4 * V];
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                uint4 ua = ra < n_out ? ld_stream(wa + k + CH * v) : make_uint4(0, 0, 0, 0);
-                uint4 ub = rb < n_out ? ld_stream(wb + k + CH * v) : make_uint4(0, 0, 0, 0);
+                uint4 ua = make_uint4(0, 0, 0, 0), ub = ua;
+                if (ra < n_out) ua = L2PF ? ld_stream_l2(wa + k + CH * v) : ld_stream(wa + k + CH * v);
+                if (rb < n_out) ub = L2PF ? ld_stream_l2(wb + k + CH * v) : ld_stream(wb + k + CH * v);
                 wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
                 wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
             }
@@ -393,6 +396,8 @@ GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
 GEMV_TC2(1, 3)
 GEMV_TC2(4, 3)
+GEMV_TC2(1, 4)
+GEMV_TC2(4, 4)
 // y = W (silu(x) * u) and y = W (x * sigmoid(u)): silu_mul / sigmoid_mul fused into the input
 #define GEMV_TC2_SILU(G, V)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) gemv_tc2_silu_g##G##_v##V(                         \
@@ -411,3 +416,5 @@ GEMV_TC2_SILU(1, 2)
 GEMV_TC2_SILU(4, 2)
 GEMV_TC2_SILU(1, 3)
 GEMV_TC2_SILU(4, 3)
+GEMV_TC2_SILU(1, 4)
+GEMV_TC2_SILU(4, 4)

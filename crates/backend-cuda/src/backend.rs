@@ -562,8 +562,10 @@ pub struct CudaOptions {
     /// 32-key steps). With cold weights at one row 256 keys in 64-key steps read 1.4x faster
     /// than `gemv_tc` (`bench/cuda-gemvbench-2026-11-30-s8.md`); one lane 88.6 -> 99.8 frames/s.
     pub gemv_kc: usize,
-    /// `gemv_tc2_*` loads 8 `gemv_v` keys per thread and step (`DRAMATIS_CUDA_GEMV_V`, 1 or 2,
-    /// default 2; 2 where K is a multiple of 64).
+    /// `gemv_tc2_*` load layout (`DRAMATIS_CUDA_GEMV_V`, default 2): 1, 8 keys per thread and
+    /// step; 2, 16 contiguous keys; 3, two 8-key chunks 32 keys apart (64 contiguous bytes per
+    /// load); 4, layout 2 with L2 fetching whole 256-byte segments. 2 to 4 where K is a multiple
+    /// of 64, else 1. Layouts 3 and 4 were slower or equal (`bench/cuda-gemvbench-*-s8.md`).
     pub gemv_v: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
@@ -621,7 +623,7 @@ impl CudaOptions {
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
-            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 3),
+            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 4),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -872,7 +874,8 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
     if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
         if o.gemv_kc > 0 {
-            // layouts 2 and 3 take 64 keys a step (3: each load 64 contiguous bytes of a row)
+            // layouts 2, 3 and 4 take 64 keys a step (3: each load 64 contiguous bytes of a row;
+            // 4: layout 2's loads asking L2 for whole 256-byte segments)
             let v = if o.gemv_v >= 2 && k.is_multiple_of(64) {
                 o.gemv_v
             } else {
@@ -904,17 +907,29 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                     "gemv_tc2_silu_g4_v2",
                     "gemv_tc2_sigm_g4_v2",
                 ),
-                (true, _) => (
+                (true, 3) => (
                     "gemv_tc2_g1_v3",
                     "gemv_tc2_multi_g1_v3",
                     "gemv_tc2_silu_g1_v3",
                     "gemv_tc2_sigm_g1_v3",
                 ),
-                (false, _) => (
+                (false, 3) => (
                     "gemv_tc2_g4_v3",
                     "gemv_tc2_multi_g4_v3",
                     "gemv_tc2_silu_g4_v3",
                     "gemv_tc2_sigm_g4_v3",
+                ),
+                (true, _) => (
+                    "gemv_tc2_g1_v4",
+                    "gemv_tc2_multi_g1_v4",
+                    "gemv_tc2_silu_g1_v4",
+                    "gemv_tc2_sigm_g1_v4",
+                ),
+                (false, _) => (
+                    "gemv_tc2_g4_v4",
+                    "gemv_tc2_multi_g4_v4",
+                    "gemv_tc2_silu_g4_v4",
+                    "gemv_tc2_sigm_g4_v4",
                 ),
             };
             return Bf16Gemv {

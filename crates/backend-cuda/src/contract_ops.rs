@@ -501,7 +501,7 @@ pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
 /// each row bitwise equal to its one-row launch, and the fused input bitwise equal to
 /// `silu_mul` then the linear.
 pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
-    for v in [1usize, 2, 3] {
+    for v in [1usize, 2, 3, 4] {
         for (n, k, rows) in [
             (2050usize, 4096usize, 5usize),
             (37, 128, 9),
