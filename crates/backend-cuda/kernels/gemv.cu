@@ -263,19 +263,14 @@ extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const f
 // is loaded with the elementwise op's bits, so the result equals the op then the linear bit for
 // bit.
 // PLANT 1: skips each warp's last step. LOWP: one TF32 MMA (lo dropped).
-// VV = 3: V = 2 with the two 8-key chunks of thread t at keys 8 t and 32 + 8 t of the step, so
-// each load instruction reads 64 contiguous bytes of a row (two whole sectors) instead of half
-// of each of four; MMA s then takes keys 32 (s / 4) + 8 t + 2 (s % 4) and the next.
-template <int G, int VV, int ACT = 0>
+// (Two other load layouts were measured and removed in session 8: two 8-key chunks 32 keys
+// apart, so each load reads 64 contiguous bytes, was slower on most shapes at one row (GDN
+// projections 23.5 -> 27.1 us); layout 2 with `L2::256B` loads was the same speed. NOTES.md,
+// session 8.)
+template <int G, int V, int ACT = 0>
 __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
                                               const float* __restrict__ u = nullptr) {
-    // VV = 4: layout 2 with loads that ask L2 for whole 256-byte segments
-    constexpr int V = VV >= 3 ? 2 : VV;
-    constexpr bool SPLIT = VV == 3;
-    constexpr bool L2PF = VV == 4;
-    // key offset of thread t's chunk c within a step
-    constexpr int CH = SPLIT ? 32 : 8;
     __shared__ float red[16][G][32][4];
     constexpr int SK = 32 * V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -296,13 +291,12 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
             for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
 #pragma unroll 4
         for (int kb = kb0; kb < kb1; kb += SK) {
-            const int k = kb + (SPLIT ? 8 : 8 * V) * t;
+            const int k = kb + 8 * V * t;
             unsigned int wav[4 * V], wbv[4 * V];
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                uint4 ua = make_uint4(0, 0, 0, 0), ub = ua;
-                if (ra < n_out) ua = L2PF ? ld_stream_l2(wa + k + CH * v) : ld_stream(wa + k + CH * v);
-                if (rb < n_out) ub = L2PF ? ld_stream_l2(wb + k + CH * v) : ld_stream(wb + k + CH * v);
+                uint4 ua = ra < n_out ? ld_stream(wa + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                uint4 ub = rb < n_out ? ld_stream(wb + k + 8 * v) : make_uint4(0, 0, 0, 0);
                 wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
                 wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
             }
@@ -314,8 +308,7 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
 #pragma unroll
                 for (int v = 0; v < 2 * V; ++v) {
                     float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    // float4 v: chunk v / 2, half v % 2
-                    const int off = k + CH * (v >> 1) + 4 * (v & 1);
+                    const int off = k + 4 * v;
                     if (r < rows) {
                         xv = __ldg((const float4*)(x + (long long)r * K + off));
                         if (ACT == 1) {
@@ -394,10 +387,6 @@ GEMV_TC2(1, 1)
 GEMV_TC2(4, 1)
 GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
-GEMV_TC2(1, 3)
-GEMV_TC2(4, 3)
-GEMV_TC2(1, 4)
-GEMV_TC2(4, 4)
 // y = W (silu(x) * u) and y = W (x * sigmoid(u)): silu_mul / sigmoid_mul fused into the input
 #define GEMV_TC2_SILU(G, V)                                                                               \
     extern "C" __global__ void __launch_bounds__(512) gemv_tc2_silu_g##G##_v##V(                         \
@@ -414,7 +403,4 @@ GEMV_TC2_SILU(1, 1)
 GEMV_TC2_SILU(4, 1)
 GEMV_TC2_SILU(1, 2)
 GEMV_TC2_SILU(4, 2)
-GEMV_TC2_SILU(1, 3)
-GEMV_TC2_SILU(4, 3)
-GEMV_TC2_SILU(1, 4)
-GEMV_TC2_SILU(4, 4)
+

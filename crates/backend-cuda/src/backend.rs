@@ -563,9 +563,8 @@ pub struct CudaOptions {
     /// than `gemv_tc` (`bench/cuda-gemvbench-2026-11-30-s8.md`); one lane 88.6 -> 99.8 frames/s.
     pub gemv_kc: usize,
     /// `gemv_tc2_*` load layout (`DRAMATIS_CUDA_GEMV_V`, default 2): 1, 8 keys per thread and
-    /// step; 2, 16 contiguous keys; 3, two 8-key chunks 32 keys apart (64 contiguous bytes per
-    /// load); 4, layout 2 with L2 fetching whole 256-byte segments. 2 to 4 where K is a multiple
-    /// of 64, else 1. Layouts 3 and 4 were slower or equal (`bench/cuda-gemvbench-*-s8.md`).
+    /// step; 2, 16 contiguous keys (one 128-byte line per row and step) where K is a multiple of
+    /// 64, else 1.
     pub gemv_v: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
@@ -623,7 +622,7 @@ impl CudaOptions {
             slots_min_rows: num("DRAMATIS_CUDA_SLOTS_MIN", usize::MAX),
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
-            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 4),
+            gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -874,14 +873,13 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
     if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
         if o.gemv_kc > 0 {
-            // layouts 2, 3 and 4 take 64 keys a step (3: each load 64 contiguous bytes of a row;
-            // 4: layout 2's loads asking L2 for whole 256-byte segments)
-            let v = if o.gemv_v >= 2 && k.is_multiple_of(64) {
-                o.gemv_v
+            // layout 2 takes 64 keys a step
+            let v = if o.gemv_v == 2 && k.is_multiple_of(64) {
+                2
             } else {
                 1
             };
-            let kc = gemv_tc2_keys(o.gemv_kc, v.min(2), k);
+            let kc = gemv_tc2_keys(o.gemv_kc, v, k);
             let (single, multi, silu, sigm) = match (rows <= 8, v) {
                 (true, 1) => (
                     "gemv_tc2_g1_v1",
@@ -895,41 +893,17 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                     "gemv_tc2_silu_g4_v1",
                     "gemv_tc2_sigm_g4_v1",
                 ),
-                (true, 2) => (
+                (true, _) => (
                     "gemv_tc2_g1_v2",
                     "gemv_tc2_multi_g1_v2",
                     "gemv_tc2_silu_g1_v2",
                     "gemv_tc2_sigm_g1_v2",
                 ),
-                (false, 2) => (
+                (false, _) => (
                     "gemv_tc2_g4_v2",
                     "gemv_tc2_multi_g4_v2",
                     "gemv_tc2_silu_g4_v2",
                     "gemv_tc2_sigm_g4_v2",
-                ),
-                (true, 3) => (
-                    "gemv_tc2_g1_v3",
-                    "gemv_tc2_multi_g1_v3",
-                    "gemv_tc2_silu_g1_v3",
-                    "gemv_tc2_sigm_g1_v3",
-                ),
-                (false, 3) => (
-                    "gemv_tc2_g4_v3",
-                    "gemv_tc2_multi_g4_v3",
-                    "gemv_tc2_silu_g4_v3",
-                    "gemv_tc2_sigm_g4_v3",
-                ),
-                (true, _) => (
-                    "gemv_tc2_g1_v4",
-                    "gemv_tc2_multi_g1_v4",
-                    "gemv_tc2_silu_g1_v4",
-                    "gemv_tc2_sigm_g1_v4",
-                ),
-                (false, _) => (
-                    "gemv_tc2_g4_v4",
-                    "gemv_tc2_multi_g4_v4",
-                    "gemv_tc2_silu_g4_v4",
-                    "gemv_tc2_sigm_g4_v4",
                 ),
             };
             return Bf16Gemv {
