@@ -1,8 +1,9 @@
 //! `gemvbench [--out FILE.json] [VARIANT ...]`: the BF16 decode linears with cold weights, as a
 //! frame reads them. Each shape is uploaded in enough copies to pass 400 MB (far over the 50 MB
 //! L2), and consecutive calls walk the copies, so every call reads its weight from HBM; `opbench`
-//! repeats one weight and so measures L2 for the smaller ones. A variant is `old` (`gemv_tc`,
-//! 512 keys per warp) or `KC:V` (`gemv_tc2_*`, at least KC keys per warp, V = 1 or 2). Figures are
+//! repeats one weight and so measures L2 for the smaller ones. A variant is `old` (session 7's
+//! `gemv_tc`: 512 keys per warp in 32-key steps) or `KC:V` (at least KC keys per warp, load
+//! layout V = 1 or 2). Figures are
 //! the median of 5 rounds of 40 calls, event-timed after a warm-up; the floor is the weight bytes
 //! over the 4.3 TB/s measured copy rate.
 

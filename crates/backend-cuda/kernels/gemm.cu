@@ -340,7 +340,7 @@ extern "C" __global__ void moe_group_combine(const unsigned int* __restrict__ id
 // 64 rows x 64 outputs per block, 32 keys a step, as m16n8k8 TF32 MMAs with outputs as M and rows
 // as N (warp w takes outputs 16 (w % 4).. and rows 32 (w / 4).., four groups of 8 rows). BF16 and
 // e4m3 weights are exact in TF32; each activation is split x = hi + lo into two TF32 values (about
-// 22 of its 24 bits kept) and each MMA starts from zero and is added in f32, as gemv_tc does (the
+// 22 of its 24 bits kept) and each MMA starts from zero and is added in f32, as gemv_tc2 does (the
 // tensor core's own accumulation truncates, which biases a sum over K). An FP8 weight enters raw
 // and its 128x128 block scale multiplies each 128-key block's partial sum:
 // y = sum_b s_b (sum_{k in b} w_k x_k). An output of a row depends on that row alone (an MMA's

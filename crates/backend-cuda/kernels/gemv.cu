@@ -134,131 +134,24 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
     gemv_bf16_multi_body<4>(m, x, K, rows);
 }
 
-// ---------------------------------------------------------------- tensor-core GEMV (TF32 x2)
-
-#define TC_KC 512  // keys per warp: a block of ceil(K / 512) warps covers one 16-output tile
+// ---------------------------------------------------------------- tensor-core GEMV, short K per warp
 
 // y[r, n] = sum_k W[n, k] x[r, k] for 16 outputs n0.. of one weight on tensor cores. BF16 weights
 // are exact in TF32; each activation is split x = hi + lo into two TF32 values (hi = tf32(x),
 // lo = tf32(x - hi)), and the two products run as separate MMAs into separate accumulators, so
 // the result carries about 22 bits of x where one TF32 MMA would carry 11. Each MMA (8 keys)
 // starts from zero and its result is added in f32, since chaining MMAs through the accumulator
-// truncates at every step (the tiny fixture's teacher-forced codebook logits failed that way). Warp w of the block
-// takes keys [512 w, 512 w + 512) in 32-key steps: thread (g = lane / 4, t = lane % 4) loads 8
-// consecutive weights of rows n0 + g and n0 + g + 8 and 8 consecutive activations of row g of
-// the row group, and four MMAs (k = 8 each) consume them, the MMA's k index i standing for key
-// 8 t + 2 s + (i >= 4) of the step. Rows go in groups of 8 (the MMA's n), 32 rows per pass over
-// the weights. The warps' partial tiles are summed in warp order through shared memory. Every
-// output of a row is the same sequence of operations whatever the other rows hold and however
-// many there are, so the result does not depend on the batch. K a multiple of 32, at most 8192.
-// PLANT 1: skips the last 32-key step of each warp. LOWP: one TF32 MMA (lo dropped).
-__device__ __forceinline__ void gemv_tc_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                             float* __restrict__ y, int n_out, int K, int rows, int n0) {
-    __shared__ float red[16][4][32][4];  // [warp][row group][lane][4]: 32 KiB
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int ra = n0 + g, rb = n0 + g + 8;
-    const int kb0 = warp * TC_KC;
-    int kb1 = kb0 + TC_KC < K ? kb0 + TC_KC : K;
-#if PLANT == 1
-    kb1 -= 32;
-#endif
-    const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
-    const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
-    for (int r0 = 0; r0 < rows; r0 += 32) {
-        float hi[4][4], lo[4][4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
-#pragma unroll 4
-        for (int kb = kb0; kb < kb1; kb += 32) {
-            const int k = kb + 8 * t;
-            uint4 ua = ra < n_out ? ld_stream(wa + k) : make_uint4(0, 0, 0, 0);
-            uint4 ub = rb < n_out ? ld_stream(wb + k) : make_uint4(0, 0, 0, 0);
-            unsigned int wav[4] = {ua.x, ua.y, ua.z, ua.w}, wbv[4] = {ub.x, ub.y, ub.z, ub.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int r = r0 + 8 * q + g;
-                if (r0 + 8 * q >= rows) break;  // uniform across the warp
-                float4 xa = make_float4(0.0f, 0.0f, 0.0f, 0.0f), xb = xa;
-                if (r < rows) {
-                    const float4* xp = (const float4*)(x + (long long)r * K + k);
-                    xa = __ldg(xp);
-                    xb = __ldg(xp + 1);
-                }
-                float xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    // a: (g, t) (g + 8, t) (g, t + 4) (g + 8, t + 4); a BF16's bits in the top half
-                    const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
-                                               wbv[s] & 0xffff0000u};
-                    // each MMA starts from zero and is added in f32 (round to nearest): the tensor
-                    // core's own accumulation truncates, which over K would bias the sum
-                    const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(d, a, h0, h1);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
-#ifndef LOWP
-                    const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
-                    const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
-                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(dl, a, l0, l1);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
-#endif
-                }
-            }
-        }
-        // d: (g, 2t) (g, 2t + 1) (g + 8, 2t) (g + 8, 2t + 1) = (output, row in group)
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) red[warp][q][lane][e] = hi[q][e] + lo[q][e];
-        __syncthreads();
-        if (warp == 0) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                if (r0 + 8 * q >= rows) break;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float acc = red[0][q][lane][e];
-                    for (int w = 1; w < nw; ++w) acc += red[w][q][lane][e];
-                    const int n = (e < 2 ? ra : rb);
-                    const int r = r0 + 8 * q + 2 * t + (e & 1);
-                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;
-                }
-            }
-        }
-        __syncthreads();
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(512) gemv_tc(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                                           float* __restrict__ y, int n_out, int K, int rows) {
-    gemv_tc_body(W, x, y, n_out, K, rows, blockIdx.x * 16);
-}
-
-// gemv_tc over up to 8 weights of one input (the Multi table; start[] counts 16-output tiles).
-extern "C" __global__ void __launch_bounds__(512) gemv_tc_multi(Multi m, const float* __restrict__ x, int K,
-                                                                 int rows) {
-    int j = 0;
-    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_tc_body((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 16);
-}
-
-// ---------------------------------------------------------------- tensor-core GEMV, short K per warp
-
-// gemv_tc's arithmetic (BF16 weights exact in TF32, activations split hi + lo, each 8-key MMA
-// from zero and added in f32, warps' partials summed in warp order) with the keys cut finer, so
-// that at one row every warp issues all its weight loads at once: warp w takes keys
+// truncates at every step (the tiny fixture's teacher-forced codebook logits failed that way).
+// The warps' partial tiles are summed in warp order through shared memory. Every output of a
+// row is the same sequence of operations whatever the other rows hold and however many there
+// are, so the result does not depend on the batch. Warp w takes keys
 // [kc w, kc w + kc) in steps of 32 V keys (kc a multiple of 32 V, set by the caller from K
 // alone, so a row's bits depend on K and the weights, never on the rows beside it). In a step,
 // thread (g, t) loads 8 V consecutive weights of rows n0 + g and n0 + g + 8 at key kb + 8 V t
 // (V = 2: one 128-byte line per row and step) and the matching activations; MMA s (0 <= s < 4 V)
 // takes keys 8 V t + 2 s and 8 V t + 2 s + 1 of each t. G row groups of 8 per pass (G = 1 for
-// up to 8 rows: a quarter of the accumulators, the same bits). At most 16 warps.
+// up to 8 rows: a quarter of the accumulators, the same bits). At most 16 warps. kc = 512 with
+// V = 1 is session 7's gemv_tc (DRAMATIS_CUDA_GEMV_KC=0).
 // ACT 1: the input is silu(x) * u (elementwise op 1); ACT 2: x * sigmoid(u) (op 2); made as it
 // is loaded with the elementwise op's bits, so the result equals the op then the linear bit for
 // bit.

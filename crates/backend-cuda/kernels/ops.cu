@@ -265,24 +265,11 @@ extern "C" __global__ void add_sigmoid_mul(const float* __restrict__ a, const fl
 
 // ---------------------------------------------------------------- rotary embedding
 
-// Rotary embedding of the first `rot` dims of each `hd` head of row r at position
-// pos[r * pstride]; angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved
-// pairs (2i, 2i+1). Products are rounded separately (no fused multiply-add) as the CPU reference
-// does. Grid (rows, heads): each block computes the row's rot/2 angles into shared memory (rot
-// <= 512; once per block, where each element used to compute its own) and rotates one head. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
 #define ROPE_MAX_HALF 256
-extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
-                                const long long* __restrict__ pos, long long pstride, int cols, int hd, int rot,
-                                double theta, int interleaved) {
-    __shared__ float cs_s[ROPE_MAX_HALF], sn_s[ROPE_MAX_HALF];
-    const long long r = blockIdx.x;
-    const int base = blockIdx.y * hd;
-    const float* xr = x + r * cols;
-    float* orow = out + r * cols;
-    const long long p = pos[r * pstride];
-#if PLANT == 1
-    interleaved = !interleaved;
-#endif
+
+// The row's rot/2 angles pos * theta^(-2i/rot) (f64; LOWP: f32) as cos and sin in shared memory,
+// one pass by the block. The caller synchronises before reading them.
+__device__ __forceinline__ void rope_table(long long p, int rot, double theta, float* cs_s, float* sn_s) {
     const int half = rot / 2;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
 #ifdef LOWP
@@ -295,11 +282,16 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
         sn_s[i] = (float)sin(ang);
 #endif
     }
-    __syncthreads();
+}
+
+// One head of hd values: out[d] = xr[d] rotated by the table (dims past rot copied). NeoX pairs
+// (i, i + rot/2), interleaved pairs (2i, 2i+1); products rounded separately (no fma).
+__device__ __forceinline__ void rope_head(const float* xr, float* orow, int hd, int rot, int interleaved,
+                                          const float* cs_s, const float* sn_s) {
+    const int half = rot / 2;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const int c = base + d;
         if (d >= rot) {
-            orow[c] = xr[c];
+            orow[d] = xr[d];
             continue;
         }
         int i, a, b;
@@ -316,17 +308,36 @@ extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__
             first = d < half;
         }
         const float cs = cs_s[i], sn = sn_s[i];
-        float x0 = xr[base + a], x1 = xr[base + b];
-        orow[c] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
+        float x0 = xr[a], x1 = xr[b];
+        orow[d] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
                         : __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
     }
+}
+
+// Rotary embedding of the first `rot` dims of each `hd` head of row r at position
+// pos[r * pstride]; angle pos * theta^(-2i/rot) in f64. NeoX pairs (i, i + rot/2); interleaved
+// pairs (2i, 2i+1). Products are rounded separately (no fused multiply-add) as the CPU reference
+// does. Grid (rows, heads): each block computes the row's rot/2 angles into shared memory (rot
+// <= 512; once per block, where each element used to compute its own) and rotates one head. PLANT 1: the other pairing. LOWP: angle and cos/sin in f32.
+extern "C" __global__ void rope(const float* __restrict__ x, float* __restrict__ out,
+                                const long long* __restrict__ pos, long long pstride, int cols, int hd, int rot,
+                                double theta, int interleaved) {
+    __shared__ float cs_s[ROPE_MAX_HALF], sn_s[ROPE_MAX_HALF];
+    const long long r = blockIdx.x;
+    const int base = blockIdx.y * hd;
+#if PLANT == 1
+    interleaved = !interleaved;
+#endif
+    rope_table(pos[r * pstride], rot, theta, cs_s, sn_s);
+    __syncthreads();
+    rope_head(x + r * cols + base, out + r * cols + base, hd, rot, interleaved, cs_s, sn_s);
 }
 
 // The q/k norm and rotary embedding of attention in one launch: head h of row r is read in place
 // from x (the heads of [rows, groups * len] as gather_cols selects them: column c at
 // (c / len) * group + offset + c % len, len a multiple of hd), normalised as rmsnorm_groups does
-// over hd values (the same block size, so the same bits) and rotated as rope does (the same
-// angle table and products). Output [rows, groups * len]. Grid (rows, heads), hd <= 512.
+// over hd values (the same block size, so the same bits) and rotated as rope does (rope_table,
+// rope_head). Output [rows, groups * len]. Grid (rows, heads), hd <= 512.
 // PLANT 1: the other pairing. LOWP: the norm rounded to bf16, angles and cos/sin in f32.
 extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float* __restrict__ w,
                                         float* __restrict__ out, const long long* __restrict__ pos,
@@ -347,46 +358,12 @@ extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float
         float wv = plus_one ? 1.0f + w[i] : w[i];
         nv[i] = lowp(xr[i] * inv * wv);
     }
-    const long long p = pos[r * pstride];
 #if PLANT == 1
     interleaved = !interleaved;
 #endif
-    const int half = rot / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-#ifdef LOWP
-        float ang = (float)p * powf((float)theta, -2.0f * (float)i / (float)rot);
-        cs_s[i] = cosf(ang);
-        sn_s[i] = sinf(ang);
-#else
-        double ang = (double)p * pow(theta, -(double)(2 * i) / (double)rot);
-        cs_s[i] = (float)cos(ang);
-        sn_s[i] = (float)sin(ang);
-#endif
-    }
+    rope_table(pos[r * pstride], rot, theta, cs_s, sn_s);
     __syncthreads();
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        if (d >= rot) {
-            orow[d] = nv[d];
-            continue;
-        }
-        int i, a, b;
-        bool first;
-        if (interleaved) {
-            i = d / 2;
-            a = 2 * i;
-            b = a + 1;
-            first = (d & 1) == 0;
-        } else {
-            i = d < half ? d : d - half;
-            a = i;
-            b = i + half;
-            first = d < half;
-        }
-        const float cs = cs_s[i], sn = sn_s[i];
-        float x0 = nv[a], x1 = nv[b];
-        orow[d] = first ? __fsub_rn(__fmul_rn(x0, cs), __fmul_rn(x1, sn))
-                        : __fadd_rn(__fmul_rn(x1, cs), __fmul_rn(x0, sn));
-    }
+    rope_head(nv, orow, hd, rot, interleaved, cs_s, sn_s);
 }
 
 // ---------------------------------------------------------------- KV cache

@@ -554,13 +554,14 @@ pub struct CudaOptions {
     /// goldens pass): `DRAMATIS_CUDA_SLOTS_MIN=ROWS`. Off by default: at 32 lanes a round took
     /// 38.4 ms against 34.2 ms with the per-row kernels (`bench/cuda-drama3-slots-*-2026-11-29-s7.json`).
     pub slots_min_rows: usize,
-    /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc`,
+    /// BF16 linears of any row count below the tiled GEMM run on tensor cores (`gemv_tc2_*`,
     /// TF32 with split activations) where K allows, instead of the FMA GEMV.
     pub tc_gemv: bool,
     /// Tensor-core GEMVs with short key ranges per warp (`gemv_tc2_*`): at least this many keys
-    /// per warp (`DRAMATIS_CUDA_GEMV_KC`, default 256; 0 keeps `gemv_tc`, 512 keys per warp in
-    /// 32-key steps). With cold weights at one row 256 keys in 64-key steps read 1.4x faster
-    /// than `gemv_tc` (`bench/cuda-gemvbench-2026-11-30-s8.md`); one lane 88.6 -> 99.8 frames/s.
+    /// per warp (`DRAMATIS_CUDA_GEMV_KC`, default 256; 0 gives session 7's `gemv_tc`
+    /// arithmetic, 512 keys per warp in 32-key steps, whatever `gemv_v`). With cold weights at
+    /// one row, 256 keys in 64-key steps read 1.4x faster than `gemv_tc`
+    /// (`bench/cuda-gemvbench-2026-11-30-s8.md`); one lane 88.6 -> 99.8 frames/s.
     pub gemv_kc: usize,
     /// `gemv_tc2_*` load layout (`DRAMATIS_CUDA_GEMV_V`, default 2): 1, 8 keys per thread and
     /// step; 2, 16 contiguous keys (one 128-byte line per row and step) where K is a multiple of
@@ -827,16 +828,14 @@ fn norm_block(group: usize) -> u32 {
 }
 
 /// The BF16 GEMV kernels of a call: for one weight and for several (`Multi`), the outputs a
-/// block covers and its threads. Tensor cores (`gemv_tc*`, when on) take K a multiple of 32 up
-/// to 8192 with one warp per 512 keys; otherwise the FMA GEMVs, with four outputs per warp
+/// block covers and its threads. Tensor cores (`gemv_tc2_*`, when on) take K a multiple of 32 up
+/// to 8192 with one warp per `kc` keys; otherwise the FMA GEMVs, with four outputs per warp
 /// from `GEMV_WIDE_ROWS` rows on. Each choice gives every row the same bits at any row count.
 struct Bf16Gemv {
     single: &'static str,
     multi: &'static str,
     per_block: usize,
     block: u32,
-    /// `gemv_tc` takes no row-id argument.
-    tc: bool,
     /// `gemv_tc2_*`: keys per warp, the kernels' last argument.
     kc: Option<i32>,
     /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
@@ -872,58 +871,52 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 
 fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
     if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
-        if o.gemv_kc > 0 {
+        // DRAMATIS_CUDA_GEMV_KC=0: session 7's gemv_tc arithmetic, 512 keys per warp in 32-key
+        // steps (the kernel it was is this one with those settings, the same bits)
+        let (v, kc) = if o.gemv_kc == 0 {
+            (1, 512)
+        } else {
             // layout 2 takes 64 keys a step
             let v = if o.gemv_v == 2 && k.is_multiple_of(64) {
                 2
             } else {
                 1
             };
-            let kc = gemv_tc2_keys(o.gemv_kc, v, k);
-            let (single, multi, silu, sigm) = match (rows <= 8, v) {
-                (true, 1) => (
-                    "gemv_tc2_g1_v1",
-                    "gemv_tc2_multi_g1_v1",
-                    "gemv_tc2_silu_g1_v1",
-                    "gemv_tc2_sigm_g1_v1",
-                ),
-                (false, 1) => (
-                    "gemv_tc2_g4_v1",
-                    "gemv_tc2_multi_g4_v1",
-                    "gemv_tc2_silu_g4_v1",
-                    "gemv_tc2_sigm_g4_v1",
-                ),
-                (true, _) => (
-                    "gemv_tc2_g1_v2",
-                    "gemv_tc2_multi_g1_v2",
-                    "gemv_tc2_silu_g1_v2",
-                    "gemv_tc2_sigm_g1_v2",
-                ),
-                (false, _) => (
-                    "gemv_tc2_g4_v2",
-                    "gemv_tc2_multi_g4_v2",
-                    "gemv_tc2_silu_g4_v2",
-                    "gemv_tc2_sigm_g4_v2",
-                ),
-            };
-            return Bf16Gemv {
-                single,
-                multi,
-                per_block: 16,
-                block: (32 * k.div_ceil(kc)) as u32,
-                tc: true,
-                kc: Some(kc as i32),
-                act: Some((silu, sigm)),
-            };
-        }
+            (v, gemv_tc2_keys(o.gemv_kc, v, k))
+        };
+        let (single, multi, silu, sigm) = match (rows <= 8, v) {
+            (true, 1) => (
+                "gemv_tc2_g1_v1",
+                "gemv_tc2_multi_g1_v1",
+                "gemv_tc2_silu_g1_v1",
+                "gemv_tc2_sigm_g1_v1",
+            ),
+            (false, 1) => (
+                "gemv_tc2_g4_v1",
+                "gemv_tc2_multi_g4_v1",
+                "gemv_tc2_silu_g4_v1",
+                "gemv_tc2_sigm_g4_v1",
+            ),
+            (true, _) => (
+                "gemv_tc2_g1_v2",
+                "gemv_tc2_multi_g1_v2",
+                "gemv_tc2_silu_g1_v2",
+                "gemv_tc2_sigm_g1_v2",
+            ),
+            (false, _) => (
+                "gemv_tc2_g4_v2",
+                "gemv_tc2_multi_g4_v2",
+                "gemv_tc2_silu_g4_v2",
+                "gemv_tc2_sigm_g4_v2",
+            ),
+        };
         Bf16Gemv {
-            single: "gemv_tc",
-            multi: "gemv_tc_multi",
+            single,
+            multi,
             per_block: 16,
-            block: (32 * k.div_ceil(512)) as u32,
-            tc: true,
-            kc: None,
-            act: None,
+            block: (32 * k.div_ceil(kc)) as u32,
+            kc: Some(kc as i32),
+            act: Some((silu, sigm)),
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -931,7 +924,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             multi: "gemv_bf16_multi_w4",
             per_block: 32,
             block: 256,
-            tc: false,
             kc: None,
             act: None,
         }
@@ -941,7 +933,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             multi: "gemv_bf16_multi",
             per_block: 8,
             block: 256,
-            tc: false,
             kc: None,
             act: None,
         }
@@ -1935,7 +1926,7 @@ impl CudaBackend {
 
     /// `linear(act(x, u), w)` with the elementwise op made as `gemv_tc2_*` loads its input
     /// (bit for bit the op then the linear); `None` where that kernel does not run (bulk rows,
-    /// other weight formats, `gemv_tc`), for the caller to compose.
+    /// other weight formats, the FMA GEMVs), for the caller to compose.
     fn linear_act(
         &self,
         x: &CudaBuf,
@@ -2711,9 +2702,6 @@ impl Backend for CudaBackend {
                 if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
-                } else if gv.tc {
-                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
-                        &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32);
                 } else {
                     let null = 0u64;
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;

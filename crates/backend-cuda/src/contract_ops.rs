@@ -36,7 +36,7 @@ fn backend(c: &Ctx, v: Variant, kv_f32: bool) -> CudaBackend {
     linear_backend(c, v, kv_f32, true)
 }
 
-/// [`backend`] with BF16 linears on tensor cores (`gemv_tc`) or on the FMA GEMVs.
+/// [`backend`] with BF16 linears on tensor cores (`gemv_tc2_*`) or on the FMA GEMVs.
 fn linear_backend(c: &Ctx, v: Variant, kv_f32: bool, tc_gemv: bool) -> CudaBackend {
     let o = CudaOptions {
         tc_gemv,
@@ -627,7 +627,7 @@ pub(super) fn add_sigmoid_mul(c: &mut Ctx) -> Result<()> {
 /// separate linears.
 pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
     // the GDN projections of one layer at Drama 3 geometry (qkv, z, b, a), on tensor cores
-    // (gemv_tc_multi) and on the FMA GEMVs (3 rows: one output per warp, gemv_bf16_multi; 32
+    // (gemv_tc2_multi_*) and on the FMA GEMVs (3 rows: one output per warp, gemv_bf16_multi; 32
     // rows: four, gemv_bf16_multi_w4, whose rows must equal one-row launches bit for bit)
     let k = 2048;
     let outs = [8192usize, 4096, 32, 32];
@@ -730,8 +730,9 @@ pub(super) fn linear_edges(c: &mut Ctx) -> Result<()> {
             }
             Ok(out)
         };
-        // gemv_tc itself (DRAMATIS_CUDA_GEMV_KC=0); gemv_tc2 has its own case
-        let case = format!("gemv_tc: {rows} rows x {k} into {n}");
+        // 512 keys per warp in 32-key steps, session 7's gemv_tc (DRAMATIS_CUDA_GEMV_KC=0);
+        // the default layout has its own case (gemv_tc2)
+        let case = format!("512 keys a warp: {rows} rows x {k} into {n}");
         let make = |c: &Ctx, v| {
             let o = CudaOptions {
                 gemv_kc: 0,
