@@ -292,10 +292,14 @@ pub fn run_on(shared: &Arc<Gpu>, filter: Option<&str>, seed: u64) -> Result<Cont
         gpu.arch
     );
     let mut summary = ContractSummary::default();
+    let start = std::time::Instant::now();
     for (i, (name, f)) in REGISTRY.iter().enumerate() {
         if filter.is_some_and(|p| !name.contains(p)) {
             continue;
         }
+        // where the time goes (a fresh machine compiles every source for three builds): a
+        // guard that cuts the run short shows how far it got
+        eprintln!("contract: {name} at {:.1} s", start.elapsed().as_secs_f64());
         let mut ctx = Ctx {
             gpu,
             shared,
