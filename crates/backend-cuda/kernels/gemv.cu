@@ -204,18 +204,20 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
                     const int off = k + 4 * v;
                     if (r < rows) {
                         xv = __ldg((const float4*)(x + (long long)r * K + off));
+                        // the product rounded on its own (__fmul_rn), as elementwise stores it: a
+                        // plain * could be contracted with the lo split's subtraction below
                         if (ACT == 1) {
                             const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                            xv.x = lowp(silu(xv.x) * uv.x);
-                            xv.y = lowp(silu(xv.y) * uv.y);
-                            xv.z = lowp(silu(xv.z) * uv.z);
-                            xv.w = lowp(silu(xv.w) * uv.w);
+                            xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+                            xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+                            xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+                            xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
                         } else if (ACT == 2) {
                             const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                            xv.x = lowp(xv.x * sigmoidf(uv.x));
-                            xv.y = lowp(xv.y * sigmoidf(uv.y));
-                            xv.z = lowp(xv.z * sigmoidf(uv.z));
-                            xv.w = lowp(xv.w * sigmoidf(uv.w));
+                            xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+                            xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+                            xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+                            xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
                         }
                     }
                     xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;

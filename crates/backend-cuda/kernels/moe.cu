@@ -37,8 +37,6 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
     float* key = sm;
     float* p = sm + E;
     __shared__ float scratch[32];
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
     const float* l = logits + (size_t)blockIdx.x * E;
     const float qnan = __int_as_float(0x7fc00000);
     float m = -INFINITY;

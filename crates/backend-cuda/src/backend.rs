@@ -1936,7 +1936,10 @@ impl CudaBackend {
         act: Act,
     ) -> BResult<Option<CudaBuf>> {
         let op = act.op();
-        same_shape(op, x, u)?;
+        if x.shape() != u.shape() {
+            // a broadcast gate (sigmoid_mul's [n, 1]): the composed ops check and run it
+            return Ok(None);
+        }
         let k = x.cols;
         let gv = bf16_gemv(&self.opts, x.rows, k);
         let bulk = rows == Rows::Bulk && x.rows >= self.opts.gemm_min_rows;
@@ -3448,20 +3451,40 @@ impl Backend for CudaBackend {
         use model::backend::RopeAt;
         let op = "norm_rope";
         let (group, offset, len) = sel;
-        check::cols_grouped(x.shape(), group, offset, len)?;
-        let cols = (x.cols / group) * len;
-        // heads whole inside a selected group, within the kernel's shared tables
-        if head_dim == 0 || !len.is_multiple_of(head_dim) || head_dim > 512 || rot_dims > head_dim {
-            let n = self.cols_grouped(x, group, offset, len)?;
-            let n = self.rms_norm(&n, w, head_dim, eps, true)?;
+        // the whole of x: no selection (as the trait's default body)
+        let whole = (group, offset, len) == (x.cols, 0, group);
+        // heads whole inside a selected group, within the kernel's shared tables; otherwise the
+        // composed ops
+        let fits =
+            head_dim > 0 && len.is_multiple_of(head_dim) && head_dim <= 512 && rot_dims <= head_dim;
+        if !fits || (whole && x.cols == 0) {
+            let picked;
+            let src = if whole {
+                x
+            } else {
+                picked = self.cols_grouped(x, group, offset, len)?;
+                &picked
+            };
+            let n = self.rms_norm(src, w, head_dim, eps, true)?;
             return match at {
                 RopeAt::Host(p) => self.rope(&n, head_dim, rot_dims, theta, style, p),
                 RopeAt::Round(r, c) => self.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
             };
         }
-        let _p = self.prof.guard("norm_rope");
+        if !whole {
+            check::cols_grouped(x.shape(), group, offset, len)?;
+        }
+        let cols = (x.cols / group) * len;
         check::rms_norm(op, (x.rows, cols), head_dim, w.len)?;
-        check::rope((x.rows, cols), x.rows, head_dim, rot_dims)?;
+        // the positions' checks come before any early return, as rope's and rope_round's do
+        match at {
+            RopeAt::Host(p) => check::rope((x.rows, cols), p.len(), head_dim, rot_dims)?,
+            RopeAt::Round(r, c) => {
+                r.check_rows(op, x.rows, c)?;
+                check::rope((x.rows, cols), x.rows, head_dim, rot_dims)?;
+            }
+        }
+        let _p = self.prof.guard("norm_rope");
         let out = self.buf(x.rows, cols)?;
         if x.rows == 0 || cols == 0 {
             return Ok(out);
@@ -3469,15 +3492,11 @@ impl Backend for CudaBackend {
         let held;
         let pos = match at {
             RopeAt::Host(p) => {
-                check::rope((x.rows, cols), p.len(), head_dim, rot_dims)?;
                 let pv: Vec<i64> = p.iter().map(|&v| i64v(op, v)).collect::<BResult<_>>()?;
                 held = self.htod(&pv)?;
                 (held.ptr, 1i64)
             }
-            RopeAt::Round(r, c) => {
-                r.check_rows(op, x.rows, c)?;
-                (r.counter_ptr(c, 0), LANE_IN_WORDS as i64)
-            }
+            RopeAt::Round(r, c) => (r.counter_ptr(c, 0), LANE_IN_WORDS as i64),
         };
         let (sc, g32, o32, l32) = (
             i32v(op, x.cols)?,

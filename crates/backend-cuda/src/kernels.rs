@@ -233,7 +233,8 @@ pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
         kernel: "moe_router",
         grid: [rows as u64, 1, 1],
         block: 256,
-        smem: dyn_smem + 128 + 128 + 128,
+        // scratch[32] f32 (the picks are one warp's, without shared arrays)
+        smem: dyn_smem + 128,
         dyn_smem,
         optin: false,
         i32_max: e as u64,
