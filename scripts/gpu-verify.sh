@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # One full verification pass on the GPU machine (binary built elsewhere with --features cuda).
 # Writes logs and receipts under $OUT. Usage: scripts/gpu-verify.sh target/release/dramatis
+# [all|contract|rest]. Since session 8 the whole pass can outlast one 600 s device call: run
+# `contract` in one call and `rest` in the next (the contract prints each kernel group's start
+# time on stderr, so a cut run shows how far it got).
 set -uo pipefail
 bin=${1:-target/release/dramatis}
+phase=${2:-all}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.csv" 2>&1
+if [ "$phase" != rest ]; then
 "$bin" kernel-contract > "$out/contract.log" 2>&1; echo "contract rc=$?" >> "$out/summary.txt"
 grep '^SUMMARY' "$out/contract.log" >> "$out/summary.txt"
+fi
+if [ "$phase" = contract ]; then
+  (cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.csv 2>/dev/null)
+  cat "$out/summary.txt"
+  exit 0
+fi
 "$bin" golden testdata/drama3-tiny --backend cuda > "$out/golden-cuda.log" 2>&1; echo "golden rc=$?" >> "$out/summary.txt"
 grep '^GOLDEN' "$out/golden-cuda.log" >> "$out/summary.txt"
 # decode attention without the head split (on by default since session 7)
