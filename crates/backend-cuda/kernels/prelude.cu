@@ -115,3 +115,12 @@ __device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const
 #ifndef PLANT
 #define PLANT 0
 #endif
+
+// Opens every kernel (runtime.rs inserts it): with programmatic dependent launch the grid may
+// start before the one ahead of it has finished and waits here, before any memory access,
+// until that grid's writes are visible. Without DRAMATIS_PDL it is nothing.
+#ifdef DRAMATIS_PDL
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_WAIT()
+#endif

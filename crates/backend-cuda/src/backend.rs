@@ -567,6 +567,10 @@ pub struct CudaOptions {
     /// step; 2, 16 contiguous keys (one 128-byte line per row and step) where K is a multiple of
     /// 64, else 1.
     pub gemv_v: usize,
+    /// Programmatic dependent launch for the backend's launches (`DRAMATIS_CUDA_PDL=1`, Hopper
+    /// or newer; `runtime::pdl_enabled`). Off by default: written after session 8's device time,
+    /// never run on a device.
+    pub pdl: bool,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -624,6 +628,7 @@ impl CudaOptions {
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
+            pdl: get("DRAMATIS_CUDA_PDL").is_some_and(|v| v.trim() == "1"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -952,11 +957,64 @@ macro_rules! go {
             block_dim: ($block, 1, 1),
             shared_mem_bytes: $smem,
         };
-        // SAFETY: the arguments match the kernel's C signature in kernels/*.cu in type and
-        // order, and the calling op checked every extent the kernel touches against the
-        // allocations behind the pointers. One statement, so argument temporaries outlive it.
-        unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
+        if $be.opts.pdl {
+            // SAFETY: as below; each parameter is passed as a pointer to its value, as the
+            // launch builder does. One statement, so argument temporaries outlive the launch.
+            unsafe {
+                launch_pdl(&f, &$be.gpu.stream, &cfg,
+                    &mut [$( $arg as *const _ as *mut std::ffi::c_void ),*])
+            }
+            .map_err(dev)?;
+        } else {
+            // SAFETY: the arguments match the kernel's C signature in kernels/*.cu in type and
+            // order, and the calling op checked every extent the kernel touches against the
+            // allocations behind the pointers. One statement, so argument temporaries outlive it.
+            unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
+        }
     }};
+}
+
+/// A launch that lets the kernel start while the one ahead of it on the stream drains
+/// (programmatic stream serialisation; `runtime::pdl_enabled`). Every kernel opens with
+/// `griddepcontrol.wait` in such builds, so none touches memory before its predecessor is done.
+///
+/// # Safety
+/// `params` holds one pointer per kernel parameter, in order, each to a live value of the
+/// parameter's C type; the extents the kernel touches lie inside the allocations passed.
+unsafe fn launch_pdl(
+    f: &cudarc::driver::CudaFunction,
+    stream: &cudarc::driver::CudaStream,
+    cfg: &LaunchConfig,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    stream.context().bind_to_thread()?;
+    // SAFETY: a zeroed attribute is a valid C value; its id and union member are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: `lc` and `attr` live across the call; the caller vouches for `params`.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &lc,
+            f.cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }
 
 impl CudaBackend {
@@ -968,8 +1026,10 @@ impl CudaBackend {
 
     /// A backend over an opened device running the given kernel builds (the contract uses the
     /// low-precision and planted builds).
-    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, opts: CudaOptions) -> Self {
+    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, mut opts: CudaOptions) -> Self {
         keep_pool_memory(&gpu);
+        // a dependent launch is safe only for kernels built with the wait at their top
+        opts.pdl &= crate::runtime::pdl_enabled() && crate::runtime::arch_has_pdl(&gpu.arch);
         let prof = Prof::new(&gpu.stream);
         let mut be = CudaBackend {
             gpu,

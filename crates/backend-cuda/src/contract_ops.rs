@@ -24,6 +24,9 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         // the engine's default GEMV layout, whatever the caller's environment
         gemv_kc: CudaOptions::from_lookup(|_| None).gemv_kc,
         gemv_v: CudaOptions::from_lookup(|_| None).gemv_v,
+        // dependent launches as the process runs them (DRAMATIS_CUDA_PDL=1 puts the contract's
+        // builds and launches on them)
+        pdl: crate::runtime::pdl_enabled(),
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,

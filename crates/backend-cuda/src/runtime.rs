@@ -58,10 +58,50 @@ impl Source {
         }
     }
 
-    /// The full translation unit: the shared prelude then the file.
+    /// The full translation unit: the shared prelude then the file, with `PDL_WAIT();` opening
+    /// every kernel (empty unless the build defines DRAMATIS_PDL: `pdl_enabled`).
     pub fn text(self) -> String {
-        format!("{PRELUDE}\n{}", self.body())
+        format!("{PRELUDE}\n{}", with_pdl_waits(self.body()))
     }
+}
+
+/// `PDL_WAIT();` as the first statement of every `extern "C" __global__` function of `body`: the
+/// first `{` after each such declaration opens its body. With programmatic dependent launch a
+/// kernel may start before the one ahead of it has finished, and must wait before it touches
+/// memory; putting the wait in mechanically means no kernel can miss it.
+pub fn with_pdl_waits(body: &str) -> String {
+    const KERNEL: &str = "extern \"C\" __global__";
+    let mut out = String::with_capacity(body.len() + 16 * 128);
+    let mut rest = body;
+    while let Some(i) = rest.find(KERNEL) {
+        let after = i + KERNEL.len();
+        let Some(j) = rest[after..].find('{') else {
+            break;
+        };
+        let open = after + j + 1;
+        out.push_str(&rest[..open]);
+        out.push_str(" PDL_WAIT();");
+        rest = &rest[open..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Programmatic dependent launch (`DRAMATIS_CUDA_PDL=1`, off by default; Hopper or newer): each
+/// backend launch lets the next kernel's blocks start while the one ahead drains, and every
+/// kernel opens with `griddepcontrol.wait`. Read once per process, so the kernels' builds and
+/// the launches agree. Written in session 8 after its device time was spent: not run on a device.
+pub fn pdl_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("DRAMATIS_CUDA_PDL").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Whether an architecture (`compute_NN[a]`) has `griddepcontrol` (sm_90 and newer).
+pub fn arch_has_pdl(arch: &str) -> bool {
+    arch.trim_start_matches("compute_")
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .parse::<u32>()
+        .is_ok_and(|n| n >= 90)
 }
 
 /// Which build of a source: the real kernels, a lower-precision twin that the contract's
@@ -128,6 +168,9 @@ pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
         "--fmad=true".to_string(),
     ];
     o.extend(variant.defines().iter().map(|s| s.to_string()));
+    if pdl_enabled() && arch_has_pdl(arch) {
+        o.push("-DDRAMATIS_PDL=1".to_string());
+    }
     o
 }
 
@@ -424,8 +467,33 @@ mod tests {
             .any(|o| o.starts_with("-D")));
     }
 
+    #[test]
+    fn pdl_waits_open_every_kernel() {
+        let body = "extern \"C\" __global__ void a(int x) { x++; }\n// note\n\
+                    #define K(N) extern \"C\" __global__ void N(\\\n int y) { \\\n y++; }\n\
+                    __device__ void helper() { }\n";
+        let out = with_pdl_waits(body);
+        assert_eq!(out.matches("PDL_WAIT();").count(), 2);
+        assert!(out.contains("void a(int x) { PDL_WAIT(); x++; }"));
+        assert!(out.contains("int y) { PDL_WAIT(); \\"));
+        assert!(out.contains("void helper() { }"));
+        for s in Source::ALL {
+            let kernels = s.body().matches("extern \"C\" __global__").count();
+            assert!(kernels > 0, "{}", s.name());
+            assert_eq!(
+                s.text().matches("PDL_WAIT();").count(),
+                kernels,
+                "{}",
+                s.name()
+            );
+        }
+        assert!(arch_has_pdl("compute_90a") && arch_has_pdl("compute_100"));
+        assert!(!arch_has_pdl("compute_89") && !arch_has_pdl("bogus"));
+    }
+
     /// Compiles every kernel variant when NVRTC can be opened (CI: pip-installed libnvrtc);
-    /// otherwise says it was skipped.
+    /// otherwise says it was skipped. The exact builds compile with the dependent-launch wait
+    /// (`DRAMATIS_PDL`) too.
     #[test]
     fn every_kernel_compiles_with_nvrtc() {
         if !nvrtc_present() {
@@ -441,21 +509,40 @@ mod tests {
         std::thread::scope(|sc| {
             let runs: Vec<_> = Source::ALL
                 .iter()
-                .flat_map(|&s| Variant::ALL.iter().map(move |&v| (s, v)))
-                .map(|(s, v)| {
+                .flat_map(|&s| {
+                    Variant::ALL.iter().map(move |&v| (s, v, false)).chain([(
+                        s,
+                        Variant::Exact,
+                        true,
+                    )])
+                })
+                .map(|(s, v, pdl)| {
                     let h = sc.spawn(move || {
+                        let mut options = compile_options("compute_90a", v);
+                        if pdl {
+                            options.push("-DDRAMATIS_PDL=1".into());
+                        }
                         let opts = cudarc::nvrtc::CompileOptions {
-                            options: compile_options("compute_90a", v),
+                            options,
                             ..Default::default()
                         };
-                        cudarc::nvrtc::compile_ptx_with_opts(s.text(), opts).map(drop)
+                        cudarc::nvrtc::compile_ptx_with_opts(s.text(), opts).map(|p| p.to_src())
                     });
-                    (s, v, h)
+                    (s, v, pdl, h)
                 })
                 .collect();
-            for (s, v, h) in runs {
+            for (s, v, pdl, h) in runs {
                 let r = h.join().expect("an NVRTC compile thread panicked");
-                assert!(r.is_ok(), "{} {:?}: {:?}", s.name(), v, r.err());
+                assert!(r.is_ok(), "{} {:?} pdl {pdl}: {:?}", s.name(), v, r.err());
+                let ptx = r.unwrap_or_default();
+                // the wait is in the PDL build's code and nowhere else
+                assert_eq!(
+                    ptx.contains("griddepcontrol.wait"),
+                    pdl,
+                    "{} {:?}",
+                    s.name(),
+                    v
+                );
             }
         });
     }
