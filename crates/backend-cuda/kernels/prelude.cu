@@ -118,9 +118,11 @@ __device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const
 
 // Opens every kernel (runtime.rs inserts it): with programmatic dependent launch the grid may
 // start before the one ahead of it has finished and waits here, before any memory access,
-// until that grid's writes are visible. Without DRAMATIS_PDL it is nothing.
+// until that grid has completed and its writes are visible; then it lets the next grid be
+// scheduled (that one waits in turn), so launching it overlaps this grid's work. Without
+// DRAMATIS_PDL it is nothing.
 #ifdef DRAMATIS_PDL
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
 #else
 #define PDL_WAIT()
 #endif
