@@ -571,6 +571,10 @@ pub struct CudaOptions {
     /// or newer; `runtime::pdl_enabled`). Off by default: written after session 8's device time,
     /// never run on a device.
     pub pdl: bool,
+    /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
+    /// that keeps the state column in registers: for the contract's bitwise comparison of the
+    /// two (no environment variable).
+    pub gdn_generic: bool,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -629,6 +633,7 @@ impl CudaOptions {
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             pdl: get("DRAMATIS_CUDA_PDL").is_some_and(|v| v.trim() == "1"),
+            gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -2185,7 +2190,7 @@ impl CudaBackend {
         let block = u32v("gdn", dv.div_ceil(32) * 32)?;
         let op = o.row_ptr(row0)?;
         let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
-        if dk == 128 && dv <= 128 {
+        if dk == 128 && dv <= 128 && !self.opts.gdn_generic {
             // each thread's state column in registers (the same bits)
             go!(self, Source::Ops, "gdn_recur_k128", grid, block, 0;
                 &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);

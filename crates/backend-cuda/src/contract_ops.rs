@@ -27,6 +27,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         // dependent launches as the process runs them (DRAMATIS_CUDA_PDL=1 puts the contract's
         // builds and launches on them)
         pdl: crate::runtime::pdl_enabled(),
+        gdn_generic: false,
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
@@ -1496,43 +1497,52 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
         };
         let reference = delta_ref(&gd, &x, t);
         let case = format!("{nk}/{nv} heads x {d}, {t} rows: prefill 4 then single steps (o, S)");
-        triple3(
-            c,
-            &case,
-            tol_f32(d * t),
-            &reference,
-            |be| {
-                let mut st = be.gdn_new(&gd)?;
-                let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
-                let p = 4;
-                let o = be.gdn_prefill(
-                    &be.upload(&x.u[..p * ch], p, ch)?,
-                    &be.upload(&x.b[..p * nv], p, nv)?,
-                    &be.upload(&x.a[..p * nv], p, nv)?,
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let mut st = be.gdn_new(&gd)?;
+            let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
+            let p = 4;
+            let o = be.gdn_prefill(
+                &be.upload(&x.u[..p * ch], p, ch)?,
+                &be.upload(&x.b[..p * nv], p, nv)?,
+                &be.upload(&x.a[..p * nv], p, nv)?,
+                &al,
+                &dt,
+                &gd,
+                &mut st,
+                true,
+            )?;
+            let mut out = be.download(&o)?;
+            for r in p..t {
+                let o = be.gdn_step(
+                    &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
+                    &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
+                    &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
                     &al,
                     &dt,
                     &gd,
-                    &mut st,
-                    true,
+                    &mut [&mut st],
                 )?;
-                let mut out = be.download(&o)?;
-                for r in p..t {
-                    let o = be.gdn_step(
-                        &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
-                        &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
-                        &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
-                        &al,
-                        &dt,
-                        &gd,
-                        &mut [&mut st],
-                    )?;
-                    out.extend(be.download(&o)?);
-                }
-                out.extend(be.gdn_download(&st)?.1);
-                Ok(out)
-            },
-            false,
-        )?;
+                out.extend(be.download(&o)?);
+            }
+            out.extend(be.gdn_download(&st)?.1);
+            Ok(out)
+        };
+        triple3(c, &case, tol_f32(d * t), &reference, run, false)?;
+        if d == 128 {
+            // the dk 128 kernel (state column in registers) against the generic one
+            let fast = run(&backend(c, Variant::Exact, false))?;
+            let o = CudaOptions {
+                gdn_generic: true,
+                ..base_opts(false)
+            };
+            let generic = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
+            same_bits(
+                c,
+                format!("{case}: the dk 128 kernel bitwise = gdn_recur"),
+                &fast,
+                &generic,
+            );
+        }
     }
     Ok(())
 }
