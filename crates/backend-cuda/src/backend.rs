@@ -572,8 +572,8 @@ pub struct CudaOptions {
     /// never run on a device.
     pub pdl: bool,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
-    /// that keeps the state column in registers: for the contract's bitwise comparison of the
-    /// two (no environment variable).
+    /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
+    /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
     pub gdn_generic: bool,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
@@ -2122,7 +2122,7 @@ impl CudaBackend {
         );
         let (xp, up) = (x.row_ptr(row0)?, u.row_ptr(row0)?);
         let lanes = u32v("gdn_conv", states.len())?;
-        if t == 1 {
+        if t == 1 && !self.opts.gdn_generic {
             // one row per lane: output and history shift in one launch (the same bits)
             go!(self, Source::Ops, "gdn_conv_one", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
                 &tab, &xp, &w.mem.ptr, &up, &c32, &k32);

@@ -1414,26 +1414,34 @@ pub(super) fn conv_rows(c: &mut Ctx) -> Result<()> {
         }
     }
     reference.extend(f64s(&x[6 * ch..9 * ch]));
-    triple3(
+    let case = "C 128, 4 taps, 5 rows, 3, then 1 (history carried)";
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let wd = be.vector_f32(&w)?;
+        let mut st = be.gdn_new(&gd)?;
+        let a = be.gdn_conv(&be.upload(&x[..5 * ch], 5, ch)?, &wd, &gd, &mut st)?;
+        let b = be.gdn_conv(&be.upload(&x[5 * ch..8 * ch], 3, ch)?, &wd, &gd, &mut st)?;
+        let one = be.upload(&x[8 * ch..], 1, ch)?;
+        let d = be.gdn_conv_step(&one, &wd, &gd, &mut [&mut st])?;
+        let mut out = be.download(&a)?;
+        out.extend(be.download(&b)?);
+        out.extend(be.download(&d)?);
+        out.extend(be.gdn_download(&st)?.0);
+        Ok(out)
+    };
+    triple3(c, case, tol_f32(4), &reference, run, false)?;
+    // the one-row kernel (gdn_conv_one) against gdn_conv_rows then gdn_conv_shift
+    let one_launch = run(&backend(c, Variant::Exact, false))?;
+    let o = CudaOptions {
+        gdn_generic: true,
+        ..base_opts(false)
+    };
+    let two = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
+    same_bits(
         c,
-        "C 128, 4 taps, 5 rows, 3, then 1 (history carried)",
-        tol_f32(4),
-        &reference,
-        |be| {
-            let wd = be.vector_f32(&w)?;
-            let mut st = be.gdn_new(&gd)?;
-            let a = be.gdn_conv(&be.upload(&x[..5 * ch], 5, ch)?, &wd, &gd, &mut st)?;
-            let b = be.gdn_conv(&be.upload(&x[5 * ch..8 * ch], 3, ch)?, &wd, &gd, &mut st)?;
-            let one = be.upload(&x[8 * ch..], 1, ch)?;
-            let d = be.gdn_conv_step(&one, &wd, &gd, &mut [&mut st])?;
-            let mut out = be.download(&a)?;
-            out.extend(be.download(&b)?);
-            out.extend(be.download(&d)?);
-            out.extend(be.gdn_download(&st)?.0);
-            Ok(out)
-        },
-        false,
-    )?;
+        format!("{case}: the one-row launch bitwise = conv rows then shift"),
+        &one_launch,
+        &two,
+    );
     Ok(())
 }
 
