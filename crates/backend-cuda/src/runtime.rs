@@ -377,18 +377,22 @@ impl Gpu {
         let mut mods = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         for (key, r) in todo.iter().zip(built) {
             let (ptx, hit) = r?;
-            {
-                let mut st = self.compile_stats.lock().unwrap_or_else(|p| p.into_inner());
-                if hit {
-                    st.1 += 1
-                } else {
-                    st.0 += 1
-                }
-            }
-            let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
-            mods.insert(*key, m);
+            mods.insert(*key, self.load_built(ptx, hit)?);
         }
         Ok(todo.len())
+    }
+
+    /// Loads a compiled source variant into the context, counting it as compiled or cached.
+    fn load_built(&self, ptx: String, hit: bool) -> Result<Arc<cudarc::driver::CudaModule>> {
+        {
+            let mut st = self.compile_stats.lock().unwrap_or_else(|p| p.into_inner());
+            if hit {
+                st.1 += 1
+            } else {
+                st.0 += 1
+            }
+        }
+        Ok(self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?)
     }
 
     /// The named kernel of a source variant, compiling (or reading the cache) on first use.
@@ -412,15 +416,7 @@ impl Gpu {
             Some(m) => m.clone(),
             None => {
                 let (ptx, hit) = compile_cached(source, variant, &self.arch)?;
-                {
-                    let mut st = self.compile_stats.lock().unwrap_or_else(|p| p.into_inner());
-                    if hit {
-                        st.1 += 1
-                    } else {
-                        st.0 += 1
-                    }
-                }
-                let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx))?;
+                let m = self.load_built(ptx, hit)?;
                 mods.insert((source, variant), m.clone());
                 m
             }
