@@ -93,6 +93,16 @@ extern "C" __global__ void gather_sum(Tables tabs, const int* __restrict__ start
 
 // ---------------------------------------------------------------- RMSNorm, f32 weights
 
+// 1 / sqrt(mean(x^2) + eps) over the `group` values at xr, for the whole block: each thread's
+// strided fmaf sum, then block_sum (so the bits depend on the block size). Every norm kernel
+// below uses it, which keeps their bits equal to rmsnorm_groups'.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int group, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    ss = block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)group + eps);
+}
+
 // Over each consecutive group of `group` values: x / sqrt(mean(x^2) + eps) * (plus_one ? 1 + w : w).
 // One block per group. PLANT 1: ignores plus_one. LOWP: output rounded to bf16.
 extern "C" __global__ void rmsnorm_groups(const float* __restrict__ x, const float* __restrict__ w,
@@ -100,10 +110,7 @@ extern "C" __global__ void rmsnorm_groups(const float* __restrict__ x, const flo
     __shared__ float scratch[32];
     const float* xr = x + (long long)blockIdx.x * group;
     float* orow = out + (long long)blockIdx.x * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    float inv = rms_inv(xr, group, eps, scratch);
 #if PLANT == 1
     plus_one = 0;
 #endif
@@ -185,10 +192,7 @@ extern "C" __global__ void rmsnorm_concat(const float* __restrict__ a, const flo
     const float* xr = (second ? b : a) + (long long)blockIdx.x * group;
     const float* w = second ? wb : wa;
     float* orow = out + (long long)blockIdx.x * (ca + cb) + (second ? ca : 0);
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    float inv = rms_inv(xr, group, eps, scratch);
 #if PLANT == 1
     plus_one = 0;
 #endif
@@ -206,10 +210,7 @@ extern "C" __global__ void rmsnorm_silu_groups(const float* __restrict__ x, cons
                                                float eps, int plus_one) {
     __shared__ float scratch[32];
     long long off = (long long)blockIdx.x * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(x[off + i], x[off + i], ss);
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    float inv = rms_inv(x + off, group, eps, scratch);
     for (int i = threadIdx.x; i < group; i += blockDim.x) {
         float wv = plus_one ? 1.0f + w[i] : w[i];
         float n = lowp(x[off + i] * inv * wv);
@@ -350,10 +351,7 @@ extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float
     const int d0 = blockIdx.y * hd;
     const float* xr = x + r * src_cols + (long long)(d0 / len) * group + offset + d0 % len;
     float* orow = out + r * ((long long)(src_cols / group) * len) + d0;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    const float inv = rms_inv(xr, hd, eps, scratch);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float wv = plus_one ? 1.0f + w[i] : w[i];
         nv[i] = lowp(xr[i] * inv * wv);
