@@ -567,10 +567,6 @@ pub struct CudaOptions {
     /// step; 2, 16 contiguous keys (one 128-byte line per row and step) where K is a multiple of
     /// 64, else 1.
     pub gemv_v: usize,
-    /// Programmatic dependent launch for the backend's launches (`DRAMATIS_CUDA_PDL=1`, Hopper
-    /// or newer; `runtime::pdl_enabled`). Off by default: written after session 8's device time,
-    /// never run on a device.
-    pub pdl: bool,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -632,7 +628,6 @@ impl CudaOptions {
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
-            pdl: get("DRAMATIS_CUDA_PDL").is_some_and(|v| v.trim() == "1"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -670,6 +665,10 @@ pub struct CudaBackend {
     /// it could not be made (the tiled GEMM runs instead, and the reason is logged once).
     lt: Mutex<Option<std::result::Result<(crate::lt::Lt, Mem), String>>>,
     prof: Prof,
+    /// Programmatic dependent launch for `go!`'s launches (`DRAMATIS_CUDA_PDL=1` on sm_90+,
+    /// `runtime::pdl_for`). Off by default: written after session 8's device time, never run
+    /// on a device.
+    pdl: bool,
 }
 
 /// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
@@ -962,7 +961,7 @@ macro_rules! go {
             block_dim: ($block, 1, 1),
             shared_mem_bytes: $smem,
         };
-        if $be.opts.pdl {
+        if $be.pdl {
             // SAFETY: as below; each parameter is passed as a pointer to its value, as the
             // launch builder does. One statement, so argument temporaries outlive the launch.
             unsafe {
@@ -1031,16 +1030,18 @@ impl CudaBackend {
 
     /// A backend over an opened device running the given kernel builds (the contract uses the
     /// low-precision and planted builds).
-    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, mut opts: CudaOptions) -> Self {
+    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, opts: CudaOptions) -> Self {
         keep_pool_memory(&gpu);
-        // a dependent launch is safe only for kernels built with the wait at their top
-        opts.pdl &= crate::runtime::pdl_enabled() && crate::runtime::arch_has_pdl(&gpu.arch);
+        // a dependent launch is safe only for kernels built with the wait at their top, which
+        // runtime::compile_options decides by the same call
+        let pdl = crate::runtime::pdl_for(&gpu.arch);
         let prof = Prof::new(&gpu.stream);
         let mut be = CudaBackend {
             gpu,
             variant,
             kv_f32: std::sync::atomic::AtomicBool::new(opts.kv_f32),
             opts,
+            pdl,
             expert_tables: Mutex::new(Vec::new()),
             expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
@@ -1157,6 +1158,14 @@ impl CudaBackend {
     }
 
     /// Waits for every queued launch.
+    /// Kernel launches this backend has issued through its launch macro (the contract checks
+    /// with it that a fused op ran as one launch, not as the composed ops).
+    pub fn launch_count(&self) -> u64 {
+        self.prof
+            .launches
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     pub fn synchronize(&self) -> BResult<()> {
         self.gpu.stream.synchronize().map_err(dev)
     }
@@ -1989,6 +1998,13 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether a linear of `n` rows in `mode` takes the bulk GEMM tiles (else the per-row
+    /// GEMVs): the one rule for `linear`, `linear_many` and the fused-input linears, so that a
+    /// fused linear and its composed ops run the same kernel class.
+    fn bulk_rows(&self, mode: Rows, n: usize) -> bool {
+        mode == Rows::Bulk && n >= self.opts.gemm_min_rows
+    }
+
     /// `linear(act(x, u), w)` with the elementwise op made as `gemv_tc2_*` loads its input
     /// (bit for bit the op then the linear); `None` where that kernel does not run (bulk rows,
     /// other weight formats, the FMA GEMVs), for the caller to compose.
@@ -2007,7 +2023,7 @@ impl CudaBackend {
         }
         let k = x.cols;
         let gv = bf16_gemv(&self.opts, x.rows, k);
-        let bulk = rows == Rows::Bulk && x.rows >= self.opts.gemm_min_rows;
+        let bulk = self.bulk_rows(rows, x.rows);
         let (CudaWeight::Bf16 { mem, .. }, Some(kc), Some((silu, sigm)), false) =
             (w, gv.kc, gv.act, bulk)
         else {
@@ -2733,9 +2749,7 @@ impl Backend for CudaBackend {
         let grid = (u32v(op, n_out.div_ceil(8))?, 1, 1);
         match w {
             CudaWeight::Bf16 { mem, .. }
-                if _rows == Rows::Bulk
-                    && x.rows >= self.opts.gemm_min_rows
-                    && k.is_multiple_of(8) =>
+                if self.bulk_rows(_rows, x.rows) && k.is_multiple_of(8) =>
             {
                 if self.opts.gemm_lt && self.gemm_lt(mem.ptr, x, &out, n_out, k)? {
                     return Ok(out);
@@ -2825,7 +2839,7 @@ impl Backend for CudaBackend {
             && ws
                 .iter()
                 .all(|w| matches!(w, CudaWeight::Bf16 { cols, .. } if *cols == k));
-        let bulk = rows == Rows::Bulk && x.rows >= self.opts.gemm_min_rows;
+        let bulk = self.bulk_rows(rows, x.rows);
         if !fits || x.rows == 0 || bulk {
             return ws.iter().map(|w| self.linear(x, w, rows)).collect();
         }
@@ -3523,18 +3537,9 @@ impl Backend for CudaBackend {
         let fits =
             head_dim > 0 && len.is_multiple_of(head_dim) && head_dim <= 512 && rot_dims <= head_dim;
         if !fits || (whole && x.cols == 0) {
-            let picked;
-            let src = if whole {
-                x
-            } else {
-                picked = self.cols_grouped(x, group, offset, len)?;
-                &picked
-            };
-            let n = self.rms_norm(src, w, head_dim, eps, true)?;
-            return match at {
-                RopeAt::Host(p) => self.rope(&n, head_dim, rot_dims, theta, style, p),
-                RopeAt::Round(r, c) => self.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
-            };
+            return model::backend::norm_rope_composed(
+                self, x, sel, w, eps, head_dim, rot_dims, theta, style, at,
+            );
         }
         if !whole {
             check::cols_grouped(x.shape(), group, offset, len)?;

@@ -24,9 +24,6 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         // the engine's default GEMV layout, whatever the caller's environment
         gemv_kc: CudaOptions::from_lookup(|_| None).gemv_kc,
         gemv_v: CudaOptions::from_lookup(|_| None).gemv_v,
-        // dependent launches as the process runs them (DRAMATIS_CUDA_PDL=1 puts the contract's
-        // builds and launches on them)
-        pdl: crate::runtime::pdl_enabled(),
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -583,6 +580,27 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
                 format!("{case}: sigmoid-gated input bitwise = sigmoid_mul then linear"),
                 &exact[2 * m..3 * m],
                 &exact[5 * m..6 * m],
+            );
+            // the bitwise checks above would also hold for the composed fallback: each fused
+            // linear must be one launch
+            let be = make(c, Variant::Exact);
+            let wd = be.weight_bf16(n, k, &w)?;
+            let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
+            let mut launches = Vec::new();
+            for sigm in [false, true] {
+                let before = be.launch_count();
+                if sigm {
+                    be.linear_sigmoid_mul(&xd, &ud, &wd, Rows::Exact)?;
+                } else {
+                    be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?;
+                }
+                launches.push(be.launch_count() - before);
+            }
+            c.push(
+                format!("{case}: each gated linear is one launch"),
+                Kind::Check,
+                launches == [1, 1],
+                format!("launches (silu, sigmoid) {launches:?}"),
             );
         }
     }

@@ -96,6 +96,12 @@ pub fn pdl_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("DRAMATIS_CUDA_PDL").is_ok_and(|v| v.trim() == "1"))
 }
 
+/// Whether this process's builds for `arch` carry the dependent-launch wait, and so whether its
+/// launches may be dependent: the one place both are decided.
+pub fn pdl_for(arch: &str) -> bool {
+    pdl_enabled() && arch_has_pdl(arch)
+}
+
 /// Whether an architecture (`compute_NN[a]`) has `griddepcontrol` (sm_90 and newer).
 pub fn arch_has_pdl(arch: &str) -> bool {
     arch.trim_start_matches("compute_")
@@ -160,15 +166,20 @@ pub fn arch_for(major: i32, minor: i32) -> String {
     }
 }
 
-/// NVRTC options for one source variant.
+/// NVRTC options for one source variant in this process (`pdl_for`).
 pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
+    compile_options_with(arch, variant, pdl_for(arch))
+}
+
+/// NVRTC options for one source variant, with or without the dependent-launch wait.
+pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "--fmad=true".to_string(),
     ];
     o.extend(variant.defines().iter().map(|s| s.to_string()));
-    if pdl_enabled() && arch_has_pdl(arch) {
+    if pdl {
         o.push("-DDRAMATIS_PDL=1".to_string());
     }
     o
@@ -436,14 +447,14 @@ mod tests {
 
     #[test]
     fn cache_key_depends_on_every_part() {
-        let o = compile_options("compute_90a", Variant::Exact);
+        let o = compile_options_with("compute_90a", Variant::Exact, false);
         let base = cache_key("src", &o, "compute_90a", (13, 0));
         assert_eq!(base.len(), 64);
         assert_eq!(base, cache_key("src", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src2", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_89", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_90a", (13, 1)));
-        let p = compile_options("compute_90a", Variant::Planted);
+        let p = compile_options_with("compute_90a", Variant::Planted, false);
         assert_ne!(base, cache_key("src", &p, "compute_90a", (13, 0)));
         // options are separated, so moving a byte across the boundary changes the key
         assert_ne!(
@@ -456,11 +467,12 @@ mod tests {
     fn arch_and_variant_options() {
         assert_eq!(arch_for(9, 0), "compute_90a");
         assert_eq!(arch_for(8, 9), "compute_89");
-        assert!(compile_options("compute_90a", Variant::Planted).contains(&"-DPLANT=1".into()));
-        assert!(compile_options("compute_90a", Variant::LowPrecision).contains(&"-DLOWP=1".into()));
-        assert!(!compile_options("compute_90a", Variant::Exact)
-            .iter()
-            .any(|o| o.starts_with("-D")));
+        let opts = |v| compile_options_with("compute_90a", v, false);
+        assert!(opts(Variant::Planted).contains(&"-DPLANT=1".into()));
+        assert!(opts(Variant::LowPrecision).contains(&"-DLOWP=1".into()));
+        assert!(!opts(Variant::Exact).iter().any(|o| o.starts_with("-D")));
+        assert!(compile_options_with("compute_90a", Variant::Exact, true)
+            .contains(&"-DDRAMATIS_PDL=1".into()));
     }
 
     #[test]
@@ -514,12 +526,9 @@ mod tests {
                 })
                 .map(|(s, v, pdl)| {
                     let h = sc.spawn(move || {
-                        let mut options = compile_options("compute_90a", v);
-                        if pdl {
-                            options.push("-DDRAMATIS_PDL=1".into());
-                        }
                         let opts = cudarc::nvrtc::CompileOptions {
-                            options,
+                            // whatever DRAMATIS_CUDA_PDL says in this test's environment
+                            options: compile_options_with("compute_90a", v, pdl),
                             ..Default::default()
                         };
                         cudarc::nvrtc::compile_ptx_with_opts(s.text(), opts).map(|p| p.to_src())

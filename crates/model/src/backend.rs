@@ -91,6 +91,36 @@ pub enum Counter {
     Tower,
 }
 
+/// [`Backend::norm_rope`] as the ops it fuses: the default body, and a backend's fallback for
+/// shapes its fused kernel does not take.
+#[allow(clippy::too_many_arguments)]
+pub fn norm_rope_composed<B: Backend>(
+    be: &B,
+    x: &B::Buf,
+    sel: (usize, usize, usize),
+    w: &B::Vector,
+    eps: f32,
+    head_dim: usize,
+    rot_dims: usize,
+    theta: f64,
+    style: Rope,
+    at: RopeAt<'_, B::Round>,
+) -> BResult<B::Buf> {
+    let (group, offset, len) = sel;
+    let picked;
+    let src = if (group, offset, len) == (be.shape(x).1, 0, group) {
+        x
+    } else {
+        picked = be.cols_grouped(x, group, offset, len)?;
+        &picked
+    };
+    let n = be.rms_norm(src, w, head_dim, eps, true)?;
+    match at {
+        RopeAt::Host(p) => be.rope(&n, head_dim, rot_dims, theta, style, p),
+        RopeAt::Round(r, c) => be.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
+    }
+}
+
 /// Where [`Backend::norm_rope`] takes each row's position: host positions, or lane i's counter
 /// of a frame round kept on the backend.
 #[derive(Debug)]
@@ -661,19 +691,7 @@ pub trait Backend: Send + Sync + Sized {
         style: Rope,
         at: RopeAt<'_, Self::Round>,
     ) -> BResult<Self::Buf> {
-        let (group, offset, len) = sel;
-        let picked;
-        let src = if (group, offset, len) == (self.shape(x).1, 0, group) {
-            x
-        } else {
-            picked = self.cols_grouped(x, group, offset, len)?;
-            &picked
-        };
-        let n = self.rms_norm(src, w, head_dim, eps, true)?;
-        match at {
-            RopeAt::Host(p) => self.rope(&n, head_dim, rot_dims, theta, style, p),
-            RopeAt::Round(r, c) => self.rope_round(&n, head_dim, rot_dims, theta, style, r, c),
-        }
+        norm_rope_composed(self, x, sel, w, eps, head_dim, rot_dims, theta, style, at)
     }
     /// [`Backend::rope`] with row i at lane i's `counter`.
     #[allow(clippy::too_many_arguments)]
