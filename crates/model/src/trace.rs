@@ -40,7 +40,7 @@ impl RouteTrace {
 
 /// The JSON line of one call: `{"call":n,"k":k,"top":[[ids]..],"gap":[..]}`, ids by logit
 /// (descending, NaN as -inf, ties to the lower index), gap = logit(k-th) - logit((k+1)-th)
-/// (null where fewer than k + 1 experts are kept).
+/// (null where fewer than k + 1 experts are kept, or where the gap is not finite).
 pub(crate) fn route_line(
     call: u64,
     logits: &[f32],
@@ -57,10 +57,11 @@ pub(crate) fn route_line(
             .collect();
         ids.sort_by(|&a, &b| key(row[b]).total_cmp(&key(row[a])).then(a.cmp(&b)));
         ids.truncate(k + 1);
-        gaps.push(if ids.len() > k && k > 0 {
-            format!("{:e}", key(row[ids[k - 1]]) - key(row[ids[k]]))
-        } else {
-            "null".to_string()
+        // a gap between infinities is not a number JSON can hold: null, like no gap
+        let gap = (ids.len() > k && k > 0).then(|| key(row[ids[k - 1]]) - key(row[ids[k]]));
+        gaps.push(match gap {
+            Some(g) if g.is_finite() => format!("{g:e}"),
+            _ => "null".to_string(),
         });
         tops.push(format!(
             "[{}]",
@@ -103,6 +104,9 @@ mod tests {
             4,
             Some(&[true, true, false, true, true]),
         );
+        assert!(l.ends_with("\"gap\":[null]}"), "{l}");
+        // k-th and (k + 1)-th both -inf (one NaN, one -inf): no finite gap, null (JSON has no inf)
+        let l = route_line(0, &[3.0, f32::NAN, f32::NEG_INFINITY], 3, 2, None);
         assert!(l.ends_with("\"gap\":[null]}"), "{l}");
     }
 }
