@@ -682,3 +682,279 @@ extern "C" __global__ void __launch_bounds__(256) moe_slots_down(
         }
     }
 }
+
+// ---------------------------------------------------------------- routed FP8 experts on tensor cores
+// One arithmetic for every row count, so that a slot's result never depends on the batch. A
+// warp tile is 16 outputs (weight rows n0..n0+15 of one expert) by up to 8 slots routed to that
+// expert, as m16n8k8 TF32 MMAs with outputs as M and slots as N. Keys go in 128-key blocks b
+// (the FP8 scale blocks): in block b, thread (g, t) holds keys 128 b + 32 t .. + 31 of weight
+// rows n0 + g and n0 + g + 8 (two 16-byte loads each) and of slot column g's activations, and
+// MMA s (0..15) takes keys 32 t + 2 s and 32 t + 2 s + 1. e4m3 is exact in TF32; activations are
+// split hi + lo (as gemv_tc2), each MMA starts from zero and is added in f32 into a hi and a lo
+// sum, and the block's partial is p_b = hi + lo. An output is then sum_b s_b p_b as an fmaf chain
+// in b order (s_b its 128x128 block scale). A CUDA block's warps take key blocks warp,
+// warp + nw, ...; the partials meet in shared memory and one warp runs the chains, so the bits
+// do not depend on the warp count either. An MMA's columns are independent, so the slots beside
+// a slot in its tile do not change its bits: the direct launches (one slot a tile, for few rows)
+// and the grouped ones (up to 8 slots of one expert a tile) agree bit for bit, as does
+// moe_tc_down_rows (the down projection and the rank-ordered sum of a row in one launch) with
+// moe_tc_down + moe_group_combine. H and I multiples of 128, at most XT_MAX_KB key blocks.
+// PLANT 1: each chain takes the scale of the next key block. LOWP: lo dropped (one TF32 MMA).
+#define XT_MAX_KB 32
+#define XT_MAX_PAIRS 64
+
+// The scale index of key block b of nkb (PLANT 1: the next block's).
+__device__ __forceinline__ int xt_sb(int b, int nkb) {
+#if PLANT == 1
+    return (b + 1) % nkb;
+#else
+    return b;
+#endif
+}
+
+// The 32 activations of thread t in a key block (xr points at them), zeros without a slot.
+__device__ __forceinline__ void xt_load_x(const float* __restrict__ xr, float (&xs)[32]) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+        float4 f = xr ? __ldg((const float4*)xr + v) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        xs[4 * v] = f.x; xs[4 * v + 1] = f.y; xs[4 * v + 2] = f.z; xs[4 * v + 3] = f.w;
+    }
+}
+
+// 32 e4m3 weights of one row (this thread's keys of a block) as 8 words.
+__device__ __forceinline__ void xt_load_w(const fp8_t* __restrict__ w, unsigned int (&v)[8]) {
+    const uint4 a = ld_stream(w), b = ld_stream(w + 16);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// The A fragment of MMA s from rows a (g) and b (g + 8): keys 2 s and 2 s + 1 of each.
+__device__ __forceinline__ void xt_frag(const unsigned int (&wa)[8], const unsigned int (&wb)[8], int s,
+                                        unsigned int (&a)[4]) {
+    const float2 fa = fp8x2_to_f32((unsigned short)(wa[s >> 1] >> (16 * (s & 1))));
+    const float2 fb = fp8x2_to_f32((unsigned short)(wb[s >> 1] >> (16 * (s & 1))));
+    a[0] = __float_as_uint(fa.x);
+    a[1] = __float_as_uint(fb.x);
+    a[2] = __float_as_uint(fa.y);
+    a[3] = __float_as_uint(fb.y);
+}
+
+// One key block of NM weight matrices (rows wa[m], wb[m]) against one activation block:
+// p[m][e] = hi + lo, as the header says.
+template <int NM>
+__device__ __forceinline__ void xt_block(const fp8_t* const (&wa)[NM], const fp8_t* const (&wb)[NM],
+                                         const float* __restrict__ xr, float (&p)[NM][4]) {
+    unsigned int va[NM][8], vb[NM][8];
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        xt_load_w(wa[m], va[m]);
+        xt_load_w(wb[m], vb[m]);
+    }
+    float xs[32];
+    xt_load_x(xr, xs);
+    float hi[NM][4], lo[NM][4];
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) hi[m][e] = lo[m][e] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 16; ++s) {
+        const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+#ifndef LOWP
+        const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
+        const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
+#endif
+#pragma unroll
+        for (int m = 0; m < NM; ++m) {
+            unsigned int a[4];
+            xt_frag(va[m], vb[m], s, a);
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(d, a, h0, h1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[m][e] += d[e];
+#ifndef LOWP
+            float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(dl, a, l0, l1);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lo[m][e] += dl[e];
+#endif
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[m][e] = hi[m][e] + lo[m][e];
+}
+
+// This block's tile: grouped (order set), up to 8 slots of one expert from group_tile; direct,
+// slot blockIdx.y alone. Returns the expert (-1: nothing to do); slot c of the tile is
+// order[first + c] (grouped) or first (direct, c = 0). Every thread must call it.
+__device__ __forceinline__ long long xt_tile(const unsigned int* __restrict__ ids, const int* __restrict__ order,
+                                             const int* __restrict__ offsets, const int* __restrict__ tiles,
+                                             int E, int& first, int& count) {
+    if (order) return group_tile<8>(offsets, tiles, E, first, count);
+    first = blockIdx.y;
+    count = 1;
+    return ids[blockIdx.y];
+}
+
+// h[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]) for the tile's slots. Grid (I / 16,
+// slots (direct) or an upper bound on the 8-slot tiles (grouped)), block 32 min(16, H / 128).
+// A direct slot naming an expert without weights gets NaN and sets bit 1 of *err (grouped
+// launches never list one: moe_group_count reports it and moe_group_combine writes the NaN).
+extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ x,
+    const int* __restrict__ order, const int* __restrict__ offsets, const int* __restrict__ tiles,
+    float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    __shared__ float red[XT_MAX_KB][2][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    int first, count;
+    const long long e = xt_tile(ids, order, offsets, tiles, E, first, count);
+    if (e < 0) return;
+    if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
+        if (threadIdx.x < 16) h[(long long)first * I + n0 + threadIdx.x] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const fp8_t* gate = (const fp8_t*)tab[6 * e];
+    const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
+    const float* gs = (const float*)tab[6 * e + 3];
+    const float* us = (const float*)tab[6 * e + 4];
+    const int nkb = H >> 7;
+    const long long ra = n0 + g, rb = n0 + g + 8;
+    const float* xr = nullptr;
+    if (g < count) xr = x + (long long)((order ? order[first + g] : first) / k) * H + 32 * t;
+    for (int b = warp; b < nkb; b += nw) {
+        const long long kk = 128LL * b + 32 * t;
+        const fp8_t* const wa[2] = {gate + ra * H + kk, up + ra * H + kk};
+        const fp8_t* const wb[2] = {gate + rb * H + kk, up + rb * H + kk};
+        float p[2][4];
+        xt_block<2>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+            red[b][0][lane][e4] = p[0][e4];
+            red[b][1][lane][e4] = p[1][e4];
+        }
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int e4 = 0; e4 < 4; ++e4) {
+        const int c = 2 * t + (e4 & 1);
+        if (c >= count) continue;
+        const long long n = e4 < 2 ? ra : rb;
+        const float* gsr = gs + (n >> 7) * nkb;
+        const float* usr = us + (n >> 7) * nkb;
+        float ag = 0.0f, au = 0.0f;
+        for (int b = 0; b < nkb; ++b) {
+            ag = fmaf(gsr[xt_sb(b, nkb)], red[b][0][lane][e4], ag);
+            au = fmaf(usr[xt_sb(b, nkb)], red[b][1][lane][e4], au);
+        }
+        const long long s = order ? order[first + c] : first;
+        h[s * I + n] = lowp(silu(ag) * au);
+    }
+}
+
+// The chain of one output over its key blocks' partials (stride between blocks' partials: st).
+__device__ __forceinline__ float xt_chain(const float* __restrict__ sr, const float* __restrict__ part, int st,
+                                          int nkb) {
+    float acc = 0.0f;
+    for (int b = 0; b < nkb; ++b) acc = fmaf(sr[xt_sb(b, nkb)], part[b * st], acc);
+    return acc;
+}
+
+// obuf[s, n] = down_e . h[s] for the tile's slots (the per-slot dot the rank-ordered sum takes).
+// Grid (H / 16, tiles as moe_tc_gate_up), block 32 min(16, I / 128).
+extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
+    const int* __restrict__ order, const int* __restrict__ offsets, const int* __restrict__ tiles,
+    float* __restrict__ obuf, int I, int H, int E, int* __restrict__ err) {
+    __shared__ float red[XT_MAX_KB][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    int first, count;
+    const long long e = xt_tile(ids, order, offsets, tiles, E, first, count);
+    if (e < 0) return;
+    if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
+        if (threadIdx.x < 16) obuf[(long long)first * H + n0 + threadIdx.x] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const float* ds = (const float*)tab[6 * e + 5];
+    const int nkb = I >> 7;
+    const long long ra = n0 + g, rb = n0 + g + 8;
+    const float* xr = nullptr;
+    if (g < count) xr = hbuf + (long long)(order ? order[first + g] : first) * I + 32 * t;
+    for (int b = warp; b < nkb; b += nw) {
+        const long long kk = 128LL * b + 32 * t;
+        const fp8_t* const wa[1] = {down + ra * I + kk};
+        const fp8_t* const wb[1] = {down + rb * I + kk};
+        float p[1][4];
+        xt_block<1>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) red[b][lane][e4] = p[0][e4];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int e4 = 0; e4 < 4; ++e4) {
+        const int c = 2 * t + (e4 & 1);
+        if (c >= count) continue;
+        const long long n = e4 < 2 ? ra : rb;
+        const float d = xt_chain(ds + (n >> 7) * nkb, &red[0][lane][e4], 32 * 4, nkb);
+        const long long s = order ? order[first + c] : first;
+        obuf[s * H + n] = lowp(d);
+    }
+}
+
+// y[row, n] = sum_j wts[row, j] (down_{e_j} . h[row, j]), j in rank order: moe_tc_down then
+// moe_group_combine in one launch, bit for bit, for rows whose slots go one a tile. Grid
+// (H / 16, rows), block 32 min(32, k I / 128); k I / 128 <= XT_MAX_PAIRS. Warp w takes the
+// (slot j, key block b) pairs w, w + nw, ... with the slot in MMA column 0.
+extern "C" __global__ void __launch_bounds__(1024) moe_tc_down_rows(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ hbuf, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    __shared__ float red[XT_MAX_PAIRS][16];
+    __shared__ int bad_sh;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const long long row = blockIdx.y;
+    const int n0 = blockIdx.x * 16;
+    const int nkb = I >> 7, np = k * nkb;
+    if (threadIdx.x == 0) bad_sh = 0;
+    __syncthreads();
+    for (int p = warp; p < np; p += nw) {
+        const int j = p / nkb, b = p - j * nkb;
+        const long long e = ids[row * k + j];
+        if (!expert_ok(tab, 6, e, E, err, lane)) {
+            if (lane == 0) bad_sh = 1;
+            continue;
+        }
+        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        const long long kk = 128LL * b + 32 * t;
+        const fp8_t* const wa[1] = {down + (long long)(n0 + g) * I + kk};
+        const fp8_t* const wb[1] = {down + (long long)(n0 + g + 8) * I + kk};
+        const float* xr = g == 0 ? hbuf + (row * k + j) * I + kk : nullptr;
+        float part[1][4];
+        xt_block<1>(wa, wb, xr, part);
+        // column 0 (the slot) is held by the t = 0 threads: rows g (d[0]) and g + 8 (d[2])
+        if (t == 0) {
+            red[p][g] = part[0][0];
+            red[p][g + 8] = part[0][2];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x >= 16) return;
+    const int o = threadIdx.x;
+    const long long n = n0 + o;
+    float acc = 0.0f;
+    for (int j = 0; j < k && !bad_sh; ++j) {
+        const long long e = ids[row * k + j];
+        const float* ds = (const float*)tab[6 * e + 5];
+        const float d = xt_chain(ds + (n >> 7) * nkb, &red[j * nkb][o], 16, nkb);
+        acc = fmaf(wts[row * k + j], lowp(d), acc);
+    }
+    y[row * H + n] = bad_sh ? __int_as_float(0x7fc00000) : acc;
+}

@@ -177,6 +177,14 @@ fn u32v(op: &'static str, v: usize) -> BResult<u32> {
 }
 
 /// Grid for a grid-stride loop over `n` elements with 256-thread blocks.
+/// Whether the tensor-core experts (`moe_tc_*`) take a layer's shape: H and I in whole
+/// 128-key blocks, at most 32 of them per launch (the partials' shared memory), and a row's
+/// down-projection pairs (k I / 128) within `moe_tc_down_rows`' 64.
+fn tc_experts_fit(i: usize, h: usize, k: usize) -> bool {
+    let fits = |d: usize| d > 0 && d.is_multiple_of(128) && d / 128 <= 32;
+    fits(i) && fits(h) && (1..=64).contains(&(k * (i / 128)))
+}
+
 fn stride_grid(n: usize) -> (u32, u32, u32) {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20);
     (blocks as u32, 1, 1)
@@ -593,6 +601,15 @@ pub struct CudaOptions {
     /// instead of FMA tiles, where K is a multiple of 32: `DRAMATIS_CUDA_TC_BULK=1`. Off until a
     /// device run has passed the contract, goldens and parity with it.
     pub tc_bulk: bool,
+    /// Routed FP8 experts below the bulk tiles run on TF32 tensor cores (`moe_tc_*`: split
+    /// activations, per-MMA f32 adds, block scales per 128-key block) where H and I are
+    /// multiples of 128, one arithmetic at every row count: `DRAMATIS_CUDA_MOE_TC=0` gives the
+    /// per-row FMA kernels (`moe_*_tab*`).
+    pub moe_tc: bool,
+    /// From this many rows on, the tensor-core experts group slots by expert (up to 8 a tile,
+    /// each weight read once per tile) instead of one slot a tile: the same bits, so any
+    /// threshold keeps the batch promise (`DRAMATIS_CUDA_MOE_TC_GROUP`, default 8).
+    pub moe_tc_group_rows: usize,
 }
 
 impl CudaOptions {
@@ -634,6 +651,8 @@ impl CudaOptions {
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
             tc_bulk: get("DRAMATIS_CUDA_TC_BULK").is_some_and(|v| v.trim() == "1"),
+            moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
+            moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
         }
     }
 }
@@ -1793,6 +1812,102 @@ impl CudaBackend {
                 &tab, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32, &e32);
             go!(self, src, down, (u32v(op, h.div_ceil(per_block))?, tile_bound, 1), 256, 0;
                 &tab, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32, &e32);
+            let rows64 = i64v(op, rn)?;
+            go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
+                &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
+            r0 += rn;
+        }
+        Ok(())
+    }
+
+    /// The routed FP8 experts on tensor cores (moe.cu `moe_tc_*`), one arithmetic at every
+    /// row count. Direct (`grouped` false): one slot a tile, gate/up then the down projection
+    /// with each row's rank-ordered sum in one launch: two launches, for few rows whose slots
+    /// seldom share an expert. Grouped: slots counted and listed per expert on the device
+    /// (gemm.cu), up to 8 of one expert a tile so each weight is read once per tile, then the
+    /// per-slot down projection and the rank-ordered sum (`moe_group_combine`). Both give the
+    /// same bits (an MMA's columns are independent). Rows go 4096 at a time in the grouped
+    /// form (the slot buffers) and `MAX_GRID_Y / k` at a time in the direct one.
+    #[allow(clippy::too_many_arguments)]
+    fn experts_tc(
+        &self,
+        x: &CudaBuf,
+        route: &CudaRoute,
+        tab: u64,
+        e: usize,
+        i: usize,
+        h: usize,
+        y: &CudaBuf,
+        grouped: bool,
+    ) -> BResult<()> {
+        let op = "moe_experts";
+        let k = route.k;
+        let (e32, i32_, h32, k32) = (i32v(op, e)?, i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
+        let ep = self.err_ptr()?;
+        let block = |kb: usize, most: usize| u32v(op, 32 * kb.clamp(1, most));
+        let (gu_block, dn_block) = (block(h / 128, 16)?, block(i / 128, 16)?);
+        let (gx, dx) = (u32v(op, i / 16)?, u32v(op, h / 16)?);
+        if !grouped {
+            let null = 0u64;
+            let chunk = (MAX_GRID_Y / k.max(1)).max(1);
+            let hw = self.alloc(cmul(op, &[x.rows.min(chunk), k, i, 4])?)?;
+            let mut r0 = 0;
+            while r0 < x.rows {
+                let rn = (x.rows - r0).min(chunk);
+                let ids = route.ids.at(r0 * k * 4)?;
+                let wts = route.wts.at(r0 * k * 4)?;
+                let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
+                go!(self, Source::Moe, "moe_tc_gate_up", (gx, u32v(op, rn * k)?, 1), gu_block, 0;
+                    &tab, &ids, &xp, &null, &null, &null, &hw.ptr, &i32_, &h32, &k32, &e32, &ep);
+                go!(self, Source::Moe, "moe_tc_down_rows", (dx, u32v(op, rn)?, 1),
+                    block(k * (i / 128), 32)?, 0;
+                    &tab, &ids, &wts, &hw.ptr, &yp, &i32_, &h32, &k32, &e32, &ep);
+                r0 += rn;
+            }
+            return Ok(());
+        }
+        const CHUNK: usize = 4096;
+        const TM: usize = 8;
+        // counts [E], offsets [E + 1], tiles [E + 1], cursor [E]
+        let ints = self.alloc(cmul(op, &[4 * e + 2, 4])?)?;
+        let counts = ints.ptr;
+        let offsets = counts + 4 * e as u64;
+        let tiles = offsets + 4 * (e as u64 + 1);
+        let cursor = tiles + 4 * (e as u64 + 1);
+        let tm32 = i32v(op, TM)?;
+        // rows a pass: at most 4096, and few enough that the tile bound (ceil(slots / 8) +
+        // min(E, slots)) stays within grid.y
+        let chunk = CHUNK
+            .min((MAX_GRID_Y.saturating_sub(e) * TM / k.max(1)).max(1))
+            .min(x.rows.max(1));
+        let max_slots = chunk * k;
+        let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
+        let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
+        let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
+        let mut r0 = 0;
+        while r0 < x.rows {
+            let rn = (x.rows - r0).min(chunk);
+            let n_slots = rn * k;
+            let s32 = i32v(op, n_slots)?;
+            let ids = route.ids.at(r0 * k * 4)?;
+            let wts = route.wts.at(r0 * k * 4)?;
+            let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
+            // SAFETY: `ints` holds 4E + 2 i32: counts [E] are zeroed here.
+            unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
+            let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
+            go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
+                &ids, &tab, &counts, &s32, &e32, &ep);
+            go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
+                &counts, &offsets, &tiles, &cursor, &e32, &tm32);
+            go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
+                &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
+            let tile_bound = u32v(op, n_slots.div_ceil(TM) + e.min(n_slots))?;
+            go!(self, Source::Moe, "moe_tc_gate_up", (gx, tile_bound, 1), gu_block, 0;
+                &tab, &ids, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32,
+                &e32, &ep);
+            go!(self, Source::Moe, "moe_tc_down", (dx, tile_bound, 1), dn_block, 0;
+                &tab, &ids, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32,
+                &e32, &ep);
             let rows64 = i64v(op, rn)?;
             go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
                 &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
@@ -3162,6 +3277,11 @@ impl Backend for CudaBackend {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, true)?;
             return Ok(y);
         }
+        if !nvfp4 && self.opts.moe_tc && tc_experts_fit(i, h, k) {
+            let grouped = n >= self.opts.moe_tc_group_rows;
+            self.experts_tc(x, route, tab, experts.len(), i, h, &y, grouped)?;
+            return Ok(y);
+        }
         let hw = self.alloc(cmul(op, &[n, k, i, 4])?)?;
         let (i32_, h32, k32) = (i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
         let mut r0 = 0;
@@ -3726,6 +3846,16 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_experts_take_whole_key_blocks() {
+        // Drama 3 (I 512, H 2048, top-8) and the tiny fixture (I 256, H 128, top-8)
+        assert!(tc_experts_fit(512, 2048, 8) && tc_experts_fit(256, 128, 8));
+        // not whole 128-key blocks, too many for the partials, too many down pairs
+        assert!(!tc_experts_fit(200, 2048, 8) && !tc_experts_fit(512, 2000, 8));
+        assert!(!tc_experts_fit(512, 128 * 33, 8) && !tc_experts_fit(1024, 2048, 9));
+        assert!(!tc_experts_fit(512, 2048, 0) && !tc_experts_fit(0, 2048, 8));
+    }
+
+    #[test]
     fn options_take_defaults_and_read_each_variable() {
         let d = CudaOptions::from_lookup(|_| None);
         assert!(d.kv_f32 && d.tc_gemv && d.kept_rounds && d.graphs);
@@ -3740,6 +3870,10 @@ mod tests {
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);
         assert_eq!(one("DRAMATIS_CUDA_SLOTS_MIN", "24").slots_min_rows, 24);
+        assert!(d.moe_tc && !one("DRAMATIS_CUDA_MOE_TC", "0").moe_tc);
+        assert_eq!(d.moe_tc_group_rows, 8);
+        assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);
+        assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows, 32);
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

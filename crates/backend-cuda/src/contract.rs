@@ -256,6 +256,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("gemm_bf16_tc", ops::gemm_tc),
     ("moe_experts_grouped_fp8_tc", ops::experts_grouped_tc),
     ("moe_experts_slots_fp8", ops::experts_slots),
+    ("moe_experts_tc_fp8", ops::experts_tc),
     ("rope_neox_interleaved", ops::rope),
     ("norm_rope_fused", ops::norm_rope),
     ("kv_append_bf16_f32", ops::kv_append),

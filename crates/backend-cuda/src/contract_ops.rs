@@ -30,6 +30,9 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         decode_head_split: false,
         gemm_lt: false,
         tc_bulk: false,
+        // the per-row FMA experts unless a case asks for the tensor-core ones
+        moe_tc: false,
+        moe_tc_group_rows: usize::MAX,
     }
 }
 
@@ -2284,6 +2287,117 @@ fn experts_grouped_case(
             }
         ),
     );
+    Ok(())
+}
+
+/// A backend whose routed FP8 experts run on tensor cores (`moe_tc_*`), grouped by expert
+/// from `group_rows` rows on (one slot a tile below).
+fn tc_experts_backend(c: &Ctx, v: Variant, group_rows: usize) -> CudaBackend {
+    let o = CudaOptions {
+        moe_tc: true,
+        moe_tc_group_rows: group_rows,
+        ..base_opts(true)
+    };
+    CudaBackend::with_gpu(c.shared.clone(), v, o)
+}
+
+/// The routed FP8 experts on tensor cores (`moe_tc_gate_up`, `moe_tc_down_rows`, and grouped
+/// `moe_tc_down` + `moe_group_combine`): against FP64 with low-precision and planted twins, one
+/// slot a tile and grouped by expert bitwise equal, each row bitwise equal to its one-row
+/// launch, other bits than the per-row FMA kernels (so it ran), and a pruned expert that no
+/// row names. A small table with many slots per expert (several 8-slot tiles each), the
+/// Drama 3 layer (256 experts, top-8, I 512, H 2048) at one row and at 32, and 16 experts of
+/// Drama 3's shape with about 10 slots each.
+pub(super) fn experts_tc(c: &mut Ctx) -> Result<()> {
+    for (e, i, h, rows, k) in [
+        (12, 256, 512, 40, 4),
+        (256, 512, 2048, 1, 8),
+        (256, 512, 2048, 32, 8),
+        (16, 512, 2048, 40, 4),
+    ] {
+        experts_tc_case(c, e, i, h, rows, k)?;
+    }
+    Ok(())
+}
+
+fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: usize) -> Result<()> {
+    let mats: Vec<[Fp8Mat; 3]> = (0..e)
+        .map(|_| {
+            [
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, h, i),
+            ]
+        })
+        .collect();
+    let x = c.rng.normals_f32(rows * h, 1.0);
+    let logits = c.rng.normals_f32(rows * e, 1.0);
+    // expert 5 is pruned: the keep mask routes around it
+    let keep: Vec<bool> = (0..e).map(|j| j != 5).collect();
+    let be0 = tc_experts_backend(c, Variant::Exact, usize::MAX);
+    let route_of = |be: &CudaBackend, r0: usize, n: usize| {
+        be.route(&be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?, k, Some(&keep))
+    };
+    let route = be0.route_host(&route_of(&be0, 0, rows)?)?;
+    let reference = experts_reference(&mats, &x, h, &route);
+    let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
+        let experts = mats
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                if j == 5 {
+                    return Ok(None);
+                }
+                Ok(Some(Expert {
+                    gate: m[0].upload(be)?,
+                    up: m[1].upload(be)?,
+                    down: m[2].upload(be)?,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rt = route_of(be, r0, n)?;
+        let xd = be.upload(&x[r0 * h..(r0 + n) * h], n, h)?;
+        Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
+    };
+    let run = |be: &CudaBackend| run_rows(be, 0, rows);
+    let case = format!("{rows} rows, top-{k} of {e} experts (one pruned), I {i}, H {h}");
+    let case = case.as_str();
+    let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+        .iter()
+        .map(|&v| run(&tc_experts_backend(c, v, usize::MAX)))
+        .collect::<Result<_>>()?;
+    let tol = tol_f32(h * k);
+    c.check(case, rel_l2(&got[0], &reference), tol);
+    c.discriminate(case, rel_l2(&got[1], &reference), tol);
+    c.control(case, rel_l2(&got[2], &reference), tol);
+    ran_check(
+        c,
+        format!("{case}: the tensor-core experts ran"),
+        &got[0],
+        &run(&backend(c, Variant::Exact, true))?,
+    );
+    let grouped = tc_experts_backend(c, Variant::Exact, 1);
+    let g = run(&grouped)?;
+    same_bits(c, format!("{case}: grouped by expert = one slot a tile"), &g, &got[0]);
+    c.control(
+        &format!("{case}, grouped"),
+        rel_l2(&run(&tc_experts_backend(c, Variant::Planted, 1))?, &reference),
+        tol,
+    );
+    let again = run(&grouped)?;
+    same_bits(c, format!("{case}: grouped, a second run"), &again, &g);
+    if rows > 1 {
+        let mut same = true;
+        for r in [0, rows / 2, rows - 1] {
+            same &= bits_equal(&run_rows(&be0, r, 1)?, &got[0][r * h..(r + 1) * h]);
+        }
+        c.push(
+            format!("{case}: rows bitwise = their 1-row launches"),
+            Kind::Check,
+            same,
+            format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
+        );
+    }
     Ok(())
 }
 
