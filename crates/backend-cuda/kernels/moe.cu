@@ -785,13 +785,35 @@ __device__ __forceinline__ void xt_block(const fp8_t* const (&wa)[NM], const fp8
         for (int e = 0; e < 4; ++e) p[m][e] = hi[m][e] + lo[m][e];
 }
 
-// This block's tile: grouped (order set), up to 8 slots of one expert from group_tile; direct,
-// slot blockIdx.y alone. Returns the expert (-1: nothing to do); slot c of the tile is
-// order[first + c] (grouped) or first (direct, c = 0). Every thread must call it.
+// tinfo[3 b + {0, 1, 2}] = the expert, first slot (in `order`) and slot count of 8-slot tile b
+// of a grouped launch (-1, 0, 0 past the last tile): the tile's binary search over the experts
+// once per tile, not once per block of each tile. Grid ceil(bound / 256), block 256.
+extern "C" __global__ void moe_tc_tiles(const int* __restrict__ offsets, const int* __restrict__ tiles,
+                                        int* __restrict__ tinfo, int E, int bound) {
+    const int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= bound) return;
+    const int e = tile_expert(tiles, E, b);
+    int first = 0, count = 0;
+    if (e >= 0) {
+        first = offsets[e] + (b - tiles[e]) * 8;
+        count = min(offsets[e + 1] - first, 8);
+    }
+    tinfo[3 * b] = e;
+    tinfo[3 * b + 1] = first;
+    tinfo[3 * b + 2] = count;
+}
+
+// This block's tile: grouped (order set), up to 8 slots of one expert from moe_tc_tiles' table;
+// direct, slot blockIdx.y alone. Returns the expert (-1: nothing to do); slot c of the tile is
+// order[first + c] (grouped) or first (direct, c = 0).
 __device__ __forceinline__ long long xt_tile(const unsigned int* __restrict__ ids, const int* __restrict__ order,
-                                             const int* __restrict__ offsets, const int* __restrict__ tiles,
-                                             int E, int& first, int& count) {
-    if (order) return group_tile<8>(offsets, tiles, E, first, count);
+                                             const int* __restrict__ tinfo, int& first, int& count) {
+    if (order) {
+        const int* ti = tinfo + 3 * blockIdx.y;
+        first = ti[1];
+        count = ti[2];
+        return ti[0];
+    }
     first = blockIdx.y;
     count = 1;
     return ids[blockIdx.y];
@@ -803,14 +825,15 @@ __device__ __forceinline__ long long xt_tile(const unsigned int* __restrict__ id
 // launches never list one: moe_group_count reports it and moe_group_combine writes the NaN).
 extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ x,
-    const int* __restrict__ order, const int* __restrict__ offsets, const int* __restrict__ tiles,
-    float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ h, int I, int H, int k,
+    int E, int* __restrict__ err) {
     __shared__ float red[XT_MAX_KB][2][32][4];
+    __shared__ float scale_sh[2][XT_MAX_KB];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
     int first, count;
-    const long long e = xt_tile(ids, order, offsets, tiles, E, first, count);
+    const long long e = xt_tile(ids, order, tinfo, first, count);
     if (e < 0) return;
     if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
         if (threadIdx.x < 16) h[(long long)first * I + n0 + threadIdx.x] = __int_as_float(0x7fc00000);
@@ -818,9 +841,14 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
     }
     const fp8_t* gate = (const fp8_t*)tab[6 * e];
     const fp8_t* up = (const fp8_t*)tab[6 * e + 1];
-    const float* gs = (const float*)tab[6 * e + 3];
-    const float* us = (const float*)tab[6 * e + 4];
     const int nkb = H >> 7;
+    // the 16 outputs share one 128-row scale block: its nkb scales of each matrix, staged
+    // while the MMAs run, so the chains below read no global memory
+    if (threadIdx.x < 2 * nkb) {
+        const int m = threadIdx.x / nkb, b = threadIdx.x - m * nkb;
+        const float* sc = (const float*)tab[6 * e + 3 + m];
+        scale_sh[m][b] = sc[(long long)(n0 >> 7) * nkb + xt_sb(b, nkb)];
+    }
     const long long ra = n0 + g, rb = n0 + g + 8;
     const float* xr = nullptr;
     if (g < count) xr = x + (long long)((order ? order[first + g] : first) / k) * H + 32 * t;
@@ -843,23 +871,21 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
         const int c = 2 * t + (e4 & 1);
         if (c >= count) continue;
         const long long n = e4 < 2 ? ra : rb;
-        const float* gsr = gs + (n >> 7) * nkb;
-        const float* usr = us + (n >> 7) * nkb;
         float ag = 0.0f, au = 0.0f;
         for (int b = 0; b < nkb; ++b) {
-            ag = fmaf(gsr[xt_sb(b, nkb)], red[b][0][lane][e4], ag);
-            au = fmaf(usr[xt_sb(b, nkb)], red[b][1][lane][e4], au);
+            ag = fmaf(scale_sh[0][b], red[b][0][lane][e4], ag);
+            au = fmaf(scale_sh[1][b], red[b][1][lane][e4], au);
         }
         const long long s = order ? order[first + c] : first;
         h[s * I + n] = lowp(silu(ag) * au);
     }
 }
 
-// The chain of one output over its key blocks' partials (stride between blocks' partials: st).
-__device__ __forceinline__ float xt_chain(const float* __restrict__ sr, const float* __restrict__ part, int st,
-                                          int nkb) {
+// The chain of one output over its key blocks' partials (stride between blocks' partials: st),
+// with the blocks' scales sc[0..nkb) as staged (in block order, the plant applied).
+__device__ __forceinline__ float xt_chain(const float* sc, const float* part, int st, int nkb) {
     float acc = 0.0f;
-    for (int b = 0; b < nkb; ++b) acc = fmaf(sr[xt_sb(b, nkb)], part[b * st], acc);
+    for (int b = 0; b < nkb; ++b) acc = fmaf(sc[b], part[b * st], acc);
     return acc;
 }
 
@@ -867,22 +893,24 @@ __device__ __forceinline__ float xt_chain(const float* __restrict__ sr, const fl
 // Grid (H / 16, tiles as moe_tc_gate_up), block 32 min(16, I / 128).
 extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
-    const int* __restrict__ order, const int* __restrict__ offsets, const int* __restrict__ tiles,
-    float* __restrict__ obuf, int I, int H, int E, int* __restrict__ err) {
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ obuf, int I, int H, int E,
+    int* __restrict__ err) {
     __shared__ float red[XT_MAX_KB][32][4];
+    __shared__ float scale_sh[XT_MAX_KB];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16;
     int first, count;
-    const long long e = xt_tile(ids, order, offsets, tiles, E, first, count);
+    const long long e = xt_tile(ids, order, tinfo, first, count);
     if (e < 0) return;
     if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
         if (threadIdx.x < 16) obuf[(long long)first * H + n0 + threadIdx.x] = __int_as_float(0x7fc00000);
         return;
     }
     const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
-    const float* ds = (const float*)tab[6 * e + 5];
     const int nkb = I >> 7;
+    if (threadIdx.x < nkb)
+        scale_sh[threadIdx.x] = ((const float*)tab[6 * e + 5])[(long long)(n0 >> 7) * nkb + xt_sb(threadIdx.x, nkb)];
     const long long ra = n0 + g, rb = n0 + g + 8;
     const float* xr = nullptr;
     if (g < count) xr = hbuf + (long long)(order ? order[first + g] : first) * I + 32 * t;
@@ -902,7 +930,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
         const int c = 2 * t + (e4 & 1);
         if (c >= count) continue;
         const long long n = e4 < 2 ? ra : rb;
-        const float d = xt_chain(ds + (n >> 7) * nkb, &red[0][lane][e4], 32 * 4, nkb);
+        const float d = xt_chain(scale_sh, &red[0][lane][e4], 32 * 4, nkb);
         const long long s = order ? order[first + c] : first;
         obuf[s * H + n] = lowp(d);
     }
@@ -917,6 +945,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tc_down_rows(
     const float* __restrict__ wts, const float* __restrict__ hbuf, float* __restrict__ y, int I, int H, int k,
     int E, int* __restrict__ err) {
     __shared__ float red[XT_MAX_PAIRS][16];
+    __shared__ float scale_sh[XT_MAX_PAIRS];
+    __shared__ float w_sh[XT_MAX_PAIRS];
     __shared__ int bad_sh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -924,6 +954,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tc_down_rows(
     const int n0 = blockIdx.x * 16;
     const int nkb = I >> 7, np = k * nkb;
     if (threadIdx.x == 0) bad_sh = 0;
+    if (threadIdx.x < k) w_sh[threadIdx.x] = wts[row * k + threadIdx.x];
     __syncthreads();
     for (int p = warp; p < np; p += nw) {
         const int j = p / nkb, b = p - j * nkb;
@@ -933,6 +964,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tc_down_rows(
             continue;
         }
         const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        // the pair's scale (the 16 outputs share one 128-row block), for the chains below
+        if (lane == 0) scale_sh[p] = ((const float*)tab[6 * e + 5])[(long long)(n0 >> 7) * nkb + xt_sb(b, nkb)];
         const long long kk = 128LL * b + 32 * t;
         const fp8_t* const wa[1] = {down + (long long)(n0 + g) * I + kk};
         const fp8_t* const wb[1] = {down + (long long)(n0 + g + 8) * I + kk};
@@ -951,10 +984,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_tc_down_rows(
     const long long n = n0 + o;
     float acc = 0.0f;
     for (int j = 0; j < k && !bad_sh; ++j) {
-        const long long e = ids[row * k + j];
-        const float* ds = (const float*)tab[6 * e + 5];
-        const float d = xt_chain(ds + (n >> 7) * nkb, &red[j * nkb][o], 16, nkb);
-        acc = fmaf(wts[row * k + j], lowp(d), acc);
+        const float d = xt_chain(&scale_sh[j * nkb], &red[j * nkb][o], 16, nkb);
+        acc = fmaf(w_sh[j], lowp(d), acc);
     }
     y[row * H + n] = bad_sh ? __int_as_float(0x7fc00000) : acc;
 }

@@ -603,8 +603,10 @@ pub struct CudaOptions {
     pub tc_bulk: bool,
     /// Routed FP8 experts below the bulk tiles run on TF32 tensor cores (`moe_tc_*`: split
     /// activations, per-MMA f32 adds, block scales per 128-key block) where H and I are
-    /// multiples of 128, one arithmetic at every row count: `DRAMATIS_CUDA_MOE_TC=0` gives the
-    /// per-row FMA kernels (`moe_*_tab*`).
+    /// multiples of 128, one arithmetic at every row count, instead of the per-row FMA kernels
+    /// (`moe_*_tab*`): `DRAMATIS_CUDA_MOE_TC=1`. Off by default: correct on the device (contract,
+    /// goldens, `say` hashes) but session 9's first version was slower at 1, 8 and 32 lanes
+    /// (NOTES.md).
     pub moe_tc: bool,
     /// From this many rows on, the tensor-core experts group slots by expert (up to 8 a tile,
     /// each weight read once per tile) instead of one slot a tile: the same bits, so any
@@ -651,7 +653,7 @@ impl CudaOptions {
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
             tc_bulk: get("DRAMATIS_CUDA_TC_BULK").is_some_and(|v| v.trim() == "1"),
-            moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
+            moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_some_and(|v| v.trim() == "1"),
             moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
         }
     }
@@ -684,9 +686,8 @@ pub struct CudaBackend {
     /// it could not be made (the tiled GEMM runs instead, and the reason is logged once).
     lt: Mutex<Option<std::result::Result<(crate::lt::Lt, Mem), String>>>,
     prof: Prof,
-    /// Programmatic dependent launch for `go!`'s launches (`DRAMATIS_CUDA_PDL=1` on sm_90+,
-    /// `runtime::pdl_for`). Off by default: written after session 8's device time, never run
-    /// on a device.
+    /// Programmatic dependent launch for `go!`'s launches (sm_90+ unless `DRAMATIS_CUDA_PDL=0`,
+    /// `runtime::pdl_for`).
     pdl: bool,
 }
 
@@ -1858,7 +1859,7 @@ impl CudaBackend {
                 let wts = route.wts.at(r0 * k * 4)?;
                 let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
                 go!(self, Source::Moe, "moe_tc_gate_up", (gx, u32v(op, rn * k)?, 1), gu_block, 0;
-                    &tab, &ids, &xp, &null, &null, &null, &hw.ptr, &i32_, &h32, &k32, &e32, &ep);
+                    &tab, &ids, &xp, &null, &null, &hw.ptr, &i32_, &h32, &k32, &e32, &ep);
                 go!(self, Source::Moe, "moe_tc_down_rows", (dx, u32v(op, rn)?, 1),
                     block(k * (i / 128), 32)?, 0;
                     &tab, &ids, &wts, &hw.ptr, &yp, &i32_, &h32, &k32, &e32, &ep);
@@ -1884,6 +1885,8 @@ impl CudaBackend {
         let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
         let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
+        // (expert, first slot, count) of each tile, for at most the first pass's tile bound
+        let tinfo = self.alloc(cmul(op, &[max_slots.div_ceil(TM) + e.min(max_slots), 3, 4])?)?;
         let mut r0 = 0;
         while r0 < x.rows {
             let rn = (x.rows - r0).min(chunk);
@@ -1901,13 +1904,16 @@ impl CudaBackend {
                 &counts, &offsets, &tiles, &cursor, &e32, &tm32);
             go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
                 &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
-            let tile_bound = u32v(op, n_slots.div_ceil(TM) + e.min(n_slots))?;
+            let bound = n_slots.div_ceil(TM) + e.min(n_slots);
+            let (tile_bound, b32) = (u32v(op, bound)?, i32v(op, bound)?);
+            go!(self, Source::Moe, "moe_tc_tiles", (u32v(op, bound.div_ceil(256))?, 1, 1), 256, 0;
+                &offsets, &tiles, &tinfo.ptr, &e32, &b32);
             go!(self, Source::Moe, "moe_tc_gate_up", (gx, tile_bound, 1), gu_block, 0;
-                &tab, &ids, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32,
-                &e32, &ep);
+                &tab, &ids, &xp, &order.ptr, &tinfo.ptr, &hbuf.ptr, &i32_, &h32, &k32, &e32,
+                &ep);
             go!(self, Source::Moe, "moe_tc_down", (dx, tile_bound, 1), dn_block, 0;
-                &tab, &ids, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32,
-                &e32, &ep);
+                &tab, &ids, &hbuf.ptr, &order.ptr, &tinfo.ptr, &obuf.ptr, &i32_, &h32, &e32,
+                &ep);
             let rows64 = i64v(op, rn)?;
             go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
                 &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
@@ -3870,7 +3876,7 @@ mod tests {
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);
         assert_eq!(one("DRAMATIS_CUDA_SLOTS_MIN", "24").slots_min_rows, 24);
-        assert!(d.moe_tc && !one("DRAMATIS_CUDA_MOE_TC", "0").moe_tc);
+        assert!(!d.moe_tc && one("DRAMATIS_CUDA_MOE_TC", "1").moe_tc);
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows, 32);
