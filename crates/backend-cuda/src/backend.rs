@@ -601,13 +601,17 @@ pub struct CudaOptions {
     /// instead of FMA tiles, where K is a multiple of 32: `DRAMATIS_CUDA_TC_BULK=1`. Off until a
     /// device run has passed the contract, goldens and parity with it.
     pub tc_bulk: bool,
-    /// Routed FP8 experts below the bulk tiles run on TF32 tensor cores (`moe_tc_*`: split
-    /// activations, per-MMA f32 adds, block scales per 128-key block) where H and I are
-    /// multiples of 128, one arithmetic at every row count, instead of the per-row FMA kernels
-    /// (`moe_*_tab*`): `DRAMATIS_CUDA_MOE_TC=1`. Off by default: correct on the device (contract,
-    /// goldens, `say` hashes) but session 9's first version was slower at 1, 8 and 32 lanes
-    /// (NOTES.md).
+    /// Routed FP8 experts of every call below the bulk tiles run on TF32 tensor cores
+    /// (`moe_tc_*`: split activations, per-MMA f32 adds, block scales per 128-key block) where
+    /// H and I are multiples of 128, one arithmetic at every row count, instead of the per-row
+    /// FMA kernels (`moe_*_tab*`): `DRAMATIS_CUDA_MOE_TC=1`. Off by default: correct on the
+    /// device (contract, goldens, `say` hashes) but slower in frame rounds at 8 and 32 lanes
+    /// (NOTES.md, session 9).
     pub moe_tc: bool,
+    /// The same for one lane's prompt (`Rows::Bulk`) below the bulk tiles only: on by default
+    /// (first audio 0.061 -> 0.057 s at one lane, 2.11 -> 1.91 s at 32; a prompt runs alone, so
+    /// the rounds' batch promise is untouched). `DRAMATIS_CUDA_MOE_TC=0` turns both off.
+    pub moe_tc_bulk: bool,
     /// From this many rows on, the tensor-core experts group slots by expert (up to 8 a tile,
     /// each weight read once per tile) instead of one slot a tile: the same bits, so any
     /// threshold keeps the batch promise (`DRAMATIS_CUDA_MOE_TC_GROUP`, default 8).
@@ -654,6 +658,7 @@ impl CudaOptions {
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
             tc_bulk: get("DRAMATIS_CUDA_TC_BULK").is_some_and(|v| v.trim() == "1"),
             moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_some_and(|v| v.trim() == "1"),
+            moe_tc_bulk: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
             moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
         }
     }
@@ -3234,7 +3239,7 @@ impl Backend for CudaBackend {
         x: &CudaBuf,
         route: &CudaRoute,
         experts: &[Option<Expert<CudaWeight>>],
-        _rows: Rows,
+        kind: Rows,
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("moe_experts");
         let op = "moe_experts";
@@ -3272,7 +3277,7 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(y);
         }
-        if _rows == Rows::Bulk && !nvfp4 && n >= self.opts.group_min_rows {
+        if kind == Rows::Bulk && !nvfp4 && n >= self.opts.group_min_rows {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, false)?;
             return Ok(y);
         }
@@ -3283,7 +3288,8 @@ impl Backend for CudaBackend {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, true)?;
             return Ok(y);
         }
-        if !nvfp4 && self.opts.moe_tc && tc_experts_fit(i, h, k) {
+        let tc = self.opts.moe_tc || (kind == Rows::Bulk && self.opts.moe_tc_bulk);
+        if !nvfp4 && tc && tc_experts_fit(i, h, k) {
             let grouped = n >= self.opts.moe_tc_group_rows;
             self.experts_tc(x, route, tab, experts.len(), i, h, &y, grouped)?;
             return Ok(y);
@@ -3876,7 +3882,9 @@ mod tests {
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);
         assert_eq!(one("DRAMATIS_CUDA_SLOTS_MIN", "24").slots_min_rows, 24);
-        assert!(!d.moe_tc && one("DRAMATIS_CUDA_MOE_TC", "1").moe_tc);
+        assert!(!d.moe_tc && d.moe_tc_bulk);
+        let (on, off) = (one("DRAMATIS_CUDA_MOE_TC", "1"), one("DRAMATIS_CUDA_MOE_TC", "0"));
+        assert!(on.moe_tc && on.moe_tc_bulk && !off.moe_tc && !off.moe_tc_bulk);
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows, 32);

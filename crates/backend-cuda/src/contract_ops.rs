@@ -32,6 +32,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         tc_bulk: false,
         // the per-row FMA experts unless a case asks for the tensor-core ones
         moe_tc: false,
+        moe_tc_bulk: false,
         moe_tc_group_rows: usize::MAX,
     }
 }
