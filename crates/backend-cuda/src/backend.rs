@@ -176,7 +176,24 @@ fn u32v(op: &'static str, v: usize) -> BResult<u32> {
     u32::try_from(v).map_err(|_| shape_err(op, format!("grid of {v} blocks is too large")))
 }
 
-/// Grid for a grid-stride loop over `n` elements with 256-thread blocks.
+/// Rows of one grouped expert pass: at most 4096 (the slot buffers), and few enough that the
+/// tile bound (ceil(slots / tm) + min(E, slots)) stays within grid.y.
+fn group_chunk(rows: usize, e: usize, tm: usize, k: usize) -> usize {
+    4096.min((MAX_GRID_Y.saturating_sub(e) * tm / k.max(1)).max(1))
+        .min(rows.max(1))
+}
+
+/// Device scratch of one slot grouping (`CudaBackend::slot_groups`): pointers into `_ints`,
+/// and the slot order.
+struct SlotGroups {
+    _ints: Mem,
+    counts: u64,
+    offsets: u64,
+    tiles: u64,
+    cursor: u64,
+    order: Mem,
+}
+
 /// Whether the tensor-core experts (`moe_tc_*`) take a layer's shape: H and I in whole
 /// 128-key blocks, at most 32 of them per launch (the partials' shared memory), and a row's
 /// down-projection pairs (k I / 128) within `moe_tc_down_rows`' 64.
@@ -185,6 +202,7 @@ fn tc_experts_fit(i: usize, h: usize, k: usize) -> bool {
     fits(i) && fits(h) && (1..=64).contains(&(k * (i / 128)))
 }
 
+/// Grid for a grid-stride loop over `n` elements with 256-thread blocks.
 fn stride_grid(n: usize) -> (u32, u32, u32) {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20);
     (blocks as u32, 1, 1)
@@ -1734,6 +1752,58 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Scratch for grouping up to `max_slots` slots of `e` experts by expert: counts [E],
+    /// offsets [E + 1], tiles [E + 1], cursor [E] and the slot order.
+    fn slot_groups(&self, e: usize, max_slots: usize) -> BResult<SlotGroups> {
+        let op = "moe_experts";
+        let ints = self.alloc(cmul(op, &[4 * e + 2, 4])?)?;
+        let counts = ints.ptr;
+        let offsets = counts + 4 * e as u64;
+        let tiles = offsets + 4 * (e as u64 + 1);
+        let cursor = tiles + 4 * (e as u64 + 1);
+        let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
+        Ok(SlotGroups {
+            _ints: ints,
+            counts,
+            offsets,
+            tiles,
+            cursor,
+            order,
+        })
+    }
+
+    /// Lists `n_slots` slots (routed ids at `ids`) per expert in `g`: counts, offsets and tile
+    /// starts of `tm` slots a tile (moe_group_count / scan / fill); a slot naming an expert
+    /// without weights is left out and sets the error flag.
+    fn group_slots(
+        &self,
+        g: &SlotGroups,
+        ids: u64,
+        tab: u64,
+        n_slots: usize,
+        e: usize,
+        tm: usize,
+    ) -> BResult<()> {
+        let op = "moe_experts";
+        let (s32, e32, tm32, ep) = (
+            i32v(op, n_slots)?,
+            i32v(op, e)?,
+            i32v(op, tm)?,
+            self.err_ptr()?,
+        );
+        let (counts, offsets, tiles, cursor) = (g.counts, g.offsets, g.tiles, g.cursor);
+        // SAFETY: `counts` is E i32 of the group scratch, zeroed here.
+        unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
+        let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
+        go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
+            &ids, &tab, &counts, &s32, &e32, &ep);
+        go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
+            &counts, &offsets, &tiles, &cursor, &e32, &tm32);
+        go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
+            &ids, &tab, &offsets, &cursor, &g.order.ptr, &s32, &e32);
+        Ok(())
+    }
+
     /// The routed FP8 experts of many rows grouped by expert: slots (row, rank) are counted and
     /// listed per expert on the device (gemm.cu), each expert's slots run together, and each
     /// row sums its experts in rank order. `slots`: as SR-slot groups with the per-row kernels'
@@ -1753,17 +1823,9 @@ impl CudaBackend {
         y: &CudaBuf,
         slots: bool,
     ) -> BResult<()> {
-        const CHUNK: usize = 4096;
         let op = "moe_experts";
         let k = route.k;
         let (e32, i32_, h32, k32) = (i32v(op, e)?, i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
-        let ep = self.err_ptr()?;
-        // counts [E], offsets [E + 1], tiles [E + 1], cursor [E]
-        let ints = self.alloc(cmul(op, &[4 * e + 2, 4])?)?;
-        let counts = ints.ptr;
-        let offsets = counts + 4 * e as u64;
-        let tiles = offsets + 4 * (e as u64 + 1);
-        let cursor = tiles + 4 * (e as u64 + 1);
         // (source, gate/up, down, slots a tile, outputs a block)
         let (src, gate_up, down, tm, per_block) = if slots {
             (
@@ -1785,33 +1847,20 @@ impl CudaBackend {
         } else {
             (Source::Gemm, "moe_group_gate_up", "moe_group_down", 64, 64)
         };
-        let tm32 = i32v(op, tm)?;
-        // rows a pass: at most 4096, and few enough that the tile bound (ceil(slots / tm) +
-        // min(E, slots)) stays within grid.y
-        let chunk = CHUNK
-            .min((MAX_GRID_Y.saturating_sub(e) * tm / k.max(1)).max(1))
-            .min(x.rows.max(1));
+        let chunk = group_chunk(x.rows, e, tm, k);
         let max_slots = chunk * k;
-        let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
+        let g = self.slot_groups(e, max_slots)?;
+        let (order, offsets, tiles) = (&g.order, g.offsets, g.tiles);
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
         let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
         let mut r0 = 0;
         while r0 < x.rows {
             let rn = (x.rows - r0).min(chunk);
             let n_slots = rn * k;
-            let s32 = i32v(op, n_slots)?;
             let ids = route.ids.at(r0 * k * 4)?;
             let wts = route.wts.at(r0 * k * 4)?;
             let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
-            // SAFETY: `ints` holds 4E + 2 i32: counts [E] are zeroed here.
-            unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
-            let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
-            go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
-                &ids, &tab, &counts, &s32, &e32, &ep);
-            go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
-                &counts, &offsets, &tiles, &cursor, &e32, &tm32);
-            go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
-                &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
+            self.group_slots(&g, ids, tab, n_slots, e, tm)?;
             // at most ceil(slots / tm) + min(E, slots) tiles; blocks past the count exit
             let tile_bound = u32v(op, n_slots.div_ceil(tm) + e.min(n_slots))?;
             go!(self, src, gate_up, (u32v(op, i.div_ceil(per_block))?, tile_bound, 1), 256, 0;
@@ -1872,43 +1921,26 @@ impl CudaBackend {
             }
             return Ok(());
         }
-        const CHUNK: usize = 4096;
         const TM: usize = 8;
-        // counts [E], offsets [E + 1], tiles [E + 1], cursor [E]
-        let ints = self.alloc(cmul(op, &[4 * e + 2, 4])?)?;
-        let counts = ints.ptr;
-        let offsets = counts + 4 * e as u64;
-        let tiles = offsets + 4 * (e as u64 + 1);
-        let cursor = tiles + 4 * (e as u64 + 1);
-        let tm32 = i32v(op, TM)?;
-        // rows a pass: at most 4096, and few enough that the tile bound (ceil(slots / 8) +
-        // min(E, slots)) stays within grid.y
-        let chunk = CHUNK
-            .min((MAX_GRID_Y.saturating_sub(e) * TM / k.max(1)).max(1))
-            .min(x.rows.max(1));
+        let chunk = group_chunk(x.rows, e, TM, k);
         let max_slots = chunk * k;
-        let order = self.alloc(cmul(op, &[max_slots, 4])?)?;
+        let g = self.slot_groups(e, max_slots)?;
+        let (order, offsets, tiles) = (&g.order, g.offsets, g.tiles);
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
         let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
         // (expert, first slot, count) of each tile, for at most the first pass's tile bound
-        let tinfo = self.alloc(cmul(op, &[max_slots.div_ceil(TM) + e.min(max_slots), 3, 4])?)?;
+        let tinfo = self.alloc(cmul(
+            op,
+            &[max_slots.div_ceil(TM) + e.min(max_slots), 3, 4],
+        )?)?;
         let mut r0 = 0;
         while r0 < x.rows {
             let rn = (x.rows - r0).min(chunk);
             let n_slots = rn * k;
-            let s32 = i32v(op, n_slots)?;
             let ids = route.ids.at(r0 * k * 4)?;
             let wts = route.wts.at(r0 * k * 4)?;
             let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
-            // SAFETY: `ints` holds 4E + 2 i32: counts [E] are zeroed here.
-            unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
-            let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
-            go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
-                &ids, &tab, &counts, &s32, &e32, &ep);
-            go!(self, Source::Gemm, "moe_group_scan", (1, 1, 1), 256, 0;
-                &counts, &offsets, &tiles, &cursor, &e32, &tm32);
-            go!(self, Source::Gemm, "moe_group_fill", sg, 256, 0;
-                &ids, &tab, &offsets, &cursor, &order.ptr, &s32, &e32);
+            self.group_slots(&g, ids, tab, n_slots, e, TM)?;
             let bound = n_slots.div_ceil(TM) + e.min(n_slots);
             let (tile_bound, b32) = (u32v(op, bound)?, i32v(op, bound)?);
             go!(self, Source::Moe, "moe_tc_tiles", (u32v(op, bound.div_ceil(256))?, 1, 1), 256, 0;
@@ -3883,11 +3915,17 @@ mod tests {
         assert_eq!(d.slots_min_rows, usize::MAX);
         assert_eq!(one("DRAMATIS_CUDA_SLOTS_MIN", "24").slots_min_rows, 24);
         assert!(!d.moe_tc && d.moe_tc_bulk);
-        let (on, off) = (one("DRAMATIS_CUDA_MOE_TC", "1"), one("DRAMATIS_CUDA_MOE_TC", "0"));
+        let (on, off) = (
+            one("DRAMATIS_CUDA_MOE_TC", "1"),
+            one("DRAMATIS_CUDA_MOE_TC", "0"),
+        );
         assert!(on.moe_tc && on.moe_tc_bulk && !off.moe_tc && !off.moe_tc_bulk);
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);
-        assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows, 32);
+        assert_eq!(
+            one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows,
+            32
+        );
         assert!(
             !CudaOptions::from_lookup(|k| (k == "DRAMATIS_CUDA_TC").then(|| "0".into())).tc_gemv
         );

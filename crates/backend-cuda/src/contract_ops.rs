@@ -2364,7 +2364,11 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     let keep: Vec<bool> = (0..e).map(|j| j != 5).collect();
     let be0 = tc_experts_backend(c, Variant::Exact, usize::MAX);
     let route_of = |be: &CudaBackend, r0: usize, n: usize| {
-        be.route(&be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?, k, Some(&keep))
+        be.route(
+            &be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?,
+            k,
+            Some(&keep),
+        )
     };
     let route = be0.route_host(&route_of(&be0, 0, rows)?)?;
     let reference = experts_reference(&mats, &x, h, &route);
@@ -2406,10 +2410,18 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     );
     let grouped = tc_experts_backend(c, Variant::Exact, 1);
     let g = run(&grouped)?;
-    same_bits(c, format!("{case}: grouped by expert = one slot a tile"), &g, &got[0]);
+    same_bits(
+        c,
+        format!("{case}: grouped by expert = one slot a tile"),
+        &g,
+        &got[0],
+    );
     c.control(
         &format!("{case}, grouped"),
-        rel_l2(&run(&tc_experts_backend(c, Variant::Planted, 1))?, &reference),
+        rel_l2(
+            &run(&tc_experts_backend(c, Variant::Planted, 1))?,
+            &reference,
+        ),
         tol,
     );
     let again = run(&grouped)?;
@@ -3063,7 +3075,12 @@ mod tests {
         let x = crate::rng::Rng::new(12).normals_f32(rows * h, 1.0);
         let route = model::Route {
             experts: vec![vec![0, 3], vec![3, 1], vec![4, 0], vec![2, 4]],
-            weights: vec![vec![0.7, 0.3], vec![0.5, 0.5], vec![0.9, 0.1], vec![0.25, 0.75]],
+            weights: vec![
+                vec![0.7, 0.3],
+                vec![0.5, 0.5],
+                vec![0.9, 0.1],
+                vec![0.25, 0.75],
+            ],
         };
         let got = experts_reference(&mats, &x, h, &route);
         for r in 0..rows {
