@@ -1084,61 +1084,86 @@ extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, co
 
 // gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a
 // column are in flight at once (the generic kernel's column walk waits on them a few at a time)
-// and the update reuses them instead of reading S again. The same operations in the same order,
-// so the same bits. Block >= dv threads, at most 128 per block.
-extern "C" __global__ void __launch_bounds__(128) gdn_recur_k128(
+// and the update reuses them instead of reading S again. One warp a block, a head's dv columns
+// over ceil(dv / 32) blocks (grid (nv ceil(dv / 32), lanes)): the rows' broadcast reads of k and
+// q from shared memory cost each SM one warp's worth, not a whole head's, and four times the
+// SMs share a prompt. Row r + 1's k, q and scalars are loaded while row r computes (k and q into
+// the other shared buffer, the scalars into registers), so a row waits on no global load. Each
+// thread runs the same operations in the same order as gdn_recur, so the same bits.
+extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
     PtrTab st, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
     const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,
     float* __restrict__ o, int t, int C, int nk, int dk, int nv, int dv) {
     constexpr int DK = 128;
-    __shared__ float sk[DK], sq[DK];
-    const int h = blockIdx.x, lane = blockIdx.y;
+    __shared__ __align__(16) float sk[2][DK], sq[2][DK];
+    const int parts = (dv + 31) >> 5;
+    const int h = blockIdx.x / parts, lane = blockIdx.y;
     const int kh = h / (nv / nk);
-    const int j = threadIdx.x;
+    const int j = (blockIdx.x - h * parts) * 32 + threadIdx.x;
+    const bool live = j < dv;
     float* S = (float*)st.p[lane] + (long long)h * DK * dv;
     float s[DK];
-    if (j < dv) {
+    if (live) {
 #pragma unroll
         for (int i = 0; i < DK; ++i) s[i] = S[(long long)i * dv + j];
     }
+    // row R's k and q (4 of each per thread) and this thread's scalars of row R
+    float4 pk, pq;
+    float p_gate = 0.0f, p_beta = 0.0f, p_v = 0.0f, p_kq = 0.0f;
+    auto fetch = [&](long long R) {
+        pk = *((const float4*)(kn + (R * nk + kh) * DK) + threadIdx.x);
+        pq = *((const float4*)(qn + (R * nk + kh) * DK) + threadIdx.x);
+        p_gate = gate[R * nv + h];
+        p_beta = beta[R * nv + h];
+        p_kq = kq[R * nk + kh];
+        if (live) p_v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+    };
+    if (t > 0) fetch((long long)lane * t);
+    ((float4*)sk[0])[threadIdx.x] = pk;
+    ((float4*)sq[0])[threadIdx.x] = pq;
+    __syncthreads();
     for (int r = 0; r < t; ++r) {
-        long long R = (long long)lane * t + r;
-        for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-            sk[i] = kn[(R * nk + kh) * DK + i];
-            sq[i] = qn[(R * nk + kh) * DK + i];
-        }
-        __syncthreads();
-        if (j < dv) {
-            float alpha = expf(gate[R * nv + h]);
-            float bt = beta[R * nv + h];
+        const long long R = (long long)lane * t + r;
+        const int cur = r & 1;
+        const float g_r = p_gate, b_r = p_beta, v_r = p_v, kq_r = p_kq;
+        if (r + 1 < t) fetch(R + 1);
+        if (live) {
+            float alpha = expf(g_r);
+            float bt = b_r;
             float Sk = 0.0f, Sq = 0.0f;
 #pragma unroll
             for (int i = 0; i < DK; ++i) {
-                Sk = fmaf(s[i], sk[i], Sk);
-                Sq = fmaf(s[i], sq[i], Sq);
+                Sk = fmaf(s[i], sk[cur][i], Sk);
+                Sq = fmaf(s[i], sq[cur][i], Sq);
             }
-            float vj = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+            float vj = v_r;
 #if PLANT == 1
             float delta = bt * (vj - Sk);
-            float oj = alpha * fmaf(delta, kq[R * nk + kh], Sq);
+            float oj = alpha * fmaf(delta, kq_r, Sq);
 #else
             float delta = bt * (vj - alpha * Sk);
-            float oj = fmaf(delta, kq[R * nk + kh], alpha * Sq);
+            float oj = fmaf(delta, kq_r, alpha * Sq);
 #endif
 #pragma unroll
             for (int i = 0; i < DK; ++i) {
 #if PLANT == 1
-                float ns = alpha * fmaf(sk[i], delta, s[i]);
+                float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
 #else
-                float ns = fmaf(alpha, s[i], sk[i] * delta);
+                float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
 #endif
                 s[i] = lowp(ns);
             }
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
+        // the next row into the other buffer (its last readers finished before the previous
+        // barrier), then one barrier a row
+        if (r + 1 < t) {
+            ((float4*)sk[cur ^ 1])[threadIdx.x] = pk;
+            ((float4*)sq[cur ^ 1])[threadIdx.x] = pq;
+        }
         __syncthreads();
     }
-    if (j < dv) {
+    if (live) {
 #pragma unroll
         for (int i = 0; i < DK; ++i) S[(long long)i * dv + j] = s[i];
     }

@@ -2364,9 +2364,11 @@ impl CudaBackend {
         let block = u32v("gdn", dv.div_ceil(32) * 32)?;
         let op = o.row_ptr(row0)?;
         let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
-        if dk == 128 && dv <= 128 && !self.opts.gdn_generic {
-            // each thread's state column in registers (the same bits)
-            go!(self, Source::Ops, "gdn_recur_k128", grid, block, 0;
+        if dk == 128 && !self.opts.gdn_generic {
+            // each thread's state column in registers, one warp a block over a head's columns,
+            // the next row's inputs loaded while a row computes (the same bits)
+            let grid = (u32v("gdn", nv * dv.div_ceil(32))?, grid.1, 1);
+            go!(self, Source::Ops, "gdn_recur_k128", grid, 32, 0;
                 &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
         } else {
             let smem = u32v("gdn", 2 * dk * 4)?;

@@ -1572,8 +1572,72 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
                 &fast,
                 &generic,
             );
+            delta_rule_k128_lanes(c, &gd)?;
         }
     }
+    Ok(())
+}
+
+/// The dk 128 kernel (one warp a block, the next row prefetched) bit for bit the generic one
+/// over a 33-row prompt (the row buffers alternate an odd number of times), then one step of
+/// three lanes at once (lanes on grid.y).
+fn delta_rule_k128_lanes(c: &mut Ctx, gd: &GdnDims) -> Result<()> {
+    let (ch, nv, t, lanes) = (gd.channels(), gd.v_heads, 33, 3);
+    let u = c.rng.normals_f32((t + lanes) * ch, 1.0);
+    let b = c.rng.normals_f32((t + lanes) * nv, 1.0);
+    let a = c.rng.normals_f32((t + lanes) * nv, 1.0);
+    let (a_log, dt) = (c.rng.normals_f32(nv, 0.5), c.rng.normals_f32(nv, 0.5));
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let (al, dtv) = (be.vector_f32(&a_log)?, be.vector_f32(&dt)?);
+        let mut sts = (0..lanes)
+            .map(|_| be.gdn_new(gd))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let o = be.gdn_prefill(
+            &be.upload(&u[..t * ch], t, ch)?,
+            &be.upload(&b[..t * nv], t, nv)?,
+            &be.upload(&a[..t * nv], t, nv)?,
+            &al,
+            &dtv,
+            gd,
+            &mut sts[0],
+            true,
+        )?;
+        let mut out = be.download(&o)?;
+        let mut refs: Vec<&mut _> = sts.iter_mut().collect();
+        let o = be.gdn_step(
+            &be.upload(&u[t * ch..], lanes, ch)?,
+            &be.upload(&b[t * nv..], lanes, nv)?,
+            &be.upload(&a[t * nv..], lanes, nv)?,
+            &al,
+            &dtv,
+            gd,
+            &mut refs,
+        )?;
+        out.extend(be.download(&o)?);
+        for st in &sts {
+            out.extend(be.gdn_download(st)?.1);
+        }
+        Ok(out)
+    };
+    let fast = run(&backend(c, Variant::Exact, false))?;
+    let o = CudaOptions {
+        gdn_generic: true,
+        ..base_opts(false)
+    };
+    let generic = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
+    let finite = fast.iter().all(|v| v.is_finite());
+    c.push(
+        format!("{t}-row prompt then a 3-lane step: the dk 128 kernel's outputs are finite"),
+        Kind::Check,
+        finite,
+        (if finite { "finite" } else { "NON-FINITE" }).to_string(),
+    );
+    same_bits(
+        c,
+        format!("{t}-row prompt then a 3-lane step: the dk 128 kernel bitwise = gdn_recur"),
+        &fast,
+        &generic,
+    );
     Ok(())
 }
 
