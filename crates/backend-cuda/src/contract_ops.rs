@@ -2399,13 +2399,16 @@ fn tc_experts_backend(c: &Ctx, v: Variant, group_rows: usize) -> CudaBackend {
 /// launch, other bits than the per-row FMA kernels (so it ran), and a pruned expert that no
 /// row names. A small table with many slots per expert (several 8-slot tiles each), the
 /// Drama 3 layer (256 experts, top-8, I 512, H 2048) at one row and at 32, and 16 experts of
-/// Drama 3's shape with about 10 slots each.
+/// Drama 3's shape with about 10 slots each, and a shape whose warps loop over key blocks.
 pub(super) fn experts_tc(c: &mut Ctx) -> Result<()> {
     for (e, i, h, rows, k) in [
         (12, 256, 512, 40, 4),
         (256, 512, 2048, 1, 8),
         (256, 512, 2048, 32, 8),
         (16, 512, 2048, 40, 4),
+        // 20 key blocks over 16 warps (gate/up warps loop) and 40 (slot, key block) pairs
+        // over 32 warps in moe_tc_down_rows, against 5 warps in the grouped moe_tc_down
+        (12, 640, 2560, 9, 8),
     ] {
         experts_tc_case(c, e, i, h, rows, k)?;
     }
@@ -2490,6 +2493,53 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     );
     let again = run(&grouped)?;
     same_bits(c, format!("{case}: grouped, a second run"), &again, &g);
+    // a routing (no keep mask) whose first row's strongest expert is the pruned one: both
+    // forms must report it at the next download (error bit 1), and the backend must then
+    // compute the masked routing as before
+    let mut bad_logits = logits.clone();
+    bad_logits[5] = 1e3;
+    for (label, be) in [("one slot a tile", &be0), ("grouped", &grouped)] {
+        let experts = mats
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                if j == 5 {
+                    return Ok(None);
+                }
+                Ok(Some(Expert {
+                    gate: m[0].upload(be)?,
+                    up: m[1].upload(be)?,
+                    down: m[2].upload(be)?,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rt = be.route(&be.upload(&bad_logits, rows, e)?, k, None)?;
+        let xd = be.upload(&x, rows, h)?;
+        let got = be
+            .moe_experts(&xd, &rt, &experts, Rows::Exact)
+            .and_then(|y| be.download(&y));
+        let reported = matches!(got, Err(model::BackendError::NonFinite { .. }));
+        let after = run(be).map(|y| bits_equal(&y, &g)).unwrap_or(false);
+        c.push(
+            format!(
+                "{case}, {label}: a slot routed to the pruned expert is reported, then recovers"
+            ),
+            Kind::Check,
+            reported && after,
+            format!(
+                "{} ; next call {}",
+                match &got {
+                    Err(e) => format!("error: {e}"),
+                    Ok(_) => "no error".to_string(),
+                },
+                if after {
+                    "same bits as before"
+                } else {
+                    "WRONG"
+                }
+            ),
+        );
+    }
     if rows > 1 {
         let mut same = true;
         for r in [0, rows / 2, rows - 1] {
