@@ -15,7 +15,26 @@ impl RouteTrace {
     /// when the file cannot be made: that is logged, the model runs on untraced).
     pub(crate) fn from_env(backend: &str) -> Option<Self> {
         let base = std::env::var_os("DRAMATIS_TRACE_ROUTES")?;
-        let path = std::path::PathBuf::from(format!("{}.{backend}", base.to_string_lossy()));
+        Self::open(&base.to_string_lossy(), backend)
+    }
+
+    /// The trace in `BASE.<backend>`, or `BASE.<backend>.<n>` for the n-th model (n >= 2) of
+    /// this process on that backend, so that a second model (bench's prefill section, a
+    /// parity run's second backend of one kind) does not truncate the first one's trace.
+    fn open(base: &str, backend: &str) -> Option<Self> {
+        static OPENED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        let first = format!("{base}.{backend}");
+        let path = {
+            let mut opened = OPENED.lock().unwrap_or_else(|p| p.into_inner());
+            let n = opened.iter().filter(|p| **p == first).count();
+            opened.push(first.clone());
+            if n == 0 {
+                first
+            } else {
+                format!("{first}.{}", n + 1)
+            }
+        };
+        let path = std::path::PathBuf::from(path);
         match std::fs::File::create(&path) {
             Ok(f) => Some(Self {
                 out: std::sync::Mutex::new((std::io::BufWriter::new(f), 0)),
@@ -81,6 +100,28 @@ pub(crate) fn route_line(
 #[cfg(test)]
 mod tests {
     use super::route_line;
+
+    /// A second trace of one backend in a process gets its own file; the first keeps its lines.
+    #[test]
+    fn a_second_model_does_not_truncate_the_first_trace() {
+        let dir = std::env::temp_dir().join(format!("dramatis-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = dir.join("rt").to_string_lossy().into_owned();
+        let a = super::RouteTrace::open(&base, "cpu").unwrap();
+        a.record(&[0.5, 1.0, -1.0], 3, 1, None);
+        let b = super::RouteTrace::open(&base, "cpu").unwrap();
+        b.record(&[2.0, 1.0, -1.0], 3, 1, None);
+        let c = super::RouteTrace::open(&base, "cuda").unwrap();
+        drop((a, b, c));
+        let first = std::fs::read_to_string(format!("{base}.cpu")).unwrap();
+        let second = std::fs::read_to_string(format!("{base}.cpu.2")).unwrap();
+        assert_eq!(first.lines().count(), 1);
+        assert!(first.contains("\"top\":[[1,0]]"), "{first}");
+        assert_eq!(second.lines().count(), 1);
+        assert!(second.contains("\"top\":[[0,1]]"), "{second}");
+        assert!(std::path::Path::new(&format!("{base}.cuda")).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn top_k_plus_one_with_ties_nan_and_the_keep_mask() {
