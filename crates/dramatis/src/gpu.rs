@@ -106,19 +106,30 @@ pub fn qualify_window(
     })
 }
 
-/// One window fill on the chosen backend.
-pub fn fill_window_on(
+/// Prefill seconds of `runs` prompts of `rows` rows on one loaded model (`qualify::prefill_runs`).
+pub fn prefill_runs_on(
     ck: &checkpoint::Checkpoint,
     cuda: bool,
-    window: usize,
+    rows: usize,
     chunk: usize,
-) -> Result<speech::qualify::WindowRun> {
-    if cuda {
-        run_cuda(ck, window, chunk)
+    runs: usize,
+) -> Result<Vec<f64>> {
+    let r = if cuda {
+        #[cfg(feature = "cuda")]
+        {
+            let be = backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
+            speech::qualify::prefill_runs(ck, be, rows, chunk, runs)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            anyhow::bail!(
+                "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
+            )
+        }
     } else {
-        speech::qualify::fill_window(ck, backend_cpu::CpuBackend::new(), window, chunk)
-            .map_err(|e| anyhow::anyhow!(e))
-    }
+        speech::qualify::prefill_runs(ck, backend_cpu::CpuBackend::new(), rows, chunk, runs)
+    };
+    r.map_err(|e| anyhow::anyhow!(e))
 }
 
 #[cfg(feature = "cuda")]

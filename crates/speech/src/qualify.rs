@@ -41,6 +41,38 @@ pub fn filler_rows(ck: &Checkpoint, n: usize) -> Vec<Row> {
         .collect()
 }
 
+/// Prefill timings: the model loaded once, then `runs` prompts of `prompt_rows` filler rows,
+/// each on a fresh lane, in `chunk`-row pieces; the seconds of each run, in order (the first
+/// includes the kernels' first use on a GPU).
+pub fn prefill_runs<B: Backend>(
+    ck: &Checkpoint,
+    backend: B,
+    prompt_rows: usize,
+    chunk: usize,
+    runs: usize,
+) -> Result<Vec<f64>, String> {
+    if prompt_rows == 0 {
+        return Err("a prefill timing needs a prompt of at least 1 row".into());
+    }
+    let m = Model::load(ck, backend).map_err(|e| e.to_string())?;
+    let rows = filler_rows(ck, prompt_rows);
+    let mut seconds = Vec::with_capacity(runs);
+    for _ in 0..runs.max(1) {
+        let mut lane = m.new_lane(prompt_rows + 2).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        m.prefill_chunked(&mut lane, &rows, chunk)
+            .map_err(|e| e.to_string())?;
+        seconds.push(t.elapsed().as_secs_f64());
+        if lane.rows() != prompt_rows {
+            return Err(format!(
+                "the prefill took {} rows of a {prompt_rows}-row prompt",
+                lane.rows()
+            ));
+        }
+    }
+    Ok(seconds)
+}
+
 /// Fills a window of `window` rows on `backend`, prefilling in `chunk`-row pieces.
 pub fn fill_window<B: Backend>(
     ck: &Checkpoint,
@@ -86,4 +118,26 @@ pub fn fill_window<B: Backend>(
         },
         rows_used: lane.rows(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> Checkpoint {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/drama3-tiny");
+        Checkpoint::open(&dir).expect("the tiny fixture")
+    }
+
+    /// One timing per run, each a whole prompt on a fresh lane; a zero-row prompt is refused.
+    #[test]
+    fn prefill_runs_times_each_run_on_a_fresh_lane() {
+        let ck = tiny();
+        let s = prefill_runs(&ck, backend_cpu::CpuBackend::new(), 40, 16, 3).unwrap();
+        assert_eq!(s.len(), 3);
+        assert!(s.iter().all(|&t| t > 0.0 && t.is_finite()));
+        let e = prefill_runs(&ck, backend_cpu::CpuBackend::new(), 0, 16, 1).unwrap_err();
+        assert!(e.contains("at least 1 row"), "{e}");
+    }
 }
