@@ -1742,6 +1742,40 @@ impl Fp8Mat {
     }
 }
 
+/// `e` routed FP8 experts of fresh random weights: gate and up `[i, h]`, down `[h, i]`.
+fn fp8_experts(c: &mut Ctx, e: usize, i: usize, h: usize) -> Vec<[Fp8Mat; 3]> {
+    (0..e)
+        .map(|_| {
+            [
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, i, h),
+                Fp8Mat::new(c, h, i),
+            ]
+        })
+        .collect()
+}
+
+/// The experts on `be`'s device, `pruned` (if any) as a missing expert.
+fn upload_experts(
+    be: &CudaBackend,
+    mats: &[[Fp8Mat; 3]],
+    pruned: Option<usize>,
+) -> Result<Vec<Option<Expert<crate::backend::CudaWeight>>>> {
+    mats.iter()
+        .enumerate()
+        .map(|(j, m)| {
+            if Some(j) == pruned {
+                return Ok(None);
+            }
+            Ok(Some(Expert {
+                gate: m[0].upload(be)?,
+                up: m[1].upload(be)?,
+                down: m[2].upload(be)?,
+            }))
+        })
+        .collect()
+}
+
 /// FP64 routed experts: row r sums `w · down(silu(gate x) ⊙ up x)` over its routing. Each
 /// routed expert is dequantised once (a 256-entry table) and applied to all its slots, so the
 /// Drama 3 cases (256 experts of 3 MiB, hundreds of slots) take seconds, not minutes.
@@ -1775,15 +1809,7 @@ fn experts_reference(mats: &[[Fp8Mat; 3]], x: &[f32], h: usize, route: &model::R
 
 pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
     let (e, i, h, rows, k) = (12, 256, 512, 5, 4);
-    let mats: Vec<[Fp8Mat; 3]> = (0..e)
-        .map(|_| {
-            [
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, h, i),
-            ]
-        })
-        .collect();
+    let mats = fp8_experts(c, e, i, h);
     let x = c.rng.normals_f32(rows * h, 1.0);
     let logits = c.rng.normals_f32(rows * e, 1.0);
     // the routing comes from the device router (checked on its own); the reference uses it
@@ -1791,16 +1817,7 @@ pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
     let route = be0.route_host(&be0.route(&be0.upload(&logits, rows, e)?, k, None)?)?;
     let reference = experts_reference(&mats, &x, h, &route);
     let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
-        let experts = mats
-            .iter()
-            .map(|m| {
-                Ok(Some(Expert {
-                    gate: m[0].upload(be)?,
-                    up: m[1].upload(be)?,
-                    down: m[2].upload(be)?,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let experts = upload_experts(be, &mats, None)?;
         let rt = be.route(&be.upload(&logits[r0 * e..(r0 + n) * e], n, e)?, k, None)?;
         let xd = be.upload(&x[r0 * h..(r0 + n) * h], n, h)?;
         Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
@@ -2284,15 +2301,7 @@ fn experts_grouped_case(
     k: usize,
     path: Grouped,
 ) -> Result<()> {
-    let mats: Vec<[Fp8Mat; 3]> = (0..e)
-        .map(|_| {
-            [
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, h, i),
-            ]
-        })
-        .collect();
+    let mats = fp8_experts(c, e, i, h);
     let x = c.rng.normals_f32(rows * h, 1.0);
     let logits = c.rng.normals_f32(rows * e, 1.0);
     // expert 5 is pruned: the keep mask routes around it
@@ -2304,20 +2313,7 @@ fn experts_grouped_case(
     let route = be0.route_host(&rt)?;
     let reference = experts_reference(&mats, &x, h, &route);
     let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let experts = mats
-            .iter()
-            .enumerate()
-            .map(|(j, m)| {
-                if j == 5 {
-                    return Ok(None);
-                }
-                Ok(Some(Expert {
-                    gate: m[0].upload(be)?,
-                    up: m[1].upload(be)?,
-                    down: m[2].upload(be)?,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let experts = upload_experts(be, &mats, Some(5))?;
         let xd = be.upload(&x, rows, h)?;
         let kind = match path {
             Grouped::Tiles { .. } => Rows::Bulk,
@@ -2416,15 +2412,7 @@ pub(super) fn experts_tc(c: &mut Ctx) -> Result<()> {
 }
 
 fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: usize) -> Result<()> {
-    let mats: Vec<[Fp8Mat; 3]> = (0..e)
-        .map(|_| {
-            [
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, i, h),
-                Fp8Mat::new(c, h, i),
-            ]
-        })
-        .collect();
+    let mats = fp8_experts(c, e, i, h);
     let x = c.rng.normals_f32(rows * h, 1.0);
     let logits = c.rng.normals_f32(rows * e, 1.0);
     // expert 5 is pruned: the keep mask routes around it
@@ -2440,20 +2428,7 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     let route = be0.route_host(&route_of(&be0, 0, rows)?)?;
     let reference = experts_reference(&mats, &x, h, &route);
     let run_rows = |be: &CudaBackend, r0: usize, n: usize| -> Result<Vec<f32>> {
-        let experts = mats
-            .iter()
-            .enumerate()
-            .map(|(j, m)| {
-                if j == 5 {
-                    return Ok(None);
-                }
-                Ok(Some(Expert {
-                    gate: m[0].upload(be)?,
-                    up: m[1].upload(be)?,
-                    down: m[2].upload(be)?,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let experts = upload_experts(be, &mats, Some(5))?;
         let rt = route_of(be, r0, n)?;
         let xd = be.upload(&x[r0 * h..(r0 + n) * h], n, h)?;
         Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
@@ -2499,20 +2474,7 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     let mut bad_logits = logits.clone();
     bad_logits[5] = 1e3;
     for (label, be) in [("one slot a tile", &be0), ("grouped", &grouped)] {
-        let experts = mats
-            .iter()
-            .enumerate()
-            .map(|(j, m)| {
-                if j == 5 {
-                    return Ok(None);
-                }
-                Ok(Some(Expert {
-                    gate: m[0].upload(be)?,
-                    up: m[1].upload(be)?,
-                    down: m[2].upload(be)?,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let experts = upload_experts(be, &mats, Some(5))?;
         let rt = be.route(&be.upload(&bad_logits, rows, e)?, k, None)?;
         let xd = be.upload(&x, rows, h)?;
         let got = be
