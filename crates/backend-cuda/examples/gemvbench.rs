@@ -9,7 +9,6 @@
 
 use backend_cuda::rng::Rng;
 use backend_cuda::{CudaBackend, CudaOptions, Variant};
-use cudarc::driver::sys::CUevent_flags;
 use model::{Backend, Rows};
 use serde_json::json;
 
@@ -35,7 +34,6 @@ fn main() -> Result<(), String> {
     let base = CudaBackend::new().map_err(|e| e.to_string())?;
     let gpu = base.gpu().clone();
     let s = |e: model::BackendError| e.to_string();
-    let e = |x: cudarc::driver::DriverError| x.to_string();
     let floor_rate = backend_cuda::bench::COPY_FLOOR_BYTES_PER_S;
     let mut rng = Rng::new(11);
     // (label, outputs of each weight of one launch, K): single linears and the frame's multi groups
@@ -122,25 +120,9 @@ fn main() -> Result<(), String> {
                         (num / den.max(1e-30)).sqrt()
                     }
                 };
-                be.synchronize().map_err(s)?;
-                let mut times = Vec::new();
-                for round in 0..5 {
-                    let a = gpu
-                        .ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                        .map_err(e)?;
-                    let b = gpu
-                        .ctx
-                        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                        .map_err(e)?;
-                    a.record(&gpu.stream).map_err(e)?;
-                    for i in 0..CALLS {
-                        call(round * CALLS + i + 3)?;
-                    }
-                    b.record(&gpu.stream).map_err(e)?;
-                    b.synchronize().map_err(e)?;
-                    times.push(f64::from(a.elapsed_ms(&b).map_err(e)?) * 1e-3 / CALLS as f64);
-                }
+                // the warm-up above took calls 0..3
+                let mut times =
+                    backend_cuda::bench::event_seconds(&gpu, 5, CALLS, |i| call(i + 3))?;
                 times.sort_by(f64::total_cmp);
                 let t = times[2];
                 let floor = bytes as f64 / floor_rate;

@@ -4,7 +4,6 @@
 //! of 7 rounds of 10 calls timed with stream events after a warm-up.
 
 use backend_cuda::CudaBackend;
-use cudarc::driver::sys::CUevent_flags;
 use model::{AttnDims, Backend, Expert, Rope, Rows};
 use serde_json::json;
 
@@ -12,30 +11,10 @@ use backend_cuda::rng::Rng;
 
 /// Median seconds per call of `f` (7 rounds of 10 calls, event-timed, after 3 warm-up calls).
 fn time(be: &CudaBackend, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
-    let e = |x: cudarc::driver::DriverError| x.to_string();
     for _ in 0..3 {
         f()?;
     }
-    be.synchronize().map_err(|x| x.to_string())?;
-    let gpu = be.gpu();
-    let mut v = Vec::new();
-    for _ in 0..7 {
-        let a = gpu
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(e)?;
-        let b = gpu
-            .ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(e)?;
-        a.record(&gpu.stream).map_err(e)?;
-        for _ in 0..10 {
-            f()?;
-        }
-        b.record(&gpu.stream).map_err(e)?;
-        b.synchronize().map_err(e)?;
-        v.push(f64::from(a.elapsed_ms(&b).map_err(e)?) * 1e-4);
-    }
+    let mut v = backend_cuda::bench::event_seconds(be.gpu(), 7, 10, |_| f())?;
     v.sort_by(|x, y| x.total_cmp(y));
     Ok(v[3])
 }

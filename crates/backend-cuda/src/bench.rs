@@ -57,6 +57,39 @@ fn time(
     Ok(out)
 }
 
+/// Per-call seconds of `f(i)` (i counting from 0 over every call) in `rounds` event-timed
+/// rounds of `calls` launches each, issued as they come (host launch cost included, as the
+/// engine pays it outside graphs); no warm-up, which the caller runs. For the examples'
+/// microbenchmarks (`gemvbench`, `opbench`).
+pub fn event_seconds<E: From<String>>(
+    gpu: &Gpu,
+    rounds: usize,
+    calls: usize,
+    mut f: impl FnMut(usize) -> std::result::Result<(), E>,
+) -> std::result::Result<Vec<f64>, E> {
+    let e = |x: cudarc::driver::DriverError| E::from(x.to_string());
+    gpu.stream.synchronize().map_err(e)?;
+    let mut out = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let a = gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(e)?;
+        let b = gpu
+            .ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(e)?;
+        a.record(&gpu.stream).map_err(e)?;
+        for i in 0..calls {
+            f(round * calls + i)?;
+        }
+        b.record(&gpu.stream).map_err(e)?;
+        b.synchronize().map_err(e)?;
+        out.push(f64::from(a.elapsed_ms(&b).map_err(e)?) * 1e-3 / calls as f64);
+    }
+    Ok(out)
+}
+
 fn record(name: &str, shape: Value, bytes: f64, mut secs: Vec<f64>, copy_rate: f64) -> Value {
     let runs_us: Vec<f64> = secs.iter().map(|s| s * 1e6).collect();
     let med = median(&mut secs);
