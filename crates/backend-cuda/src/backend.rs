@@ -1200,7 +1200,6 @@ impl CudaBackend {
         self.gpu.ctx.mem_get_info().map_err(dev)
     }
 
-    /// Waits for every queued launch.
     /// Kernel launches this backend has issued through its launch macro (the contract checks
     /// with it that a fused op ran as one launch, not as the composed ops).
     pub fn launch_count(&self) -> u64 {
@@ -1209,6 +1208,7 @@ impl CudaBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Waits for every queued launch.
     pub fn synchronize(&self) -> BResult<()> {
         self.gpu.stream.synchronize().map_err(dev)
     }

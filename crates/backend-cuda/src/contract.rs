@@ -244,7 +244,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("elementwise", ops::elementwise),
     ("add_rms_norm_fused", ops::add_rms_norm),
     ("gemv_bf16_multi", ops::linear_many),
-    ("gemv_tc_edges", ops::linear_edges),
+    ("gemv_tc2_edges", ops::linear_edges),
     ("add_sigmoid_mul_fused", ops::add_sigmoid_mul),
     ("add_gated_rms_norm_fused", ops::add_gated_rms_norm),
     ("rms_norm_silu_fused", ops::rms_norm_silu),

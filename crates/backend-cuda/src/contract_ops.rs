@@ -113,6 +113,21 @@ fn same_bits(c: &mut Ctx, case: String, fused: &[f32], separate: &[f32]) {
     );
 }
 
+/// Checks that `op` issues exactly one kernel launch on `be`: a fused op's bitwise check
+/// against its composed ops would also pass if it fell back to those ops.
+fn one_launch(
+    c: &mut Ctx,
+    case: String,
+    be: &CudaBackend,
+    op: impl FnOnce() -> Result<()>,
+) -> Result<()> {
+    let before = be.launch_count();
+    op()?;
+    let n = be.launch_count() - before;
+    c.push(case, Kind::Check, n == 1, format!("{n} launch(es)"));
+    Ok(())
+}
+
 /// Exact data movement: the tolerance is zero.
 pub(super) fn buffer_moves(c: &mut Ctx) -> Result<()> {
     let (rows, cols) = (5, 48);
@@ -404,6 +419,11 @@ pub(super) fn add_gated_rms_norm(c: &mut Ctx) -> Result<()> {
             &fused,
             &two,
         );
+        one_launch(c, format!("{case}: one launch"), &be, || {
+            be.add_gated_rms_norm(&ad, &a2d, &xd, &gd, &wd, group, 1e-6, true)
+                .map(drop)
+                .map_err(Into::into)
+        })?;
     }
     Ok(())
 }
@@ -454,6 +474,11 @@ pub(super) fn rms_norm_concat(c: &mut Ctx) -> Result<()> {
         &fused,
         &three,
     );
+    one_launch(c, format!("{case}: one launch"), &be, || {
+        be.rms_norm_concat(&ad, &wad, &bd, &wbd, 1e-6, true)
+            .map(drop)
+            .map_err(Into::into)
+    })?;
     Ok(())
 }
 
@@ -498,6 +523,11 @@ pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
             &fused,
             &two,
         );
+        one_launch(c, format!("{case}: one launch"), &be, || {
+            be.rms_norm_silu(&xd, &zd, &wd, group, 1e-6, false)
+                .map(drop)
+                .map_err(Into::into)
+        })?;
     }
     Ok(())
 }
@@ -967,6 +997,12 @@ pub(super) fn norm_rope(c: &mut Ctx) -> Result<()> {
             &fused,
             &three,
         );
+        one_launch(c, format!("{case}: one launch"), &be, || {
+            let at = model::backend::RopeAt::Host(&pos);
+            be.norm_rope(&xd, sel, &wd, 1e-6, hd, rot, theta, style, at)
+                .map(drop)
+                .map_err(Into::into)
+        })?;
     }
     Ok(())
 }

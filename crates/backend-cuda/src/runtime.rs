@@ -539,7 +539,7 @@ mod tests {
                 .map(|(s, v, pdl)| {
                     let h = sc.spawn(move || {
                         let opts = cudarc::nvrtc::CompileOptions {
-                            // whatever DRAMATIS_CUDA_PDL says in this test's environment
+                            // with and without the wait, whatever this process's setting
                             options: compile_options_with("compute_90a", v, pdl),
                             ..Default::default()
                         };
