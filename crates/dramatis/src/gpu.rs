@@ -3,6 +3,33 @@
 use anyhow::Result;
 use std::process::ExitCode;
 
+/// What a command that needs the GPU says in a build without it.
+#[cfg_attr(feature = "cuda", allow(dead_code))]
+const NO_CUDA: &str =
+    "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`";
+
+/// `$body` with `$be` bound to the CUDA backend (`cuda`) or the CPU one; a build without the
+/// `cuda` feature fails the CUDA case with [`NO_CUDA`]. The cfg split in one place.
+macro_rules! on_backend {
+    ($cuda:expr, $be:ident => $body:expr) => {{
+        if $cuda {
+            #[cfg(feature = "cuda")]
+            {
+                let $be =
+                    backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                anyhow::bail!(NO_CUDA)
+            }
+        } else {
+            let $be = backend_cpu::CpuBackend::new();
+            $body
+        }
+    }};
+}
+
 #[cfg(feature = "cuda")]
 pub fn kernel_contract(only: Option<&str>) -> Result<ExitCode> {
     let s = backend_cuda::contract::run(only).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -15,9 +42,7 @@ pub fn kernel_contract(only: Option<&str>) -> Result<ExitCode> {
 
 #[cfg(not(feature = "cuda"))]
 pub fn kernel_contract(_only: Option<&str>) -> Result<ExitCode> {
-    anyhow::bail!(
-        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
-    )
+    anyhow::bail!(NO_CUDA)
 }
 
 #[cfg(feature = "cuda")]
@@ -28,10 +53,7 @@ pub fn golden_cuda(dir: &std::path::Path) -> Result<speech::golden::GoldenReport
 
 #[cfg(not(feature = "cuda"))]
 pub fn golden_cuda(_dir: &std::path::Path) -> Result<speech::golden::GoldenReport, String> {
-    Err(
-        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
-            .into(),
-    )
+    Err(NO_CUDA.into())
 }
 
 /// `dramatis qualify-window`: see `speech::qualify`.
@@ -52,12 +74,8 @@ pub fn qualify_window(
     if context > max {
         anyhow::bail!("a window of {context} rows exceeds max_position_embeddings of {max} rows");
     }
-    let run = if cuda {
-        run_cuda(&ck, context, chunk)?
-    } else {
-        speech::qualify::fill_window(&ck, backend_cpu::CpuBackend::new(), context, chunk)
-            .map_err(|e| anyhow::anyhow!(e))?
-    };
+    let run = on_backend!(cuda, be => speech::qualify::fill_window(&ck, be, context, chunk))
+        .map_err(|e| anyhow::anyhow!(e))?;
     let mut receipt = serde_json::json!({
         "kind": "dramatis-window-qualification",
         "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -114,41 +132,6 @@ pub fn prefill_runs_on(
     chunk: usize,
     runs: usize,
 ) -> Result<Vec<f64>> {
-    let r = if cuda {
-        #[cfg(feature = "cuda")]
-        {
-            let be = backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
-            speech::qualify::prefill_runs(ck, be, rows, chunk, runs)
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            anyhow::bail!(
-                "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
-            )
-        }
-    } else {
-        speech::qualify::prefill_runs(ck, backend_cpu::CpuBackend::new(), rows, chunk, runs)
-    };
-    r.map_err(|e| anyhow::anyhow!(e))
-}
-
-#[cfg(feature = "cuda")]
-fn run_cuda(
-    ck: &checkpoint::Checkpoint,
-    context: usize,
-    chunk: usize,
-) -> Result<speech::qualify::WindowRun> {
-    let be = backend_cuda::CudaBackend::new().map_err(|e| anyhow::anyhow!("CUDA: {e}"))?;
-    speech::qualify::fill_window(ck, be, context, chunk).map_err(|e| anyhow::anyhow!(e))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_cuda(
-    _ck: &checkpoint::Checkpoint,
-    _context: usize,
-    _chunk: usize,
-) -> Result<speech::qualify::WindowRun> {
-    anyhow::bail!(
-        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
-    )
+    on_backend!(cuda, be => speech::qualify::prefill_runs(ck, be, rows, chunk, runs))
+        .map_err(|e| anyhow::anyhow!(e))
 }

@@ -41,6 +41,21 @@ pub fn filler_rows(ck: &Checkpoint, n: usize) -> Vec<Row> {
         .collect()
 }
 
+/// `rows` prefilled on a fresh lane of `capacity` rows in `chunk`-row pieces: the lane and the
+/// seconds the prefill took.
+fn timed_prefill<B: Backend>(
+    m: &Model<B>,
+    rows: &[Row],
+    capacity: usize,
+    chunk: usize,
+) -> Result<(model::LaneState<B>, f64), String> {
+    let mut lane = m.new_lane(capacity).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    m.prefill_chunked(&mut lane, rows, chunk)
+        .map_err(|e| e.to_string())?;
+    Ok((lane, t.elapsed().as_secs_f64()))
+}
+
 /// Prefill timings: the model loaded once, then `runs` prompts of `prompt_rows` filler rows,
 /// each on a fresh lane, in `chunk`-row pieces; the seconds of each run, in order (the first
 /// includes the kernels' first use on a GPU).
@@ -58,11 +73,8 @@ pub fn prefill_runs<B: Backend>(
     let rows = filler_rows(ck, prompt_rows);
     let mut seconds = Vec::with_capacity(runs);
     for _ in 0..runs.max(1) {
-        let mut lane = m.new_lane(prompt_rows + 2).map_err(|e| e.to_string())?;
-        let t = Instant::now();
-        m.prefill_chunked(&mut lane, &rows, chunk)
-            .map_err(|e| e.to_string())?;
-        seconds.push(t.elapsed().as_secs_f64());
+        let (lane, secs) = timed_prefill(&m, &rows, prompt_rows + 2, chunk)?;
+        seconds.push(secs);
         if lane.rows() != prompt_rows {
             return Err(format!(
                 "the prefill took {} rows of a {prompt_rows}-row prompt",
@@ -89,11 +101,7 @@ pub fn fill_window<B: Backend>(
     let m = Model::load(ck, backend).map_err(|e| e.to_string())?;
     let p = window - 2;
     let rows = filler_rows(ck, p);
-    let mut lane = m.new_lane(window).map_err(|e| e.to_string())?;
-    let t = Instant::now();
-    m.prefill_chunked(&mut lane, &rows, chunk)
-        .map_err(|e| e.to_string())?;
-    let prefill_seconds = t.elapsed().as_secs_f64();
+    let (mut lane, prefill_seconds) = timed_prefill(&m, &rows, window, chunk)?;
     let last_logits = m
         .main_logits(&[&mut lane])
         .map_err(|e| e.to_string())?
