@@ -230,19 +230,10 @@ pub struct TowerTrace {
 /// One layer's stored experts as (slot, original ID) pairs, and its router keep-mask.
 type ExpertSlots = (Vec<(usize, usize)>, Option<Vec<bool>>);
 
-/// Where a batch's positions (and, one row per lane, its cache lengths) come from.
-pub(crate) enum At<'a, B: Backend> {
-    Host(&'a [usize]),
-    /// Lane i's counter in a frame round kept on the backend.
-    Round(&'a B::Round, Counter),
-}
-
-impl<B: Backend> Clone for At<'_, B> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<B: Backend> Copy for At<'_, B> {}
+/// Where a batch's positions (and, one row per lane, its cache lengths) come from: the
+/// backend's [`RopeAt`] (host positions, or lane i's counter in a frame round kept on the
+/// backend).
+pub(crate) type At<'a, B> = RopeAt<'a, <B as Backend>::Round>;
 
 fn w_name(prefix: &str, s: &str) -> String {
     format!("{prefix}.{s}")
@@ -568,8 +559,8 @@ impl<B: Backend> Model<B> {
             (None, Rows::Exact) => lanes.iter().map(|l| l.rows).collect(),
         };
         let positions = match round {
-            Some(r) => At::Round(r, Counter::Backbone),
-            None => At::Host(&host),
+            Some(r) => RopeAt::Round(r, Counter::Backbone),
+            None => RopeAt::Host(&host),
         };
         // Each residual add is fused with the norm that follows it: the post-mixer norm, then
         // the next layer's input norm (the final norm after the last layer).
@@ -635,8 +626,8 @@ impl<B: Backend> Model<B> {
     /// §4.4 gated full attention, shared by the backbone and the tower (`dims` differ). `q` and
     /// `k` are each a buffer and the `(group, offset, len)` column selection of its heads
     /// (`Backend::cols_grouped`), normalised and rotated in place by `Backend::norm_rope`.
-    /// Returns the attention output and its gate: the output projection takes
-    /// `o ⊙ sigmoid(gate)` (`Backend::linear_sigmoid_mul`).
+    /// Returns the attention output; the caller's output projection takes `o ⊙ sigmoid(gate)`
+    /// (`Backend::linear_sigmoid_mul`).
     #[allow(clippy::too_many_arguments)]
     fn gated_attention(
         &self,
@@ -644,31 +635,26 @@ impl<B: Backend> Model<B> {
         dims: &AttnDims,
         eps: f32,
         q: (&B::Buf, (usize, usize, usize)),
-        gate: B::Buf,
         k: (&B::Buf, (usize, usize, usize)),
         v: B::Buf,
         q_norm: &B::Vector,
         k_norm: &B::Vector,
         positions: At<'_, B>,
         mode: Rows,
-    ) -> Result<(B::Buf, B::Buf)> {
+    ) -> Result<B::Buf> {
         let be = &self.backend;
         let hd = dims.head_dim;
         let (rot, th, st) = (dims.rot_dims, dims.theta, dims.rope);
-        let at = match positions {
-            At::Host(p) => RopeAt::Host(p),
-            At::Round(r, c) => RopeAt::Round(r, c),
-        };
-        let q = be.norm_rope(q.0, q.1, q_norm, eps, hd, rot, th, st, at)?;
-        let k = be.norm_rope(k.0, k.1, k_norm, eps, hd, rot, th, st, at)?;
+        let q = be.norm_rope(q.0, q.1, q_norm, eps, hd, rot, th, st, positions)?;
+        let k = be.norm_rope(k.0, k.1, k_norm, eps, hd, rot, th, st, positions)?;
         let o = match positions {
-            At::Host(_) => match mode {
+            RopeAt::Host(_) => match mode {
                 Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
                 Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
             },
-            At::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
+            RopeAt::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
         };
-        Ok((o, gate))
+        Ok(o)
     }
 
     fn attention(
@@ -694,7 +680,6 @@ impl<B: Backend> Model<B> {
             d,
             self.geometry.eps,
             (&qg, (2 * hd, 0, hd)),
-            gate,
             (&k, (kc, 0, kc)),
             v,
             &w.q_norm,
@@ -702,7 +687,7 @@ impl<B: Backend> Model<B> {
             positions,
             mode,
         )?;
-        Ok(be.linear_sigmoid_mul(&o.0, &o.1, &w.o, mode)?)
+        Ok(be.linear_sigmoid_mul(&o, &gate, &w.o, mode)?)
     }
 
     /// §4.5 MoE: routed experts (softmax, top-k, renormalise) and the shared one with its gate;
@@ -794,7 +779,6 @@ impl<B: Backend> Model<B> {
             d,
             eps,
             (&qkv, (all, 0, qw)),
-            gate,
             (&qkv, (all, 2 * qw, kw)),
             v,
             &w.q_norm,
@@ -804,7 +788,7 @@ impl<B: Backend> Model<B> {
         )?;
         let (r, x) = be.add_rms_norm(
             &m,
-            &be.linear_sigmoid_mul(&o.0, &o.1, &w.wo, mode)?,
+            &be.linear_sigmoid_mul(&o, &gate, &w.wo, mode)?,
             &w.ffn_norm,
             dim,
             eps,
@@ -848,7 +832,7 @@ impl<B: Backend> Model<B> {
                 &mut [&mut lane.tower_kv[t]],
                 &h,
                 &e,
-                At::Host(&positions),
+                RopeAt::Host(&positions),
                 Rows::Bulk,
             )?;
             if let Some(tr) = trace.as_deref_mut() {
@@ -1040,7 +1024,7 @@ impl<B: Backend> Model<B> {
         for t in 0..g.tower_layers {
             let e = self.tower_embed(t, &inputs, &frames)?;
             let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
-            h = self.tower_layer(t, &mut kvs, &h, &e, At::Host(&positions), Rows::Exact)?;
+            h = self.tower_layer(t, &mut kvs, &h, &e, RopeAt::Host(&positions), Rows::Exact)?;
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
                 let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
@@ -1117,7 +1101,7 @@ impl<B: Backend> Model<B> {
                 &mut kvs,
                 &h,
                 &e,
-                At::Round(round, Counter::Tower),
+                RopeAt::Round(round, Counter::Tower),
                 Rows::Exact,
             )?;
             if t >= g.tower_shared {
