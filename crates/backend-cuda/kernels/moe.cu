@@ -33,9 +33,10 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned int* __restrict__ ids,
                                       float* __restrict__ weights, int E, int k,
                                       const unsigned char* __restrict__ keep, int* __restrict__ err) {
-    extern __shared__ float sm[];  // key[E] then p[E]
+    extern __shared__ float sm[];  // key[E], p[E], then the k picked probabilities
     float* key = sm;
     float* p = sm + E;
+    float* pk = sm + 2 * E;
     __shared__ float scratch[32];
     const float* l = logits + (size_t)blockIdx.x * E;
     const float qnan = __int_as_float(0x7fc00000);
@@ -98,14 +99,16 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
         if (lane == 0) {
             float pw = p[bi];
             ids[(size_t)blockIdx.x * k + j] = (unsigned int)bi;
-            weights[(size_t)blockIdx.x * k + j] = pw;
+            pk[j] = pw;
             tot += pw;
             key[bi] = qnan;  // taken
         }
         __syncwarp();
     }
-    if (lane == 0)
-        for (int j = 0; j < k; ++j) weights[(size_t)blockIdx.x * k + j] /= tot;
+    // renormalised from shared memory by the whole warp (a read-modify-write of each global
+    // weight in turn, one load round trip apiece, was most of the kernel's 10.8 us in session 10)
+    tot = __shfl_sync(0xffffffffu, tot, 0);
+    for (int j = lane; j < k; j += 32) weights[(size_t)blockIdx.x * k + j] = pk[j] / tot;
 }
 
 // Dots of O FP8 weight rows wr[o] (length n, multiple of 512), each with its block-scale row sr[o],

@@ -93,14 +93,37 @@ extern "C" __global__ void gather_sum(Tables tabs, const int* __restrict__ start
 
 // ---------------------------------------------------------------- RMSNorm, f32 weights
 
-// 1 / sqrt(mean(x^2) + eps) over the `group` values at xr, for the whole block: each thread's
-// strided fmaf sum, then block_sum (so the bits depend on the block size). Every norm kernel
-// below uses it, which keeps their bits equal to rmsnorm_groups'.
-__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int group, float eps, float* scratch) {
+// A thread's values of one group are held in registers: value j of the thread is element
+// i = threadIdx.x + j * blockDim.x (the strided loop's order), for j < NORM_REG, so a group may
+// hold up to NORM_REG * blockDim.x values (the host's norm_block sizes the block for that). Every
+// load of a thread is issued before the first is used, and the output pass reads nothing back
+// from memory: session 10's ncu had these kernels at 9-11 us a call for 2048 values, each
+// strided loop iteration waiting on its own global load. The arithmetic and its order are the
+// strided loop's, so the bits are unchanged.
+#define NORM_REG 16
+template <class F>
+__device__ __forceinline__ void norm_each(int group, F f) {
+#pragma unroll
+    for (int j = 0; j < NORM_REG; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < group) f(j, i);
+    }
+}
+
+// 1 / sqrt(mean(v^2) + eps) over a group held as above, for the whole block: each thread's fmaf
+// sum in its values' order, then block_sum (so the bits depend on the block size). Every norm
+// kernel below uses it, which keeps their bits equal to rmsnorm_groups'.
+__device__ __forceinline__ float rms_inv_regs(const float (&v)[NORM_REG], int group, float eps, float* scratch) {
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) ss = fmaf(xr[i], xr[i], ss);
+    norm_each(group, [&](int j, int) { ss = fmaf(v[j], v[j], ss); });
     ss = block_sum(ss, scratch);
     return 1.0f / sqrtf(ss / (float)group + eps);
+}
+
+// The norm's weights held as the values: 1 + w or w.
+__device__ __forceinline__ void norm_weights(float (&wv)[NORM_REG], const float* __restrict__ w, int group,
+                                             int plus_one) {
+    norm_each(group, [&](int j, int i) { wv[j] = plus_one ? 1.0f + w[i] : w[i]; });
 }
 
 // Over each consecutive group of `group` values: x / sqrt(mean(x^2) + eps) * (plus_one ? 1 + w : w).
@@ -110,14 +133,14 @@ extern "C" __global__ void rmsnorm_groups(const float* __restrict__ x, const flo
     __shared__ float scratch[32];
     const float* xr = x + (long long)blockIdx.x * group;
     float* orow = out + (long long)blockIdx.x * group;
-    float inv = rms_inv(xr, group, eps, scratch);
 #if PLANT == 1
     plus_one = 0;
 #endif
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        orow[i] = lowp(xr[i] * inv * wv);
-    }
+    float v[NORM_REG], wv[NORM_REG];
+    norm_each(group, [&](int j, int i) { v[j] = xr[i]; });
+    norm_weights(wv, w, group, plus_one);
+    const float inv = rms_inv_regs(v, group, eps, scratch);
+    norm_each(group, [&](int j, int i) { orow[i] = lowp(v[j] * inv * wv[j]); });
 }
 
 // The residual add fused with the norm after it: sum = a + b (as elementwise op 0) and out =
@@ -128,22 +151,16 @@ extern "C" __global__ void add_rmsnorm_groups(const float* __restrict__ a, const
                                               const float* __restrict__ w, float* __restrict__ sum,
                                               float* __restrict__ out, int group, float eps, int plus_one) {
     __shared__ float scratch[32];
-    long long off = (long long)blockIdx.x * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float v = lowp(a[off + i] + b[off + i]);
-        sum[off + i] = v;
-        ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
+    const long long off = (long long)blockIdx.x * group;
 #if PLANT == 1
     plus_one = 0;
 #endif
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        out[off + i] = lowp(sum[off + i] * inv * wv);
-    }
+    float v[NORM_REG], wv[NORM_REG];
+    norm_each(group, [&](int j, int i) { v[j] = lowp(a[off + i] + b[off + i]); });
+    norm_weights(wv, w, group, plus_one);
+    norm_each(group, [&](int j, int i) { sum[off + i] = v[j]; });
+    const float inv = rms_inv_regs(v, group, eps, scratch);
+    norm_each(group, [&](int j, int i) { out[off + i] = lowp(v[j] * inv * wv[j]); });
 }
 
 // The MoE's end fused with the residual add and the next norm: t = a2 + x * sigmoid(g) (as
@@ -157,26 +174,22 @@ extern "C" __global__ void add_gated_rmsnorm_groups(const float* __restrict__ a,
                                                     float* __restrict__ out, int group, int cols, int gcols,
                                                     float eps, int plus_one) {
     __shared__ float scratch[32];
-    long long off = (long long)blockIdx.x * group;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        long long j = off + i;
+    const long long off = (long long)blockIdx.x * group;
+    float v[NORM_REG], wv[NORM_REG];
+    norm_each(group, [&](int jj, int i) {
+        const long long j = off + i;
         float gv = gcols == cols ? g[j] : g[(j / cols) * gcols];
 #if PLANT == 1
         gv = -gv;
 #endif
-        float t = lowp(__fmul_rn(x[j], sigmoidf(gv)));
-        float y = lowp(__fadd_rn(a2[j], t));
-        float v = lowp(a[j] + y);
-        sum[j] = v;
-        ss = fmaf(v, v, ss);
-    }
-    ss = block_sum(ss, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)group + eps);
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        out[off + i] = lowp(sum[off + i] * inv * wv);
-    }
+        const float t = lowp(__fmul_rn(x[j], sigmoidf(gv)));
+        const float y = lowp(__fadd_rn(a2[j], t));
+        v[jj] = lowp(a[j] + y);
+    });
+    norm_weights(wv, w, group, plus_one);
+    norm_each(group, [&](int j, int i) { sum[off + i] = v[j]; });
+    const float inv = rms_inv_regs(v, group, eps, scratch);
+    norm_each(group, [&](int j, int i) { out[off + i] = lowp(v[j] * inv * wv[j]); });
 }
 
 // The tower's input: [rmsnorm(a) | rmsnorm(b)] row by row (a and b [rows, ca] and [rows, cb],
@@ -190,16 +203,15 @@ extern "C" __global__ void rmsnorm_concat(const float* __restrict__ a, const flo
     const bool second = blockIdx.y == 1;
     const int group = second ? cb : ca;
     const float* xr = (second ? b : a) + (long long)blockIdx.x * group;
-    const float* w = second ? wb : wa;
     float* orow = out + (long long)blockIdx.x * (ca + cb) + (second ? ca : 0);
-    float inv = rms_inv(xr, group, eps, scratch);
 #if PLANT == 1
     plus_one = 0;
 #endif
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        orow[i] = lowp(xr[i] * inv * wv);
-    }
+    float v[NORM_REG], wv[NORM_REG];
+    norm_each(group, [&](int j, int i) { v[j] = xr[i]; });
+    norm_weights(wv, second ? wb : wa, group, plus_one);
+    const float inv = rms_inv_regs(v, group, eps, scratch);
+    norm_each(group, [&](int j, int i) { orow[i] = lowp(v[j] * inv * wv[j]); });
 }
 
 // The gated RMSNorm of the GDN output: out = silu(z) * rmsnorm_groups(x) (elementwise op 1 after
@@ -209,17 +221,22 @@ extern "C" __global__ void rmsnorm_silu_groups(const float* __restrict__ x, cons
                                                const float* __restrict__ w, float* __restrict__ out, int group,
                                                float eps, int plus_one) {
     __shared__ float scratch[32];
-    long long off = (long long)blockIdx.x * group;
-    float inv = rms_inv(x + off, group, eps, scratch);
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        float n = lowp(x[off + i] * inv * wv);
+    const long long off = (long long)blockIdx.x * group;
+    float v[NORM_REG], wv[NORM_REG], zv[NORM_REG];
+    norm_each(group, [&](int j, int i) {
+        v[j] = x[off + i];
+        zv[j] = z[off + i];
+    });
+    norm_weights(wv, w, group, plus_one);
+    const float inv = rms_inv_regs(v, group, eps, scratch);
+    norm_each(group, [&](int j, int i) {
+        const float n = lowp(v[j] * inv * wv[j]);
 #if PLANT == 1
-        out[off + i] = lowp(z[off + i] * silu(n));
+        out[off + i] = lowp(zv[j] * silu(n));
 #else
-        out[off + i] = lowp(silu(z[off + i]) * n);
+        out[off + i] = lowp(silu(zv[j]) * n);
 #endif
-    }
+    });
 }
 
 // ---------------------------------------------------------------- elementwise
@@ -351,11 +368,11 @@ extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float
     const int d0 = blockIdx.y * hd;
     const float* xr = x + r * src_cols + (long long)(d0 / len) * group + offset + d0 % len;
     float* orow = out + r * ((long long)(src_cols / group) * len) + d0;
-    const float inv = rms_inv(xr, hd, eps, scratch);
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float wv = plus_one ? 1.0f + w[i] : w[i];
-        nv[i] = lowp(xr[i] * inv * wv);
-    }
+    float v[NORM_REG], wv[NORM_REG];
+    norm_each(hd, [&](int j, int i) { v[j] = xr[i]; });
+    norm_weights(wv, w, hd, plus_one);
+    const float inv = rms_inv_regs(v, hd, eps, scratch);
+    norm_each(hd, [&](int j, int i) { nv[i] = lowp(v[j] * inv * wv[j]); });
 #if PLANT == 1
     interleaved = !interleaved;
 #endif

@@ -869,14 +869,31 @@ const GEMV_WIDE_ROWS: usize = 4;
 const SLOTS_TILE: usize = 8;
 const SLOTS_PER_WARP: usize = 4;
 
-/// Threads per RMSNorm group (`rmsnorm_groups`, `add_rmsnorm_groups`): one rule for both, so
-/// the fused op's reduction order, and bits, equal the plain norm's.
-fn norm_block(group: usize) -> u32 {
-    if group >= 1024 {
-        256
+/// Values of a group each norm thread holds in registers (ops.cu `NORM_REG`).
+const NORM_REG: usize = 16;
+/// The largest RMSNorm group the kernels take: `NORM_REG` values in each of 1024 threads.
+pub(crate) const NORM_GROUP_MAX: usize = NORM_REG * 1024;
+
+/// Threads per RMSNorm group (every `*rmsnorm*` kernel): one rule for all, so the fused ops'
+/// reduction order, and bits, equal the plain norm's. 128 below 1024 values, else 256, or more
+/// where a group passes 256 threads' `NORM_REG` values (Drama 3's groups, at most 2048, never
+/// do); a group beyond 1024 threads' is refused.
+fn norm_block(op: &'static str, group: usize) -> BResult<u32> {
+    let max = NORM_GROUP_MAX;
+    if group > max {
+        return Err(BackendError::Shape {
+            op,
+            why: format!(
+                "a norm group of {group} values is over the kernels' {max} ({NORM_REG} values \
+                 a thread, 1024 threads a block)"
+            ),
+        });
+    }
+    Ok(if group >= 1024 {
+        (group.div_ceil(NORM_REG).div_ceil(32) * 32).max(256) as u32
     } else {
         128
-    }
+    })
 }
 
 /// The BF16 GEMV kernels of a call: for one weight and for several (`Multi`), the outputs a
@@ -2779,7 +2796,7 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return Ok(out);
         }
-        let block = norm_block(group);
+        let block = norm_block("rms_norm", group)?;
         let (g32, p1) = (i32v("rms_norm", group)?, i32::from(plus_one));
         go!(self, Source::Ops, "rmsnorm_groups", (u32v("rms_norm", groups)?, 1, 1), block, 0;
             &x.ptr(), &w.mem.ptr, &out.ptr(), &g32, &eps, &p1);
@@ -2805,7 +2822,7 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let (g32, p1) = (i32v(op, group)?, i32::from(plus_one));
-        go!(self, Source::Ops, "rmsnorm_silu_groups", (u32v(op, groups)?, 1, 1), norm_block(group), 0;
+        go!(self, Source::Ops, "rmsnorm_silu_groups", (u32v(op, groups)?, 1, 1), norm_block(op, group)?, 0;
             &x.ptr(), &z.ptr(), &w.mem.ptr, &out.ptr(), &g32, &eps, &p1);
         Ok(out)
     }
@@ -2835,7 +2852,7 @@ impl Backend for CudaBackend {
         }
         let (g32, c32, gc32) = (i32v(op, group)?, i32v(op, a.cols)?, i32v(op, gate.cols)?);
         let p1 = i32::from(plus_one);
-        go!(self, Source::Ops, "add_gated_rmsnorm_groups", (u32v(op, groups)?, 1, 1), norm_block(group), 0;
+        go!(self, Source::Ops, "add_gated_rmsnorm_groups", (u32v(op, groups)?, 1, 1), norm_block(op, group)?, 0;
             &a.ptr(), &a2.ptr(), &x.ptr(), &gate.ptr(), &w.mem.ptr, &sum.ptr(), &out.ptr(),
             &g32, &c32, &gc32, &eps, &p1);
         Ok((sum, out))
@@ -2880,7 +2897,7 @@ impl Backend for CudaBackend {
         check::rms_norm(op, a.shape(), a.cols, wa.len)?;
         check::rms_norm(op, b.shape(), b.cols, wb.len)?;
         check::concat_cols(a.shape(), b.shape())?;
-        if norm_block(a.cols) != norm_block(b.cols) {
+        if norm_block(op, a.cols)? != norm_block(op, b.cols)? {
             let an = self.rms_norm(a, wa, a.cols, eps, plus_one)?;
             let bn = self.rms_norm(b, wb, b.cols, eps, plus_one)?;
             return self.concat_cols(&an, &bn);
@@ -2891,7 +2908,7 @@ impl Backend for CudaBackend {
             return Ok(out);
         }
         let (ca, cb, p1) = (i32v(op, a.cols)?, i32v(op, b.cols)?, i32::from(plus_one));
-        go!(self, Source::Ops, "rmsnorm_concat", (u32v(op, a.rows)?, 2, 1), norm_block(a.cols), 0;
+        go!(self, Source::Ops, "rmsnorm_concat", (u32v(op, a.rows)?, 2, 1), norm_block(op, a.cols)?, 0;
             &a.ptr(), &wa.mem.ptr, &b.ptr(), &wb.mem.ptr, &out.ptr(), &ca, &cb, &eps, &p1);
         Ok(out)
     }
@@ -2983,7 +3000,7 @@ impl Backend for CudaBackend {
         if groups == 0 {
             return Ok((sum, out));
         }
-        let block = norm_block(group);
+        let block = norm_block("add_rms_norm", group)?;
         let (g32, p1) = (i32v("add_rms_norm", group)?, i32::from(plus_one));
         go!(self, Source::Ops, "add_rmsnorm_groups", (u32v("add_rms_norm", groups)?, 1, 1), block, 0;
             &a.ptr(), &b.ptr(), &w.mem.ptr, &sum.ptr(), &out.ptr(), &g32, &eps, &p1);
@@ -3242,7 +3259,7 @@ impl Backend for CudaBackend {
                 None => 0,
             };
             let ep = self.err_ptr()?;
-            let p = kernels::plan_router(n, e).map_err(dev)?;
+            let p = kernels::plan_router(n, e, k).map_err(dev)?;
             let (e32, k32) = (i32v("route", e)?, i32v("route", k)?);
             // a row whose kept logits are all NaN/-inf sets the error flag: the next download
             // reports it as NonFinite (no synchronisation here)
@@ -3676,7 +3693,8 @@ impl Backend for CudaBackend {
         }
         let (c32, ep) = (i32v(op, cols)?, self.err_ptr()?);
         let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
-        go!(self, Source::Round, "round_embed", (u32v(op, rows)?, 1, 1), 128, 0;
+        let cblocks = u32v(op, cols.div_ceil(128))?;
+        go!(self, Source::Round, "round_embed", (u32v(op, rows)?, cblocks, 1), 128, 0;
             &tabs, &tm, &round.lane_in.ptr, &round.frames.ptr, &out.ptr(), &c32, &scale, &ss, &se, &ep);
         Ok(out)
     }
@@ -3743,7 +3761,7 @@ impl Backend for CudaBackend {
         let (hd32, rot32) = (i32v(op, head_dim)?, i32v(op, rot_dims)?);
         let inter = i32::from(style == Rope::Interleaved);
         let grid = (u32v(op, x.rows)?, u32v(op, cols / head_dim)?, 1);
-        go!(self, Source::Ops, "rmsnorm_rope", grid, norm_block(head_dim), 0;
+        go!(self, Source::Ops, "rmsnorm_rope", grid, norm_block(op, head_dim)?, 0;
             &x.ptr(), &w.mem.ptr, &out.ptr(), &pos.0, &pos.1, &sc, &g32, &o32, &l32, &hd32, &rot32,
             &theta, &inter, &eps, &1i32);
         Ok(out)

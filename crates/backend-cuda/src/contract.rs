@@ -275,7 +275,17 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("round_embed", ops::round_embed),
 ];
 
-/// Runs the contract on device 0 for kernels whose name contains `filter`.
+/// Whether a kernel's registry name is selected by `--only`: it contains one of the
+/// comma-separated parts of the pattern.
+pub fn selected(name: &str, pattern: &str) -> bool {
+    pattern
+        .split(',')
+        .map(str::trim)
+        .any(|p| !p.is_empty() && name.contains(p))
+}
+
+/// Runs the contract on device 0 for kernels whose name contains `filter` (or, comma-separated,
+/// any of its parts).
 pub fn run(filter: Option<&str>) -> Result<ContractSummary> {
     let gpu = Arc::new(Gpu::new(0)?);
     run_on(&gpu, filter, Rng::fresh_seed())
@@ -306,7 +316,7 @@ pub fn run_on(shared: &Arc<Gpu>, filter: Option<&str>, seed: u64) -> Result<Cont
     }
     let mut summary = ContractSummary::default();
     for (i, (name, f)) in REGISTRY.iter().enumerate() {
-        if filter.is_some_and(|p| !name.contains(p)) {
+        if filter.is_some_and(|p| !selected(name, p)) {
             continue;
         }
         // where the time goes (a fresh machine compiles every source for three builds): a
@@ -476,7 +486,7 @@ fn router(c: &mut Ctx) -> Result<()> {
         Ok(wv)
     };
     c.triple("6 rows, E 256, top-8, tied logits", tol_f32(e), &rw, run)?;
-    c.limit("262144 rows, E 256", k::plan_router(262_144, 256));
+    c.limit("262144 rows, E 256, top 8", k::plan_router(262_144, 256, 8));
     Ok(())
 }
 
@@ -830,6 +840,20 @@ mod tests {
             assert!(tol_f32(depth) < 2f64.powi(-9) / 4.0, "depth {depth}");
         }
         assert!(tol_f32(8192) > tol_f32(128));
+    }
+
+    #[test]
+    fn only_takes_comma_separated_parts() {
+        assert!(selected("add_rms_norm_fused", "norm"));
+        assert!(selected("moe_router_keep", "norm, router"));
+        assert!(selected("round_embed", "norm,router,round_embed"));
+        assert!(!selected("gemv_tc2", "norm,router"));
+        assert!(!selected("gemv_tc2", ","));
+        let picked = REGISTRY
+            .iter()
+            .filter(|(n, _)| selected(n, "norm,router,round_embed"))
+            .count();
+        assert_eq!(picked, 13);
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use model::{AttnDims, Backend, Expert, GatherRow, GdnDims, Rope, Rows};
 
 use super::{tol_f32, Ctx, Kind};
-use crate::backend::{CudaBackend, CudaBuf, CudaOptions, CudaVector};
+use crate::backend::{CudaBackend, CudaBuf, CudaOptions, CudaVector, NORM_GROUP_MAX};
 use crate::error::Result;
 use crate::reference::{bf16, fp8_e4m3, rel_l2, sigmoid, silu};
 use crate::runtime::Variant;
@@ -274,6 +274,8 @@ pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
     for (case, rows, cols, group, plus_one, wscale) in [
         ("1+w, 3 x 256 in groups of 64", 3, 256, 64, true, 0.1),
         ("plain w, 4 x 2048", 4, 2048, 2048, false, 1.0),
+        ("plain w, 3 x 1000, 128 threads: 8 values a thread, the last in part", 3, 1000, 1000, false, 1.0),
+        ("plain w, 2 x 12288: 768 threads of 16 values", 2, 12288, 12288, false, 1.0),
     ] {
         let x = c.rng.normals_f32(rows * cols, 3.0);
         let w = c.rng.normals_f32(group, wscale);
@@ -298,6 +300,27 @@ pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
             c.check(case, e, tol_f32(group));
         }
     }
+    // a group past 1024 threads of 16 values each: refused by name, and the backend still works
+    let be = backend(c, Variant::Exact, false);
+    let big = NORM_GROUP_MAX + 64;
+    let x = be.upload(&c.rng.normals_f32(big, 1.0), 1, big)?;
+    let w = be.vector_f32(&c.rng.normals_f32(big, 0.1))?;
+    let why = match be.rms_norm(&x, &w, big, 1e-6, true) {
+        Err(e) => e.to_string(),
+        Ok(_) => String::new(),
+    };
+    let xs = be.upload(&c.rng.normals_f32(256, 1.0), 4, 64)?;
+    let ws = be.vector_f32(&c.rng.normals_f32(64, 0.1))?;
+    let after = be
+        .rms_norm(&xs, &ws, 64, 1e-6, true)
+        .and_then(|o| be.download(&o))
+        .is_ok_and(|v| v.iter().all(|f| f.is_finite()));
+    c.push(
+        format!("a group of {big} values is refused"),
+        Kind::Check,
+        why.contains(&big.to_string()) && why.contains(&NORM_GROUP_MAX.to_string()) && after,
+        if why.is_empty() { "accepted".into() } else { why },
+    );
     Ok(())
 }
 

@@ -226,9 +226,9 @@ pub fn gemv(
 
 // ---------------------------------------------------------------- MoE
 
-pub fn plan_router(rows: usize, e: usize) -> Result<LaunchPlan> {
-    // key[E] and p[E], f32
-    let dyn_smem = mul("router shared memory", &[e, 8])? as u64;
+pub fn plan_router(rows: usize, e: usize, k: usize) -> Result<LaunchPlan> {
+    // key[E], p[E] and the k picks' probabilities, f32
+    let dyn_smem = mul("router shared memory", &[2 * e + k, 4])? as u64;
     Ok(LaunchPlan {
         kernel: "moe_router",
         grid: [rows as u64, 1, 1],
@@ -261,7 +261,7 @@ pub fn router(
     len_at_least(kn, "logits", logits, mul("router logits", &[rows, e])?)?;
     len_at_least(kn, "ids", ids, mul("router ids", &[rows, k])?)?;
     len_at_least(kn, "weights", wts, mul("router weights", &[rows, k])?)?;
-    let p = plan_router(rows, e)?;
+    let p = plan_router(rows, e, k)?;
     let (e32, k32) = (i32_of("e", e)?, i32_of("k", k)?);
     let (no_keep, no_err) = (0u64, 0u64);
     launch!(

@@ -187,7 +187,7 @@ enum Cmd {
     },
     /// Every registered CUDA kernel against its FP64 reference, with planted controls.
     KernelContract {
-        /// Only kernels whose name contains this.
+        /// Only kernels whose name contains this (or one of its comma-separated parts).
         #[arg(long)]
         only: Option<String>,
     },
