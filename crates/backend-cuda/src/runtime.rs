@@ -552,6 +552,12 @@ mod tests {
                 let r = h.join().expect("an NVRTC compile thread panicked");
                 assert!(r.is_ok(), "{} {:?} pdl {pdl}: {:?}", s.name(), v, r.err());
                 let ptx = r.unwrap_or_default();
+                // DRAMATIS_DUMP_PTX=DIR keeps each build's PTX there, to read what NVVM made
+                if let Some(dir) = std::env::var_os("DRAMATIS_DUMP_PTX") {
+                    let f = std::path::Path::new(&dir)
+                        .join(format!("{}-{v:?}-pdl{}.ptx", s.name(), u8::from(pdl)));
+                    std::fs::write(f, &ptx).expect("PTX written");
+                }
                 // the wait is in the PDL build's code and nowhere else
                 assert_eq!(
                     ptx.contains("griddepcontrol.wait"),
