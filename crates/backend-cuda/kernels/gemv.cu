@@ -160,40 +160,11 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
 // apart, so each load reads 64 contiguous bytes, was slower on most shapes at one row (GDN
 // projections 23.5 -> 27.1 us); layout 2 with `L2::256B` loads was the same speed. NOTES.md,
 // session 8.)
-// Activations a block may stage in shared memory (rows x K floats, 32 KiB).
-#define GEMV_STAGE 8192
-
-// One step of 32 V keys: MMA s takes keys 8 V t + 2 s, + 1 of the lane's weights (rows g and
-// g + 8, 8 V each) and activations (row g); hi and lo products in separate MMAs from zero,
-// each added into its accumulator in f32.
-template <int V>
-__device__ __forceinline__ void tc2_step(float (&hi)[4], float (&lo)[4], const unsigned int (&wav)[4 * V],
-                                         const unsigned int (&wbv)[4 * V], const float (&xs)[8 * V]) {
-#pragma unroll
-    for (int s = 0; s < 4 * V; ++s) {
-        const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u, wbv[s] & 0xffff0000u};
-        const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_tf32(d, a, h0, h1);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) hi[e] += d[e];
-#ifndef LOWP
-        const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
-        const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
-        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_tf32(dl, a, l0, l1);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) lo[e] += dl[e];
-#endif
-    }
-}
-
 template <int G, int V, int ACT = 0>
 __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               float* __restrict__ y, int n_out, int K, int rows, int n0, int kc,
                                               const float* __restrict__ u = nullptr) {
     __shared__ float red[16][G][32][4];
-    __shared__ __align__(16) float xst[G == 1 ? GEMV_STAGE : 4];
     constexpr int SK = 32 * V;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -205,82 +176,12 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
 #endif
     const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
     const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
-    // Staged (G = 1, rows x K fits GEMV_STAGE floats): the block loads every row's activations
-    // (with the ACT op made) into shared memory at once, and each warp issues four steps of
-    // weight loads before its first MMA. Otherwise each step loads its weights and activations
-    // behind branches, so a warp waited one memory round trip per step, four for 256 keys
-    // (session 10: the GDN projections at 24.7 us, ~2 TB/s). The MMAs and sums are the same
-    // operations in the same order, so the bits are too.
-    const bool staged = G == 1 && rows <= 8 && rows * K <= GEMV_STAGE;
-    unsigned int swa[4][4 * V], swb[4][4 * V];  // staged: a group of four steps' weights
-    // a group's weight loads, all issued before any is used
-    auto load_group = [&](int kb) {
-#pragma unroll
-        for (int st = 0; st < 4; ++st) {
-            if (kb + st * SK < kb1) {  // uniform across the warp
-                const int k = kb + st * SK + 8 * V * t;
-#pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    // row 0 stands in for a row past n_out (its pointer): loaded, then zeroed
-                    uint4 ua = ld_stream(wa + k + 8 * v), ub = ld_stream(wb + k + 8 * v);
-                    if (ra >= n_out) ua = make_uint4(0, 0, 0, 0);
-                    if (rb >= n_out) ub = make_uint4(0, 0, 0, 0);
-                    swa[st][4 * v] = ua.x; swa[st][4 * v + 1] = ua.y;
-                    swa[st][4 * v + 2] = ua.z; swa[st][4 * v + 3] = ua.w;
-                    swb[st][4 * v] = ub.x; swb[st][4 * v + 1] = ub.y;
-                    swb[st][4 * v + 2] = ub.z; swb[st][4 * v + 3] = ub.w;
-                }
-            }
-        }
-    };
-    if (staged) {
-        load_group(kb0);  // in flight while the activations are staged
-#pragma unroll 4
-        for (int i = threadIdx.x; i < rows * K / 4; i += blockDim.x) {
-            float4 xv = __ldg((const float4*)x + i);
-            if (ACT == 1) {
-                const float4 uv = __ldg((const float4*)u + i);
-                xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
-                xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
-                xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
-                xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
-            } else if (ACT == 2) {
-                const float4 uv = __ldg((const float4*)u + i);
-                xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
-                xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
-                xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
-                xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
-            }
-            ((float4*)xst)[i] = xv;
-        }
-        __syncthreads();
-    }
     for (int r0 = 0; r0 < rows; r0 += 8 * G) {
         float hi[G][4], lo[G][4];
 #pragma unroll
         for (int q = 0; q < G; ++q)
 #pragma unroll
             for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
-        if (staged) {
-            const int r = g;  // r0 == 0: one pass of up to 8 rows
-            for (int kb = kb0; kb < kb1; kb += 4 * SK) {
-                if (kb != kb0) load_group(kb);
-#pragma unroll
-                for (int st = 0; st < 4; ++st) {
-                    if (kb + st * SK < kb1) {
-                        const int k = kb + st * SK + 8 * V * t;
-                        float xs[8 * V];
-#pragma unroll
-                        for (int v = 0; v < 2 * V; ++v) {
-                            float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                            if (r < rows) xv = *(const float4*)(xst + r * K + k + 4 * v);
-                            xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
-                        }
-                        tc2_step<V>(hi[0], lo[0], swa[st], swb[st], xs);
-                    }
-                }
-            }
-        } else
 #pragma unroll 4
         for (int kb = kb0; kb < kb1; kb += SK) {
             const int k = kb + 8 * V * t;
@@ -321,7 +222,24 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
                     }
                     xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
                 }
-                tc2_step<V>(hi[q], lo[q], wav, wbv, xs);
+#pragma unroll
+                for (int s = 0; s < 4 * V; ++s) {
+                    const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
+                                               wbv[s] & 0xffff0000u};
+                    const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(d, a, h0, h1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
+#ifndef LOWP
+                    const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
+                    const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
+                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
+#endif
+                }
             }
         }
 #pragma unroll
