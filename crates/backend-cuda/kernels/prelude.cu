@@ -126,3 +126,13 @@ __device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const
 #else
 #define PDL_WAIT()
 #endif
+
+// Blocks a multiprocessor must hold for the streaming kernels (the BF16 decode GEMVs and the
+// per-row FP8 experts), in their __launch_bounds__: the build's -DOCC=N (DRAMATIS_CUDA_OCC).
+// Session 10's ncu: at OCC 1 they sit at 88-128 registers, two 256-thread blocks a
+// multiprocessor (25% occupancy), issuing 0.4 instructions a cycle while their warps wait on
+// loads. OCC 2 caps them at 64 registers for twice the warps. Register allocation does not
+// change the arithmetic.
+#ifndef OCC
+#define OCC 1
+#endif

@@ -174,11 +174,12 @@ pub fn arch_for(major: i32, minor: i32) -> String {
 
 /// NVRTC options for one source variant in this process (`pdl_for`).
 pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
-    compile_options_with(arch, variant, pdl_for(arch))
+    compile_options_with(arch, variant, pdl_for(arch), occupancy())
 }
 
-/// NVRTC options for one source variant, with or without the dependent-launch wait.
-pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool) -> Vec<String> {
+/// NVRTC options for one source variant, with or without the dependent-launch wait, for `occ`
+/// blocks a multiprocessor of the streaming kernels (`occupancy`).
+pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool, occ: u32) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
@@ -188,7 +189,24 @@ pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool) -> Vec<Stri
     if pdl {
         o.push("-DDRAMATIS_PDL=1".to_string());
     }
+    if occ > 1 {
+        o.push(format!("-DOCC={occ}"));
+    }
     o
+}
+
+/// Blocks a multiprocessor must hold for the streaming kernels (prelude.cu `OCC`), from
+/// `DRAMATIS_CUDA_OCC` (1 to 8; 1 when unset or out of range). Read once per process.
+pub fn occupancy() -> u32 {
+    static OCC: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *OCC.get_or_init(|| occupancy_from(std::env::var("DRAMATIS_CUDA_OCC").ok().as_deref()))
+}
+
+/// The `OCC` setting from `DRAMATIS_CUDA_OCC`'s value.
+pub fn occupancy_from(v: Option<&str>) -> u32 {
+    v.and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(1)
 }
 
 /// sha256 over source, options, architecture and NVRTC version, hex encoded.
@@ -453,14 +471,14 @@ mod tests {
 
     #[test]
     fn cache_key_depends_on_every_part() {
-        let o = compile_options_with("compute_90a", Variant::Exact, false);
+        let o = compile_options_with("compute_90a", Variant::Exact, false, 1);
         let base = cache_key("src", &o, "compute_90a", (13, 0));
         assert_eq!(base.len(), 64);
         assert_eq!(base, cache_key("src", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src2", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_89", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_90a", (13, 1)));
-        let p = compile_options_with("compute_90a", Variant::Planted, false);
+        let p = compile_options_with("compute_90a", Variant::Planted, false, 1);
         assert_ne!(base, cache_key("src", &p, "compute_90a", (13, 0)));
         // options are separated, so moving a byte across the boundary changes the key
         assert_ne!(
@@ -473,12 +491,14 @@ mod tests {
     fn arch_and_variant_options() {
         assert_eq!(arch_for(9, 0), "compute_90a");
         assert_eq!(arch_for(8, 9), "compute_89");
-        let opts = |v| compile_options_with("compute_90a", v, false);
+        let opts = |v| compile_options_with("compute_90a", v, false, 1);
         assert!(opts(Variant::Planted).contains(&"-DPLANT=1".into()));
         assert!(opts(Variant::LowPrecision).contains(&"-DLOWP=1".into()));
         assert!(!opts(Variant::Exact).iter().any(|o| o.starts_with("-D")));
-        assert!(compile_options_with("compute_90a", Variant::Exact, true)
+        assert!(compile_options_with("compute_90a", Variant::Exact, true, 1)
             .contains(&"-DDRAMATIS_PDL=1".into()));
+        assert!(compile_options_with("compute_90a", Variant::Exact, false, 2)
+            .contains(&"-DOCC=2".into()));
     }
 
     #[test]
@@ -540,7 +560,13 @@ mod tests {
                     let h = sc.spawn(move || {
                         let opts = cudarc::nvrtc::CompileOptions {
                             // with and without the wait, whatever this process's setting
-                            options: compile_options_with("compute_90a", v, pdl),
+                            // (the build with it also takes the streaming kernels' OCC 2)
+                            options: compile_options_with(
+                                "compute_90a",
+                                v,
+                                pdl,
+                                if pdl { 2 } else { 1 },
+                            ),
                             ..Default::default()
                         };
                         cudarc::nvrtc::compile_ptx_with_opts(s.text(), opts).map(|p| p.to_src())
@@ -568,6 +594,16 @@ mod tests {
                 );
             }
         });
+    }
+
+    #[test]
+    fn occupancy_setting_is_bounded() {
+        assert_eq!(occupancy_from(None), 1);
+        assert_eq!(occupancy_from(Some("2")), 2);
+        assert_eq!(occupancy_from(Some(" 4 ")), 4);
+        assert_eq!(occupancy_from(Some("0")), 1);
+        assert_eq!(occupancy_from(Some("9")), 1);
+        assert_eq!(occupancy_from(Some("x")), 1);
     }
 
     #[test]
