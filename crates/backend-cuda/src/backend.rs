@@ -3356,18 +3356,30 @@ impl Backend for CudaBackend {
             let hp = hw.at(r0 * k * i * 4)?;
             let yp = y.row_ptr(r0)?;
             let rows = u32v(op, rn)?;
-            let gx = u32v(op, (k * i).div_ceil(8 * per_warp))?;
-            go!(self, Source::Moe, gate_up, (gx, rows, 1), 256, 0;
-                &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
+            if nvfp4 {
+                let gx = u32v(op, (k * i).div_ceil(8 * per_warp))?;
+                go!(self, Source::Moe, gate_up, (gx, rows, 1), 256, 0;
+                    &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
+            } else {
+                // slot-major (moe.cu `moe_gate_up_tab_body`): one tile of every slot in flight
+                let (slots, tiles) = (u32v(op, rn * k)?, u32v(op, i.div_ceil(8 * per_warp))?);
+                go!(self, Source::Moe, gate_up, (slots, tiles, 1), 256, 0;
+                    &tab, &ids, &xp, &hp, &i32_, &h32, &k32, &e32, &ep);
+            }
             if per_warp == 1 && !nvfp4 && (1..=32).contains(&k) {
                 // the k experts of an output in k warps of one block: the same bits, the k
                 // dots' loads at once
                 let block = u32v(op, 32 * k)?;
                 go!(self, Source::Moe, "moe_down_tab_split", (u32v(op, h)?, rows, 1), block, 0;
                     &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
-            } else {
+            } else if nvfp4 {
                 let gx = u32v(op, h.div_ceil(8 * per_warp))?;
                 go!(self, Source::Moe, down, (gx, rows, 1), 256, 0;
+                    &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
+            } else {
+                // row-major (moe.cu `moe_down_tab_body`): one tile of every row in flight
+                let tiles = u32v(op, h.div_ceil(8 * per_warp))?;
+                go!(self, Source::Moe, down, (rows, tiles, 1), 256, 0;
                     &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
             }
             r0 += rn;
