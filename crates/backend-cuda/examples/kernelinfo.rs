@@ -14,8 +14,15 @@ fn kernel_names(text: &str) -> Vec<String> {
     let mut rest = text;
     while let Some(i) = rest.find("extern \"C\" __global__") {
         rest = &rest[i + 22..];
-        if let Some(paren) = rest.find('(') {
-            let head = &rest[..paren];
+        // past `__launch_bounds__(...)`, whose parenthesis is not the parameter list's
+        let mut from = 0;
+        if let Some(lb) = rest.find("__launch_bounds__(") {
+            if rest[..lb].find('(').is_none() {
+                from = rest[lb..].find(')').map_or(0, |c| lb + c + 1);
+            }
+        }
+        if let Some(paren) = rest[from..].find('(').map(|p| from + p) {
+            let head = &rest[from..paren];
             if let Some(name) = head.split_whitespace().last() {
                 // a macro body's `name##G##_v##V` is not a kernel name
                 if name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {

@@ -215,8 +215,11 @@ __device__ int block_draw(const float* row, int n, int npad, float temperature, 
                     exps[rank] = mass;
                 }
             }
-            // every lane waits here for lane 0's pass over pbuf
-            if (__shfl_sync(0xffffffffu, done, 0)) break;
+            // every lane waits here for lane 0's pass over pbuf (the shuffle carries its verdict,
+            // the barrier orders its reads before the next chunk's writes)
+            done = __shfl_sync(0xffffffffu, done, 0);
+            __syncwarp();
+            if (done) break;
         }
         kept = __shfl_sync(0xffffffffu, kept, 0);
         mass = __shfl_sync(0xffffffffu, mass, 0);

@@ -877,7 +877,8 @@ pub(crate) const NORM_GROUP_MAX: usize = NORM_REG * 1024;
 /// Threads per RMSNorm group (every `*rmsnorm*` kernel): one rule for all, so the fused ops'
 /// reduction order, and bits, equal the plain norm's. 128 below 1024 values, else 256, or more
 /// where a group passes 256 threads' `NORM_REG` values (Drama 3's groups, at most 2048, never
-/// do); a group beyond 1024 threads' is refused.
+/// do): a group over 4096 values takes more threads than before session 10, so its bits
+/// differ from that build's. A group beyond 1024 threads' is refused.
 fn norm_block(op: &'static str, group: usize) -> BResult<u32> {
     let max = NORM_GROUP_MAX;
     if group > max {

@@ -278,10 +278,11 @@ const REGISTRY: &[(&str, KernelFn)] = &[
 /// Whether a kernel's registry name is selected by `--only`: it contains one of the
 /// comma-separated parts of the pattern.
 pub fn selected(name: &str, pattern: &str) -> bool {
-    pattern
-        .split(',')
-        .map(str::trim)
-        .any(|p| !p.is_empty() && name.contains(p))
+    pattern.trim().is_empty()
+        || pattern
+            .split(',')
+            .map(str::trim)
+            .any(|p| !p.is_empty() && name.contains(p))
 }
 
 /// Runs the contract on device 0 for kernels whose name contains `filter` (or, comma-separated,
@@ -849,6 +850,7 @@ mod tests {
         assert!(selected("round_embed", "norm,router,round_embed"));
         assert!(!selected("gemv_tc2", "norm,router"));
         assert!(!selected("gemv_tc2", ","));
+        assert!(selected("gemv_tc2", ""), "an empty pattern selects every kernel, as before");
         let picked = REGISTRY
             .iter()
             .filter(|(n, _)| selected(n, "norm,router,round_embed"))

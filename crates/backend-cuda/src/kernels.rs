@@ -653,7 +653,8 @@ pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
         kernel: "round_sample",
         grid: [lanes as u64, 1, 1],
         block: 1024,
-        smem: dyn_smem + 8 * 1024 + 4,
+        // sv, si, result, and block_draw's 32-entry f64 pbuf
+        smem: dyn_smem + 8 * 1024 + 4 + 32 * 8,
         dyn_smem,
         optin: true,
         i32_max: npad as u64,

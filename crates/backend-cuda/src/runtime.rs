@@ -196,16 +196,17 @@ pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool, occ: u32) -
 }
 
 /// Blocks a multiprocessor must hold for the streaming kernels (prelude.cu `OCC`), from
-/// `DRAMATIS_CUDA_OCC` (1 to 8; 1 when unset or out of range). Read once per process.
+/// `DRAMATIS_CUDA_OCC` (1 or 2; 1 when unset or out of range). Read once per process.
 pub fn occupancy() -> u32 {
     static OCC: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *OCC.get_or_init(|| occupancy_from(std::env::var("DRAMATIS_CUDA_OCC").ok().as_deref()))
 }
 
-/// The `OCC` setting from `DRAMATIS_CUDA_OCC`'s value.
+/// The `OCC` setting from `DRAMATIS_CUDA_OCC`'s value: 1 or 2 (at 4 the expert kernels would
+/// be held to 32 registers, and from 5 on the blocks asked for pass a multiprocessor's threads).
 pub fn occupancy_from(v: Option<&str>) -> u32 {
     v.and_then(|v| v.trim().parse::<u32>().ok())
-        .filter(|n| (1..=8).contains(n))
+        .filter(|n| (1..=2).contains(n))
         .unwrap_or(1)
 }
 
@@ -600,7 +601,8 @@ mod tests {
     fn occupancy_setting_is_bounded() {
         assert_eq!(occupancy_from(None), 1);
         assert_eq!(occupancy_from(Some("2")), 2);
-        assert_eq!(occupancy_from(Some(" 4 ")), 4);
+        assert_eq!(occupancy_from(Some(" 2 ")), 2);
+        assert_eq!(occupancy_from(Some("4")), 1);
         assert_eq!(occupancy_from(Some("0")), 1);
         assert_eq!(occupancy_from(Some("9")), 1);
         assert_eq!(occupancy_from(Some("x")), 1);
