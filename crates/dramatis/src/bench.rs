@@ -43,6 +43,10 @@ pub struct BenchArgs {
     /// Also measure prefill rows/s at these prompt lengths (comma separated).
     #[arg(long, value_delimiter = ',')]
     pub prefill_rows: Vec<usize>,
+    /// Waiting requests started between two frame rounds, at most (0: no limit; the engine's
+    /// `starts_per_round`).
+    #[arg(long, default_value_t = 0)]
+    pub starts_per_round: usize,
     /// Receipt path (JSON); without it the receipt goes to stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -375,6 +379,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             crate::cli::BackendArg::Cuda => speech::BackendChoice::Cuda,
         },
         prompt_cache_gib: a.prompt_cache_gib,
+        starts_per_round: a.starts_per_round,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,
@@ -415,6 +420,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut rtf = Vec::new();
         let mut frames = Vec::new();
         let rounds0 = eng.stats().rounds;
+        let deferred0 = eng.stats().starts_deferred;
         for r in 0..a.runs {
             let res = one_run(&eng, lanes, &a, r)?;
             fps.push(res.frames as f64 / res.wall);
@@ -439,6 +445,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "time_to_first_audio_s_median": median(ttfa),
             "real_time_factor_median": median(rtf),
             "rounds": rounds_field(&eng.stats().rounds.since(&rounds0)),
+            "starts_deferred": eng.stats().starts_deferred - deferred0,
         }));
         // the rate while the lanes are in kept rounds (no prefill between): lanes over the mean
         // kept round; an estimate, since a round can hold finished lanes' ghost slots
@@ -529,6 +536,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_seconds": load_s,
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
                       "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
+                      "starts_per_round": a.starts_per_round,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},

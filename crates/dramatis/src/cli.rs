@@ -145,6 +145,11 @@ enum Cmd {
         /// (the client gets an error naming the figures; its lane is freed).
         #[arg(long, default_value_t = speech::DEFAULT_MAX_PAUSE_SECONDS)]
         max_pause_seconds: f64,
+        /// Waiting requests started (prefilled) between two frame rounds, at most (0: every one
+        /// a free lane can take): a burst of prompts then no longer holds back the first audio
+        /// of the requests already started. Outputs are the same either way.
+        #[arg(long, default_value_t = 0)]
+        starts_per_round: usize,
         /// Bearer key(s) required on every route but /health.
         #[arg(long = "api-key")]
         api_keys: Vec<String>,
@@ -272,6 +277,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             prompt_cache_gib,
             max_unread_audio_seconds,
             max_pause_seconds,
+            starts_per_round,
             api_keys,
         } => {
             let mut opts = engine_options(&engine)?;
@@ -280,6 +286,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             opts.prompt_cache_gib = prompt_cache_gib;
             opts.max_unread_audio_seconds = max_unread_audio_seconds;
             opts.max_pause_seconds = max_pause_seconds;
+            opts.starts_per_round = starts_per_round;
             let eng = Engine::load(opts).map_err(|e| anyhow!("start-up failed: {e}"))?;
             let rt = tokio::runtime::Runtime::new()?;
             let so = server::ServeOptions {

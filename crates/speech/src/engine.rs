@@ -62,6 +62,11 @@ pub struct EngineOptions {
     /// (its caller then gets a `Failed` event naming the figures), so a stalled client cannot
     /// hold a lane and its KV rows for ever.
     pub max_pause_seconds: f64,
+    /// Waiting jobs started (prefilled) between two frame rounds, at most; 0: every job a free
+    /// lane can take. A limit lets the lanes already started get their first audio out while
+    /// a burst of prompts is still being prefilled; a lane's frames do not depend on the lanes
+    /// beside it, so no output changes.
+    pub starts_per_round: usize,
 }
 
 /// Which compute backend runs the model.
@@ -88,6 +93,7 @@ impl Default for EngineOptions {
             backend: BackendChoice::Cpu,
             max_unread_audio_seconds: DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
             max_pause_seconds: DEFAULT_MAX_PAUSE_SECONDS,
+            starts_per_round: 0,
         }
     }
 }
@@ -107,6 +113,9 @@ pub struct EngineStats {
     pub lanes_busy: usize,
     pub queued: usize,
     pub frames_total: u64,
+    /// Times a waiting job was left for the next round by `starts_per_round` while a lane was
+    /// free for it.
+    pub starts_deferred: u64,
     /// How the frame rounds ran (host-drawn, kept: replayed, recorded or issued).
     pub rounds: model::RoundCounts,
 }
@@ -248,6 +257,7 @@ pub struct Engine {
     voices: VoiceCatalog,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    starts_deferred: Arc<AtomicU64>,
     /// The model's frame-round counters (shared with the worker's model).
     round_stats: Arc<model::RoundStats>,
     /// Device bytes the backend reserved at start-up for the plan's state (0 on the CPU).
@@ -441,6 +451,7 @@ impl Engine {
             Condvar::new(),
         ));
         let frames_total = Arc::new(AtomicU64::new(0));
+        let starts_deferred = Arc::new(AtomicU64::new(0));
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
@@ -492,6 +503,8 @@ impl Engine {
             lanes,
             shared: Arc::clone(&shared),
             frames_total: Arc::clone(&frames_total),
+            starts_per_round: opts.starts_per_round,
+            starts_deferred: Arc::clone(&starts_deferred),
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -537,6 +550,7 @@ impl Engine {
             voices,
             shared,
             frames_total,
+            starts_deferred,
             round_stats,
             device_reserved,
             cache_hits,
@@ -618,6 +632,7 @@ impl Engine {
             lanes_busy: s.busy,
             queued: s.queue.len(),
             frames_total: self.frames_total.load(Ordering::Relaxed),
+            starts_deferred: self.starts_deferred.load(Ordering::Relaxed),
             rounds: self.round_stats.counts(),
         }
     }
@@ -1456,6 +1471,8 @@ struct WorkerCtx {
     lanes: usize,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    starts_per_round: usize,
+    starts_deferred: Arc<AtomicU64>,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1520,6 +1537,8 @@ fn spawn_worker<B: Backend + 'static>(
         lanes: ctx.lanes,
         shared: ctx.shared,
         frames_total: ctx.frames_total,
+        starts_per_round: ctx.starts_per_round,
+        starts_deferred: ctx.starts_deferred,
         max_unread_samples: ctx.max_unread_samples,
         max_pause: ctx.max_pause,
         sample_rate: f64::from(rate),
@@ -1567,6 +1586,9 @@ struct Worker<B: Backend> {
     lanes: usize,
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
+    /// [`EngineOptions::starts_per_round`] (0: no limit).
+    starts_per_round: usize,
+    starts_deferred: Arc<AtomicU64>,
     /// [`EngineOptions::max_unread_audio_seconds`] in samples.
     max_unread_samples: u64,
     /// [`EngineOptions::max_pause_seconds`].
@@ -1591,6 +1613,13 @@ impl<B: Backend> Worker<B> {
                         break;
                     }
                     while active.len() + fresh.len() < self.lanes {
+                        if self.starts_per_round > 0 && fresh.len() >= self.starts_per_round {
+                            // the rest wait for the next round (a free lane and a job left)
+                            if !s.queue.is_empty() {
+                                self.starts_deferred.fetch_add(1, Ordering::Relaxed);
+                            }
+                            break;
+                        }
                         let Some(front) = s.queue.front() else { break };
                         if front.cancel.load(Ordering::SeqCst) {
                             s.queue.pop_front();

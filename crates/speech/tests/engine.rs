@@ -71,6 +71,44 @@ fn concurrent_requests_equal_their_solo_runs() {
 }
 
 #[test]
+fn a_start_limit_defers_prefills_and_changes_no_output() {
+    let long: String = "A long opening request keeps the engine busy prefilling. ".repeat(12);
+    let texts = ["Second, a different line.", "Third one here!", "And a fourth."];
+    let run = |starts: usize| -> (Vec<String>, u64) {
+        let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
+        std::env::set_var("XDG_CACHE_HOME", &cache);
+        let e = Engine::load(EngineOptions {
+            parallel: 4,
+            queue: Some(4),
+            context: Some(2048),
+            voices_dir: Some(cache.join("voices")),
+            starts_per_round: starts,
+            ..Default::default()
+        })
+        .unwrap();
+        // the later three are queued while the first one's long prompt is prefilled, so the
+        // worker's next look finds three waiting jobs and free lanes
+        let mut handles = vec![e.submit(req(&long, 5, 12)).unwrap()];
+        handles.extend(
+            texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| e.submit(req(t, 20 + i as u64, 12)).unwrap()),
+        );
+        let hashes = handles
+            .into_iter()
+            .map(|h| h.wait().unwrap().1.pcm_sha256)
+            .collect();
+        (hashes, e.stats().starts_deferred)
+    };
+    let (free, free_deferred) = run(0);
+    let (limited, limited_deferred) = run(1);
+    assert_eq!(free_deferred, 0, "no limit, nothing deferred");
+    assert!(limited_deferred >= 1, "one start a round must defer the queued jobs");
+    assert_eq!(limited, free, "a lane's output does not depend on when its neighbours start");
+}
+
+#[test]
 fn cancellation_leaves_the_next_request_unchanged() {
     let e = engine(1, 4);
     let fresh = e
