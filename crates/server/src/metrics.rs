@@ -14,6 +14,7 @@ pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
     refusals: IntCounterVec,
+    pub starts_deferred: IntCounter,
     pub frames: IntCounter,
     pub audio_samples: IntCounter,
     pub capped_segments: IntCounter,
@@ -103,6 +104,11 @@ impl Metrics {
                 "dramatis_frame_round_lane_sets_total",
                 "Lane sets a round kept on the backend was built for (each a new recording)",
             ),
+            starts_deferred: counter(
+                &registry,
+                "dramatis_starts_deferred_total",
+                "Times a waiting job was left for the next round by --starts-per-round",
+            ),
             frames: counter(
                 &registry,
                 "dramatis_frames_generated_total",
@@ -176,6 +182,7 @@ impl Metrics {
             .set(i64::try_from(stats.prompt_cache_misses).unwrap_or(i64::MAX));
         // The engine counts frames and rounds; the counters follow it.
         follow(&self.frames, stats.frames_total);
+        follow(&self.starts_deferred, stats.starts_deferred);
         let r = stats.rounds;
         for (how, n) in [
             ("host", r.host),

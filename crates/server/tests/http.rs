@@ -552,6 +552,8 @@ async fn models_openapi_and_metrics() {
         1.0
     );
     assert!(get("dramatis_frames_generated_total") >= 1.0);
+    // no --starts-per-round: nothing is ever deferred
+    assert_eq!(get("dramatis_starts_deferred_total"), 0.0);
     // the CPU backend draws on the host: at least one host round per frame generated
     assert!(
         get(r#"dramatis_frame_rounds_total{how="host"}"#) >= get("dramatis_frames_generated_total")
