@@ -285,6 +285,51 @@ pub fn selected(name: &str, pattern: &str) -> bool {
             .any(|p| !p.is_empty() && name.contains(p))
 }
 
+/// The sources a registered kernel group is expected to launch from: `--only` builds just these
+/// at once (one source's three builds took up to a minute on a fresh machine). A source missed
+/// here still compiles at its first use, so this decides speed, never what runs.
+fn sources_for(name: &str) -> Vec<Source> {
+    // Ops: buffer moves and the composed fallbacks every group may touch
+    let mut v = vec![Source::Ops];
+    let has = |p: &str| name.starts_with(p);
+    if name == "rmsnorm" {
+        v.push(Source::Norm);
+    }
+    if has("gemv") || has("lm_head") || has("gemm_bf16_small") || name.ends_with("_fused") {
+        v.push(Source::Gemv);
+    }
+    if has("moe") {
+        v.extend([Source::Moe, Source::Gemm]);
+    }
+    if has("gemm") {
+        v.push(Source::Gemm);
+    }
+    if matches!(
+        name,
+        "gdn_conv_step" | "gdn_l2norm" | "gdn_recurrent_step" | "gdn_gated_norm"
+    ) {
+        v.push(Source::Gdn);
+    }
+    if has("round") {
+        v.push(Source::Round);
+    }
+    v.dedup();
+    v
+}
+
+/// The sources of every kernel group `pattern` selects, each once.
+fn precompile_set(pattern: &str) -> Vec<Source> {
+    let mut out: Vec<Source> = Vec::new();
+    for (name, _) in REGISTRY.iter().filter(|(n, _)| selected(n, pattern)) {
+        for s in sources_for(name) {
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
 /// Runs the contract on device 0 for kernels whose name contains `filter` (or, comma-separated,
 /// any of its parts).
 pub fn run(filter: Option<&str>) -> Result<ContractSummary> {
@@ -305,10 +350,14 @@ pub fn run_on(shared: &Arc<Gpu>, filter: Option<&str>, seed: u64) -> Result<Cont
     );
     let start = std::time::Instant::now();
     // every source's three builds at once (NVRTC on parallel threads), not one after another at
-    // each source's first use
+    // each source's first use; with `--only`, the selected groups' sources
     // (a build that fails here fails again at its first use, inside its kernel group's cases,
     // where the contract reports it)
-    match gpu.precompile(&Source::ALL, &Variant::ALL) {
+    let sources = match filter {
+        None => Source::ALL.to_vec(),
+        Some(p) => precompile_set(p),
+    };
+    match gpu.precompile(&sources, &Variant::ALL) {
         Ok(built) => eprintln!(
             "contract: {built} source builds ready at {:.1} s",
             start.elapsed().as_secs_f64()
@@ -856,6 +905,22 @@ mod tests {
             .filter(|(n, _)| selected(n, "norm,router,round_embed"))
             .count();
         assert_eq!(picked, 13);
+    }
+
+    #[test]
+    fn only_builds_the_selected_groups_sources() {
+        // every group names at least Ops, and the full set covers every source
+        for (name, _) in REGISTRY {
+            assert!(sources_for(name).contains(&Source::Ops), "{name}");
+        }
+        let all = precompile_set("");
+        assert!(Source::ALL.iter().all(|s| all.contains(s)), "{all:?}");
+        assert_eq!(precompile_set("round_"), vec![Source::Ops, Source::Round]);
+        let norms = precompile_set("norm");
+        assert!(norms.contains(&Source::Norm) && norms.contains(&Source::Gdn));
+        assert!(!norms.contains(&Source::Moe));
+        let moe = precompile_set("moe_experts_rows");
+        assert!(moe.contains(&Source::Moe) && !moe.contains(&Source::Round));
     }
 
     #[test]
