@@ -59,7 +59,12 @@ fn main() -> Result<(), String> {
         if src == Source::Gemv {
             for g in [1, 4] {
                 for v in [1, 2] {
-                    for k in ["gemv_tc2", "gemv_tc2_multi", "gemv_tc2_silu", "gemv_tc2_sigm"] {
+                    for k in [
+                        "gemv_tc2",
+                        "gemv_tc2_multi",
+                        "gemv_tc2_silu",
+                        "gemv_tc2_sigm",
+                    ] {
                         names.push(format!("{k}_g{g}_v{v}"));
                     }
                 }
@@ -94,7 +99,10 @@ fn main() -> Result<(), String> {
             println!(
                 "| {} | {name} | {regs} | {local} | {smem} | {maxt} | {} |",
                 src.name(),
-                occ.iter().map(|o| o.to_string()).collect::<Vec<_>>().join(" / ")
+                occ.iter()
+                    .map(|o| o.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" / ")
             );
             rec.push(json!({"source": src.name(), "kernel": name, "regs": regs,
                 "local_bytes": local, "static_smem_bytes": smem, "max_threads": maxt,
@@ -103,8 +111,11 @@ fn main() -> Result<(), String> {
     }
     if let Some(p) = out {
         let doc = json!({"gpu": gpu.info.name, "arch": gpu.arch, "kernels": rec});
-        std::fs::write(&p, serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+        std::fs::write(
+            &p,
+            serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| e.to_string())?;
     }
     Ok(())
 }

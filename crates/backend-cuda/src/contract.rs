@@ -899,7 +899,10 @@ mod tests {
         assert!(selected("round_embed", "norm,router,round_embed"));
         assert!(!selected("gemv_tc2", "norm,router"));
         assert!(!selected("gemv_tc2", ","));
-        assert!(selected("gemv_tc2", ""), "an empty pattern selects every kernel, as before");
+        assert!(
+            selected("gemv_tc2", ""),
+            "an empty pattern selects every kernel, as before"
+        );
         let picked = REGISTRY
             .iter()
             .filter(|(n, _)| selected(n, "norm,router,round_embed"))

@@ -274,8 +274,22 @@ pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
     for (case, rows, cols, group, plus_one, wscale) in [
         ("1+w, 3 x 256 in groups of 64", 3, 256, 64, true, 0.1),
         ("plain w, 4 x 2048", 4, 2048, 2048, false, 1.0),
-        ("plain w, 3 x 1000, 128 threads: 8 values a thread, the last in part", 3, 1000, 1000, false, 1.0),
-        ("plain w, 2 x 12288: 768 threads of 16 values", 2, 12288, 12288, false, 1.0),
+        (
+            "plain w, 3 x 1000, 128 threads: 8 values a thread, the last in part",
+            3,
+            1000,
+            1000,
+            false,
+            1.0,
+        ),
+        (
+            "plain w, 2 x 12288: 768 threads of 16 values",
+            2,
+            12288,
+            12288,
+            false,
+            1.0,
+        ),
     ] {
         let x = c.rng.normals_f32(rows * cols, 3.0);
         let w = c.rng.normals_f32(group, wscale);
@@ -319,7 +333,11 @@ pub(super) fn rmsnorm_groups(c: &mut Ctx) -> Result<()> {
         format!("a group of {big} values is refused"),
         Kind::Check,
         why.contains(&big.to_string()) && why.contains(&NORM_GROUP_MAX.to_string()) && after,
-        if why.is_empty() { "accepted".into() } else { why },
+        if why.is_empty() {
+            "accepted".into()
+        } else {
+            why
+        },
     );
     Ok(())
 }

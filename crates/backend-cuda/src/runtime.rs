@@ -498,8 +498,10 @@ mod tests {
         assert!(!opts(Variant::Exact).iter().any(|o| o.starts_with("-D")));
         assert!(compile_options_with("compute_90a", Variant::Exact, true, 1)
             .contains(&"-DDRAMATIS_PDL=1".into()));
-        assert!(compile_options_with("compute_90a", Variant::Exact, false, 2)
-            .contains(&"-DOCC=2".into()));
+        assert!(
+            compile_options_with("compute_90a", Variant::Exact, false, 2)
+                .contains(&"-DOCC=2".into())
+        );
     }
 
     #[test]
@@ -581,8 +583,11 @@ mod tests {
                 let ptx = r.unwrap_or_default();
                 // DRAMATIS_DUMP_PTX=DIR keeps each build's PTX there, to read what NVVM made
                 if let Some(dir) = std::env::var_os("DRAMATIS_DUMP_PTX") {
-                    let f = std::path::Path::new(&dir)
-                        .join(format!("{}-{v:?}-pdl{}.ptx", s.name(), u8::from(pdl)));
+                    let f = std::path::Path::new(&dir).join(format!(
+                        "{}-{v:?}-pdl{}.ptx",
+                        s.name(),
+                        u8::from(pdl)
+                    ));
                     std::fs::write(f, &ptx).expect("PTX written");
                 }
                 // the wait is in the PDL build's code and nowhere else

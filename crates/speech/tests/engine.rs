@@ -73,7 +73,11 @@ fn concurrent_requests_equal_their_solo_runs() {
 #[test]
 fn a_start_limit_defers_prefills_and_changes_no_output() {
     let long: String = "A long opening request keeps the engine busy prefilling. ".repeat(12);
-    let texts = ["Second, a different line.", "Third one here!", "And a fourth."];
+    let texts = [
+        "Second, a different line.",
+        "Third one here!",
+        "And a fourth.",
+    ];
     let run = |starts: usize| -> (Vec<String>, u64) {
         let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
         std::env::set_var("XDG_CACHE_HOME", &cache);
@@ -104,8 +108,14 @@ fn a_start_limit_defers_prefills_and_changes_no_output() {
     let (free, free_deferred) = run(0);
     let (limited, limited_deferred) = run(1);
     assert_eq!(free_deferred, 0, "no limit, nothing deferred");
-    assert!(limited_deferred >= 1, "one start a round must defer the queued jobs");
-    assert_eq!(limited, free, "a lane's output does not depend on when its neighbours start");
+    assert!(
+        limited_deferred >= 1,
+        "one start a round must defer the queued jobs"
+    );
+    assert_eq!(
+        limited, free,
+        "a lane's output does not depend on when its neighbours start"
+    );
 }
 
 #[test]
