@@ -194,6 +194,19 @@ struct SlotGroups {
     order: Mem,
 }
 
+/// One pass of `CudaBackend::grouped_passes`: device pointers of its routed ids, input rows,
+/// slot grouping (order, offsets, tiles), per-slot buffers, and its tile bound.
+struct GroupPass {
+    ids: u64,
+    xp: u64,
+    order: u64,
+    offsets: u64,
+    tiles: u64,
+    hbuf: u64,
+    obuf: u64,
+    bound: usize,
+}
+
 /// Whether the tensor-core experts (`moe_tc_*`) take a layer's shape: H and I in whole
 /// 128-key blocks, at most 32 of them per launch (the partials' shared memory), and a row's
 /// down-projection pairs (k I / 128) within `moe_tc_down_rows`' 64.
@@ -1865,10 +1878,42 @@ impl CudaBackend {
         } else {
             (Source::Gemm, "moe_group_gate_up", "moe_group_down", 64, 64)
         };
+        self.grouped_passes(x, route, tab, e, i, h, y, tm, |p| {
+            let (tab, order, offsets, tiles) = (tab, p.order, p.offsets, p.tiles);
+            let (xp, hbuf, obuf) = (p.xp, p.hbuf, p.obuf);
+            // at most ceil(slots / tm) + min(E, slots) tiles; blocks past the count exit
+            let tile_bound = u32v(op, p.bound)?;
+            go!(self, src, gate_up, (u32v(op, i.div_ceil(per_block))?, tile_bound, 1), 256, 0;
+                &tab, &xp, &order, &offsets, &tiles, &hbuf, &i32_, &h32, &k32, &e32);
+            go!(self, src, down, (u32v(op, h.div_ceil(per_block))?, tile_bound, 1), 256, 0;
+                &tab, &hbuf, &order, &offsets, &tiles, &obuf, &i32_, &h32, &e32);
+            Ok(())
+        })
+    }
+
+    /// The passes of grouped experts (`experts_grouped`, `experts_tc`): rows go `group_chunk`
+    /// at a time; each pass lists its slots per expert in `tm`-slot tiles (`group_slots`),
+    /// `mid` launches the gate/up and down projections from `x` into the pass's per-slot
+    /// output buffer, and `moe_group_combine` sums each row's experts in rank order into `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_passes(
+        &self,
+        x: &CudaBuf,
+        route: &CudaRoute,
+        tab: u64,
+        e: usize,
+        i: usize,
+        h: usize,
+        y: &CudaBuf,
+        tm: usize,
+        mut mid: impl FnMut(&GroupPass) -> BResult<()>,
+    ) -> BResult<()> {
+        let op = "moe_experts";
+        let k = route.k;
+        let (e32, h32, k32) = (i32v(op, e)?, i32v(op, h)?, i32v(op, k)?);
         let chunk = group_chunk(x.rows, e, tm, k);
         let max_slots = chunk * k;
         let g = self.slot_groups(e, max_slots)?;
-        let (order, offsets, tiles) = (&g.order, g.offsets, g.tiles);
         let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
         let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
         let mut r0 = 0;
@@ -1877,14 +1922,18 @@ impl CudaBackend {
             let n_slots = rn * k;
             let ids = route.ids.at(r0 * k * 4)?;
             let wts = route.wts.at(r0 * k * 4)?;
-            let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
+            let yp = y.row_ptr(r0)?;
             self.group_slots(&g, ids, tab, n_slots, e, tm)?;
-            // at most ceil(slots / tm) + min(E, slots) tiles; blocks past the count exit
-            let tile_bound = u32v(op, n_slots.div_ceil(tm) + e.min(n_slots))?;
-            go!(self, src, gate_up, (u32v(op, i.div_ceil(per_block))?, tile_bound, 1), 256, 0;
-                &tab, &xp, &order.ptr, &offsets, &tiles, &hbuf.ptr, &i32_, &h32, &k32, &e32);
-            go!(self, src, down, (u32v(op, h.div_ceil(per_block))?, tile_bound, 1), 256, 0;
-                &tab, &hbuf.ptr, &order.ptr, &offsets, &tiles, &obuf.ptr, &i32_, &h32, &e32);
+            mid(&GroupPass {
+                ids,
+                xp: x.row_ptr(r0)?,
+                order: g.order.ptr,
+                offsets: g.offsets,
+                tiles: g.tiles,
+                hbuf: hbuf.ptr,
+                obuf: obuf.ptr,
+                bound: n_slots.div_ceil(tm) + e.min(n_slots),
+            })?;
             let rows64 = i64v(op, rn)?;
             go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
                 &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
@@ -1940,41 +1989,25 @@ impl CudaBackend {
             return Ok(());
         }
         const TM: usize = 8;
-        let chunk = group_chunk(x.rows, e, TM, k);
-        let max_slots = chunk * k;
-        let g = self.slot_groups(e, max_slots)?;
-        let (order, offsets, tiles) = (&g.order, g.offsets, g.tiles);
-        let hbuf = self.alloc(cmul(op, &[max_slots, i, 4])?)?;
-        let obuf = self.alloc(cmul(op, &[max_slots, h, 4])?)?;
-        // (expert, first slot, count) of each tile, for at most the first pass's tile bound
-        let tinfo = self.alloc(cmul(
-            op,
-            &[max_slots.div_ceil(TM) + e.min(max_slots), 3, 4],
-        )?)?;
-        let mut r0 = 0;
-        while r0 < x.rows {
-            let rn = (x.rows - r0).min(chunk);
-            let n_slots = rn * k;
-            let ids = route.ids.at(r0 * k * 4)?;
-            let wts = route.wts.at(r0 * k * 4)?;
-            let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
-            self.group_slots(&g, ids, tab, n_slots, e, TM)?;
-            let bound = n_slots.div_ceil(TM) + e.min(n_slots);
-            let (tile_bound, b32) = (u32v(op, bound)?, i32v(op, bound)?);
-            go!(self, Source::Moe, "moe_tc_tiles", (u32v(op, bound.div_ceil(256))?, 1, 1), 256, 0;
-                &offsets, &tiles, &tinfo.ptr, &e32, &b32);
+        // (expert, first slot, count) of each tile, sized by the first pass's tile bound (the
+        // largest: later passes have at most as many rows)
+        let mut tinfo: Option<Mem> = None;
+        self.grouped_passes(x, route, tab, e, i, h, y, TM, |p| {
+            let tinfo = match &tinfo {
+                Some(t) => t.ptr,
+                None => tinfo.insert(self.alloc(cmul(op, &[p.bound, 3, 4])?)?).ptr,
+            };
+            let (ids, xp, order, offsets, tiles) = (p.ids, p.xp, p.order, p.offsets, p.tiles);
+            let (hbuf, obuf) = (p.hbuf, p.obuf);
+            let (tile_bound, b32) = (u32v(op, p.bound)?, i32v(op, p.bound)?);
+            go!(self, Source::Moe, "moe_tc_tiles", (u32v(op, p.bound.div_ceil(256))?, 1, 1), 256, 0;
+                &offsets, &tiles, &tinfo, &e32, &b32);
             go!(self, Source::Moe, "moe_tc_gate_up", (gx, tile_bound, 1), gu_block, 0;
-                &tab, &ids, &xp, &order.ptr, &tinfo.ptr, &hbuf.ptr, &i32_, &h32, &k32, &e32,
-                &ep);
+                &tab, &ids, &xp, &order, &tinfo, &hbuf, &i32_, &h32, &k32, &e32, &ep);
             go!(self, Source::Moe, "moe_tc_down", (dx, tile_bound, 1), dn_block, 0;
-                &tab, &ids, &hbuf.ptr, &order.ptr, &tinfo.ptr, &obuf.ptr, &i32_, &h32, &e32,
-                &ep);
-            let rows64 = i64v(op, rn)?;
-            go!(self, Source::Gemm, "moe_group_combine", stride_grid(rn * h), 256, 0;
-                &ids, &tab, &wts, &obuf.ptr, &yp, &rows64, &h32, &k32, &e32);
-            r0 += rn;
-        }
-        Ok(())
+                &tab, &ids, &hbuf, &order, &tinfo, &obuf, &i32_, &h32, &e32, &ep);
+            Ok(())
+        })
     }
 
     /// Tiled causal attention of `t` rows per lane whose caches already hold them (the
