@@ -113,9 +113,11 @@ pub struct EngineStats {
     pub lanes_busy: usize,
     pub queued: usize,
     pub frames_total: u64,
-    /// Times a waiting job was left for the next round by `starts_per_round` while a lane was
-    /// free for it.
+    /// Jobs that `starts_per_round` left waiting for a later round while a lane was free for
+    /// them (each counted once).
     pub starts_deferred: u64,
+    /// The most jobs started between two frame rounds.
+    pub starts_most: u64,
     /// How the frame rounds ran (host-drawn, kept: replayed, recorded or issued).
     pub rounds: model::RoundCounts,
 }
@@ -149,6 +151,9 @@ struct Job {
     /// received.
     unread: Arc<AtomicU64>,
     submitted: Instant,
+    /// Whether `starts_per_round` has held this job back once (counted once in
+    /// `EngineStats::starts_deferred`).
+    deferred: bool,
 }
 
 /// The caller's side of a running job. Dropping it cancels the job at its next frame. Events
@@ -258,6 +263,7 @@ pub struct Engine {
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
     starts_deferred: Arc<AtomicU64>,
+    starts_most: Arc<AtomicU64>,
     /// The model's frame-round counters (shared with the worker's model).
     round_stats: Arc<model::RoundStats>,
     /// Device bytes the backend reserved at start-up for the plan's state (0 on the CPU).
@@ -452,6 +458,7 @@ impl Engine {
         ));
         let frames_total = Arc::new(AtomicU64::new(0));
         let starts_deferred = Arc::new(AtomicU64::new(0));
+        let starts_most = Arc::new(AtomicU64::new(0));
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
@@ -505,6 +512,7 @@ impl Engine {
             frames_total: Arc::clone(&frames_total),
             starts_per_round: opts.starts_per_round,
             starts_deferred: Arc::clone(&starts_deferred),
+            starts_most: Arc::clone(&starts_most),
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -551,6 +559,7 @@ impl Engine {
             shared,
             frames_total,
             starts_deferred,
+            starts_most,
             round_stats,
             device_reserved,
             cache_hits,
@@ -633,6 +642,7 @@ impl Engine {
             queued: s.queue.len(),
             frames_total: self.frames_total.load(Ordering::Relaxed),
             starts_deferred: self.starts_deferred.load(Ordering::Relaxed),
+            starts_most: self.starts_most.load(Ordering::Relaxed),
             rounds: self.round_stats.counts(),
         }
     }
@@ -743,6 +753,7 @@ impl Engine {
             prefix: job_parts.prefix,
             events: tx,
             cancel: Arc::clone(&cancel),
+            deferred: false,
             unread: Arc::clone(&unread),
             submitted: Instant::now(),
         };
@@ -1473,6 +1484,7 @@ struct WorkerCtx {
     frames_total: Arc<AtomicU64>,
     starts_per_round: usize,
     starts_deferred: Arc<AtomicU64>,
+    starts_most: Arc<AtomicU64>,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1539,6 +1551,7 @@ fn spawn_worker<B: Backend + 'static>(
         frames_total: ctx.frames_total,
         starts_per_round: ctx.starts_per_round,
         starts_deferred: ctx.starts_deferred,
+        starts_most: ctx.starts_most,
         max_unread_samples: ctx.max_unread_samples,
         max_pause: ctx.max_pause,
         sample_rate: f64::from(rate),
@@ -1589,6 +1602,7 @@ struct Worker<B: Backend> {
     /// [`EngineOptions::starts_per_round`] (0: no limit).
     starts_per_round: usize,
     starts_deferred: Arc<AtomicU64>,
+    starts_most: Arc<AtomicU64>,
     /// [`EngineOptions::max_unread_audio_seconds`] in samples.
     max_unread_samples: u64,
     /// [`EngineOptions::max_pause_seconds`].
@@ -1613,17 +1627,21 @@ impl<B: Backend> Worker<B> {
                         break;
                     }
                     while active.len() + fresh.len() < self.lanes {
-                        if self.starts_per_round > 0 && fresh.len() >= self.starts_per_round {
-                            // the rest wait for the next round (a free lane and a job left)
-                            if !s.queue.is_empty() {
-                                self.starts_deferred.fetch_add(1, Ordering::Relaxed);
-                            }
-                            break;
-                        }
                         let Some(front) = s.queue.front() else { break };
                         if front.cancel.load(Ordering::SeqCst) {
                             s.queue.pop_front();
                             continue;
+                        }
+                        if self.starts_per_round > 0 && fresh.len() >= self.starts_per_round {
+                            // a free lane and a live job, left for the next round: each waiting
+                            // job counted the first time
+                            let mut newly = 0;
+                            for j in s.queue.iter_mut().filter(|j| !j.deferred) {
+                                j.deferred = true;
+                                newly += 1;
+                            }
+                            self.starts_deferred.fetch_add(newly, Ordering::Relaxed);
+                            break;
                         }
                         match self.pool.reserve(Rows(front.rows)) {
                             Ok(r) => {
@@ -1634,6 +1652,8 @@ impl<B: Backend> Worker<B> {
                         }
                     }
                     s.busy = active.len() + fresh.len();
+                    self.starts_most
+                        .fetch_max(fresh.len() as u64, Ordering::Relaxed);
                     if !active.is_empty() || !fresh.is_empty() {
                         break;
                     }
