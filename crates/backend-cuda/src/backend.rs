@@ -2412,7 +2412,6 @@ impl CudaBackend {
             }
             tab.p[i] = s.s.ptr;
         }
-        let block = u32v("gdn", dv.div_ceil(32) * 32)?;
         let op = o.row_ptr(row0)?;
         let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
         if dk == 128 && !self.opts.gdn_generic {
@@ -2422,7 +2421,7 @@ impl CudaBackend {
             go!(self, Source::Ops, "gdn_recur_k128", grid, 32, 0;
                 &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
         } else {
-            let smem = u32v("gdn", 2 * dk * 4)?;
+            let (block, smem) = (u32v("gdn", dv.div_ceil(32) * 32)?, u32v("gdn", 2 * dk * 4)?);
             go!(self, Source::Ops, "gdn_recur", grid, block, smem;
                 &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
         }
@@ -3918,6 +3917,41 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn norm_blocks_hold_every_group() {
+        // norm_block sizes blocks for ops.cu's NORM_REG values a thread: the two must agree
+        assert!(
+            Source::Ops
+                .body()
+                .contains(&format!("#define NORM_REG {NORM_REG}\n")),
+            "ops.cu's NORM_REG differs from backend.rs's"
+        );
+        for g in [
+            1,
+            64,
+            127,
+            128,
+            1000,
+            1023,
+            1024,
+            2048,
+            4096,
+            4097,
+            12288,
+            NORM_GROUP_MAX,
+        ] {
+            let b = norm_block("t", g).unwrap() as usize;
+            assert!(
+                b.is_multiple_of(32) && b <= 1024 && g <= NORM_REG * b,
+                "{g}: {b}"
+            );
+        }
+        // the figures Drama 3 runs at keep their pre-session-10 block sizes (and bits)
+        assert_eq!(norm_block("t", 2048).unwrap(), 256);
+        assert_eq!(norm_block("t", 256).unwrap(), 128);
+        assert!(norm_block("t", NORM_GROUP_MAX + 1).is_err());
+    }
 
     #[test]
     fn tables_have_the_c_layout() {

@@ -313,7 +313,6 @@ fn sources_for(name: &str) -> Vec<Source> {
     if has("round") {
         v.push(Source::Round);
     }
-    v.dedup();
     v
 }
 

@@ -46,7 +46,8 @@ impl Source {
         }
     }
 
-    fn body(self) -> &'static str {
+    /// The file as written (no prelude, no dependent-launch waits).
+    pub fn body(self) -> &'static str {
         match self {
             Source::Norm => include_str!("../kernels/norm.cu"),
             Source::Gemv => include_str!("../kernels/gemv.cu"),

@@ -474,11 +474,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             None => speech::builtin::ensure_builtin().map_err(|e| anyhow!(e))?,
         };
         let ck = checkpoint::Checkpoint::open(&dir)?;
-        for &n in &a.prefill_rows {
-            // The model loaded once per length (outside the timing), then --runs prompts on
-            // fresh lanes: the median, and every run (the first includes the kernels' first use)
-            let runs = a.runs.max(1);
-            let all = crate::gpu::prefill_runs_on(&ck, cuda, n, 4096, runs)?;
+        // The model loaded once (outside the timing), then --runs prompts of each length on
+        // fresh lanes: the median, and every run (the first includes the kernels' first use)
+        let runs = a.runs.max(1);
+        let timed = crate::gpu::prefill_runs_on(&ck, cuda, &a.prefill_rows, 4096, runs)?;
+        for (&n, all) in a.prefill_rows.iter().zip(timed) {
             let m = median(all.clone());
             prefill.push(
                 json!({"prompt_rows": n, "prefill_seconds": m, "prefill_seconds_runs": all,

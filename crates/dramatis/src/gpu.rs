@@ -124,14 +124,15 @@ pub fn qualify_window(
     })
 }
 
-/// Prefill seconds of `runs` prompts of `rows` rows on one loaded model (`qualify::prefill_runs`).
+/// Prefill seconds of `runs` prompts of each length on one loaded model
+/// (`qualify::prefill_runs`).
 pub fn prefill_runs_on(
     ck: &checkpoint::Checkpoint,
     cuda: bool,
-    rows: usize,
+    lengths: &[usize],
     chunk: usize,
     runs: usize,
-) -> Result<Vec<f64>> {
-    on_backend!(cuda, be => speech::qualify::prefill_runs(ck, be, rows, chunk, runs))
+) -> Result<Vec<Vec<f64>>> {
+    on_backend!(cuda, be => speech::qualify::prefill_runs(ck, be, lengths, chunk, runs))
         .map_err(|e| anyhow::anyhow!(e))
 }

@@ -56,33 +56,39 @@ fn timed_prefill<B: Backend>(
     Ok((lane, t.elapsed().as_secs_f64()))
 }
 
-/// Prefill timings: the model loaded once, then `runs` prompts of `prompt_rows` filler rows,
-/// each on a fresh lane, in `chunk`-row pieces; the seconds of each run, in order (the first
-/// includes the kernels' first use on a GPU).
+/// Prefill timings: the model loaded once, then for each prompt length `runs` prompts of that
+/// many filler rows, each on a fresh lane, in `chunk`-row pieces; per length, the seconds of
+/// each run in order (the first includes the kernels' first use on a GPU).
 pub fn prefill_runs<B: Backend>(
     ck: &Checkpoint,
     backend: B,
-    prompt_rows: usize,
+    lengths: &[usize],
     chunk: usize,
     runs: usize,
-) -> Result<Vec<f64>, String> {
-    if prompt_rows == 0 {
-        return Err("a prefill timing needs a prompt of at least 1 row".into());
+) -> Result<Vec<Vec<f64>>, String> {
+    if let Some(&n) = lengths.iter().find(|&&n| n == 0) {
+        return Err(format!(
+            "a prefill timing needs a prompt of at least 1 row, not {n}"
+        ));
     }
     let m = Model::load(ck, backend).map_err(|e| e.to_string())?;
-    let rows = filler_rows(ck, prompt_rows);
-    let mut seconds = Vec::with_capacity(runs);
-    for _ in 0..runs.max(1) {
-        let (lane, secs) = timed_prefill(&m, &rows, prompt_rows + 2, chunk)?;
-        seconds.push(secs);
-        if lane.rows() != prompt_rows {
-            return Err(format!(
-                "the prefill took {} rows of a {prompt_rows}-row prompt",
-                lane.rows()
-            ));
+    let mut out = Vec::with_capacity(lengths.len());
+    for &prompt_rows in lengths {
+        let rows = filler_rows(ck, prompt_rows);
+        let mut seconds = Vec::with_capacity(runs);
+        for _ in 0..runs.max(1) {
+            let (lane, secs) = timed_prefill(&m, &rows, prompt_rows + 2, chunk)?;
+            seconds.push(secs);
+            if lane.rows() != prompt_rows {
+                return Err(format!(
+                    "the prefill took {} rows of a {prompt_rows}-row prompt",
+                    lane.rows()
+                ));
+            }
         }
+        out.push(seconds);
     }
-    Ok(seconds)
+    Ok(out)
 }
 
 /// Fills a window of `window` rows on `backend`, prefilling in `chunk`-row pieces.
@@ -138,14 +144,16 @@ mod tests {
         Checkpoint::open(&dir).expect("the tiny fixture")
     }
 
-    /// One timing per run, each a whole prompt on a fresh lane; a zero-row prompt is refused.
+    /// One timing per run and length, each a whole prompt on a fresh lane; a zero-row prompt
+    /// is refused.
     #[test]
     fn prefill_runs_times_each_run_on_a_fresh_lane() {
         let ck = tiny();
-        let s = prefill_runs(&ck, backend_cpu::CpuBackend::new(), 40, 16, 3).unwrap();
-        assert_eq!(s.len(), 3);
-        assert!(s.iter().all(|&t| t > 0.0 && t.is_finite()));
-        let e = prefill_runs(&ck, backend_cpu::CpuBackend::new(), 0, 16, 1).unwrap_err();
+        let s = prefill_runs(&ck, backend_cpu::CpuBackend::new(), &[40, 7], 16, 3).unwrap();
+        assert_eq!(s.len(), 2);
+        assert!(s.iter().all(|r| r.len() == 3));
+        assert!(s.iter().flatten().all(|&t| t > 0.0 && t.is_finite()));
+        let e = prefill_runs(&ck, backend_cpu::CpuBackend::new(), &[8, 0], 16, 1).unwrap_err();
         assert!(e.contains("at least 1 row"), "{e}");
     }
 }
