@@ -43,18 +43,13 @@ fn time(
         what: "empty graph capture".into(),
     })?;
     graph.launch()?;
-    gpu.stream.synchronize()?;
-    let mut out = Vec::new();
-    for _ in 0..reps {
-        let a = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let b = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        a.record(&gpu.stream)?;
-        graph.launch()?;
-        b.record(&gpu.stream)?;
-        b.synchronize()?;
-        out.push(f64::from(a.elapsed_ms(&b)?) * 1e-3 / inner as f64);
-    }
-    Ok(out)
+    // one replay a round, each of `inner` calls
+    let per_replay = event_seconds(gpu, reps, 1, |_| graph.launch().map_err(|e| e.to_string()))
+        .map_err(|what| crate::error::CudaError::Shape {
+            kernel: "bench",
+            what,
+        })?;
+    Ok(per_replay.into_iter().map(|t| t / inner as f64).collect())
 }
 
 /// Per-call seconds of `f(i)` (i counting from 0 over every call) in `rounds` event-timed
