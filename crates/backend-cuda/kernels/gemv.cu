@@ -266,12 +266,12 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
 }
 
 #define GEMV_TC2(G, V)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(512, OCC) gemv_tc2_g##G##_v##V(                              \
+    extern "C" __global__ void LB_GEMV gemv_tc2_g##G##_v##V(                              \
         const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int n_out, int K, \
         int rows, int kc) {                                                                               \
         gemv_tc2_body<G, V>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc);                                \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, OCC) gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x, \
+    extern "C" __global__ void LB_GEMV gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x, \
                                                                               int K, int rows, int kc) {  \
         int j = 0;                                                                                        \
         while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;                                 \
@@ -284,12 +284,12 @@ GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
 // y = W (silu(x) * u) and y = W (x * sigmoid(u)): silu_mul / sigmoid_mul fused into the input
 #define GEMV_TC2_SILU(G, V)                                                                               \
-    extern "C" __global__ void __launch_bounds__(512, OCC) gemv_tc2_silu_g##G##_v##V(                         \
+    extern "C" __global__ void LB_GEMV gemv_tc2_silu_g##G##_v##V(                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
         gemv_tc2_body<G, V, 1>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \
     }                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, OCC) gemv_tc2_sigm_g##G##_v##V(                         \
+    extern "C" __global__ void LB_GEMV gemv_tc2_sigm_g##G##_v##V(                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
         gemv_tc2_body<G, V, 2>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \

@@ -359,23 +359,23 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_tab_split(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2 * OCC) moe_gate_up_tab(
+extern "C" __global__ void LB_MOE moe_gate_up_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
     moe_gate_up_tab_body<1>(tab, ids, x, h, I, H, k, E, err);
 }
-extern "C" __global__ void __launch_bounds__(256, 2 * OCC) moe_gate_up_tab4(
+extern "C" __global__ void LB_MOE moe_gate_up_tab4(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
     moe_gate_up_tab_body<4>(tab, ids, x, h, I, H, k, E, err);
 }
-extern "C" __global__ void __launch_bounds__(256, 2 * OCC) moe_down_tab(
+extern "C" __global__ void LB_MOE moe_down_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
     int E, int* __restrict__ err) {
     moe_down_tab_body<1>(tab, ids, wts, h, y, I, H, k, E, err);
 }
-extern "C" __global__ void __launch_bounds__(256, 2 * OCC) moe_down_tab4(
+extern "C" __global__ void LB_MOE moe_down_tab4(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
     int E, int* __restrict__ err) {

@@ -133,6 +133,16 @@ __device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const
 // multiprocessor (25% occupancy), issuing 0.4 instructions a cycle while their warps wait on
 // loads. OCC 2 caps them at 64 registers for twice the warps. Register allocation does not
 // change the arithmetic.
+// OCC 0 names no minimum at all: ptxas reads an explicit minimum of one block as leave to use
+// 128 registers (session 10: gemv_tc2 went from 81-88 registers to 128 with spills at OCC 1,
+// moe_gate_up_tab4 from 101 to 109), so OCC 0 is the build before eedfd09, kept for the A/B.
 #ifndef OCC
 #define OCC 1
+#endif
+#if OCC == 0
+#define LB_GEMV __launch_bounds__(512)
+#define LB_MOE __launch_bounds__(256)
+#else
+#define LB_GEMV __launch_bounds__(512, OCC)
+#define LB_MOE __launch_bounds__(256, 2 * OCC)
 #endif

@@ -190,24 +190,25 @@ pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool, occ: u32) -
     if pdl {
         o.push("-DDRAMATIS_PDL=1".to_string());
     }
-    if occ > 1 {
+    if occ != 1 {
         o.push(format!("-DOCC={occ}"));
     }
     o
 }
 
 /// Blocks a multiprocessor must hold for the streaming kernels (prelude.cu `OCC`), from
-/// `DRAMATIS_CUDA_OCC` (1 or 2; 1 when unset or out of range). Read once per process.
+/// `DRAMATIS_CUDA_OCC` (0, 1 or 2; 1 when unset or out of range; 0 names no minimum, the
+/// bounds before eedfd09). Read once per process.
 pub fn occupancy() -> u32 {
     static OCC: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *OCC.get_or_init(|| occupancy_from(std::env::var("DRAMATIS_CUDA_OCC").ok().as_deref()))
 }
 
-/// The `OCC` setting from `DRAMATIS_CUDA_OCC`'s value: 1 or 2 (at 4 the expert kernels would
+/// The `OCC` setting from `DRAMATIS_CUDA_OCC`'s value: 0, 1 or 2 (at 4 the expert kernels would
 /// be held to 32 registers, and from 5 on the blocks asked for pass a multiprocessor's threads).
 pub fn occupancy_from(v: Option<&str>) -> u32 {
     v.and_then(|v| v.trim().parse::<u32>().ok())
-        .filter(|n| (1..=2).contains(n))
+        .filter(|n| (0..=2).contains(n))
         .unwrap_or(1)
 }
 
@@ -564,12 +565,17 @@ mod tests {
                     let h = sc.spawn(move || {
                         let opts = cudarc::nvrtc::CompileOptions {
                             // with and without the wait, whatever this process's setting
-                            // (the build with it also takes the streaming kernels' OCC 2)
+                            // (the build with it also takes the streaming kernels' OCC 2, the
+                            // planted build OCC 0, so every OCC compiles)
                             options: compile_options_with(
                                 "compute_90a",
                                 v,
                                 pdl,
-                                if pdl { 2 } else { 1 },
+                                match (pdl, v) {
+                                    (true, _) => 2,
+                                    (false, Variant::Planted) => 0,
+                                    _ => 1,
+                                },
                             ),
                             ..Default::default()
                         };
@@ -609,7 +615,7 @@ mod tests {
         assert_eq!(occupancy_from(Some("2")), 2);
         assert_eq!(occupancy_from(Some(" 2 ")), 2);
         assert_eq!(occupancy_from(Some("4")), 1);
-        assert_eq!(occupancy_from(Some("0")), 1);
+        assert_eq!(occupancy_from(Some("0")), 0);
         assert_eq!(occupancy_from(Some("9")), 1);
         assert_eq!(occupancy_from(Some("x")), 1);
     }
