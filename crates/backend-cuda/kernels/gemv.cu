@@ -142,15 +142,19 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
 // the result carries about 22 bits of x where one TF32 MMA would carry 11. Each MMA (8 keys)
 // starts from zero and its result is added in f32, since chaining MMAs through the accumulator
 // truncates at every step (the tiny fixture's teacher-forced codebook logits failed that way).
-// The warps' partial tiles are summed in warp order through shared memory. Every output of a
-// row is the same sequence of operations whatever the other rows hold and however many there
-// are, so the result does not depend on the batch. Warp w takes keys
-// [kc w, kc w + kc) in steps of 32 V keys (kc a multiple of 32 V, set by the caller from K
-// alone, so a row's bits depend on K and the weights, never on the rows beside it). In a step,
+// K is cut into chunks [kc c, kc c + kc) (at most 16; kc a multiple of 32 V, set by the caller
+// from K alone, so a row's bits depend on K and the weights, never on the rows beside it); a
+// chunk's partial tile is its own sum in steps of 32 V keys, and the partials are summed in
+// chunk order through shared memory. Every output of a row is the same sequence of operations
+// whatever the other rows hold and however many there are, so the result does not depend on
+// the batch. The block's warps take the chunks in runs of ceil(chunks / warps): one chunk a
+// warp when the caller launches a warp per chunk, fewer warps for many rows, so the warps of a
+// multiprocessor walk the activations in chunk order and share them in L1; the warp count
+// changes only which warp computes a chunk, never the bits. In a step,
 // thread (g, t) loads 8 V consecutive weights of rows n0 + g and n0 + g + 8 at key kb + 8 V t
 // (V = 2: one 128-byte line per row and step) and the matching activations; MMA s (0 <= s < 4 V)
 // takes keys 8 V t + 2 s and 8 V t + 2 s + 1 of each t. G row groups of 8 per pass (G = 1 for
-// up to 8 rows: a quarter of the accumulators, the same bits). At most 16 warps. kc = 512 with
+// up to 8 rows: a quarter of the accumulators, the same bits). At most 16 chunks. kc = 512 with
 // V = 1 is session 7's gemv_tc (DRAMATIS_CUDA_GEMV_KC=0).
 // ACT 1: the input is silu(x) * u (elementwise op 1); ACT 2: x * sigmoid(u) (op 2); made as it
 // is loaded with the elementwise op's bits, so the result equals the op then the linear bit for
@@ -169,83 +173,89 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int ra = n0 + g, rb = n0 + g + 8;
-    const int kb0 = warp * kc;
-    int kb1 = kb0 + kc < K ? kb0 + kc : K;
-#if PLANT == 1
-    kb1 -= SK;
-#endif
+    const int nc = (K + kc - 1) / kc;   // chunks, at most 16
+    const int run = (nc + nw - 1) / nw;  // chunks a warp
+    const int c0 = warp * run, c1 = c0 + run < nc ? c0 + run : nc;
     const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
     const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
     for (int r0 = 0; r0 < rows; r0 += 8 * G) {
-        float hi[G][4], lo[G][4];
-#pragma unroll
-        for (int q = 0; q < G; ++q)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
-#pragma unroll 4
-        for (int kb = kb0; kb < kb1; kb += SK) {
-            const int k = kb + 8 * V * t;
-            unsigned int wav[4 * V], wbv[4 * V];
-#pragma unroll
-            for (int v = 0; v < V; ++v) {
-                uint4 ua = ra < n_out ? ld_stream(wa + k + 8 * v) : make_uint4(0, 0, 0, 0);
-                uint4 ub = rb < n_out ? ld_stream(wb + k + 8 * v) : make_uint4(0, 0, 0, 0);
-                wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
-                wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
-            }
-#pragma unroll
-            for (int q = 0; q < G; ++q) {
-                const int r = r0 + 8 * q + g;
-                if (r0 + 8 * q >= rows) break;  // uniform across the warp
-                float xs[8 * V];
-#pragma unroll
-                for (int v = 0; v < 2 * V; ++v) {
-                    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    const int off = k + 4 * v;
-                    if (r < rows) {
-                        xv = __ldg((const float4*)(x + (long long)r * K + off));
-                        // the product rounded on its own (__fmul_rn), as elementwise stores it: a
-                        // plain * could be contracted with the lo split's subtraction below
-                        if (ACT == 1) {
-                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                            xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
-                            xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
-                            xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
-                            xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
-                        } else if (ACT == 2) {
-                            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                            xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
-                            xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
-                            xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
-                            xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
-                        }
-                    }
-                    xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
-                }
-#pragma unroll
-                for (int s = 0; s < 4 * V; ++s) {
-                    const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
-                                               wbv[s] & 0xffff0000u};
-                    const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(d, a, h0, h1);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
-#ifndef LOWP
-                    const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
-                    const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
-                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(dl, a, l0, l1);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
+#pragma unroll 1
+        for (int c = c0; c < c1; ++c) {
+            const int kb0 = c * kc;
+            int kb1 = kb0 + kc < K ? kb0 + kc : K;
+#if PLANT == 1
+            kb1 -= SK;
 #endif
+            float hi[G][4], lo[G][4];
+#pragma unroll
+            for (int q = 0; q < G; ++q)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hi[q][e] = lo[q][e] = 0.0f;
+#pragma unroll 4
+            for (int kb = kb0; kb < kb1; kb += SK) {
+                const int k = kb + 8 * V * t;
+                unsigned int wav[4 * V], wbv[4 * V];
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    uint4 ua = ra < n_out ? ld_stream(wa + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                    uint4 ub = rb < n_out ? ld_stream(wb + k + 8 * v) : make_uint4(0, 0, 0, 0);
+                    wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
+                    wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
+                }
+#pragma unroll
+                for (int q = 0; q < G; ++q) {
+                    const int r = r0 + 8 * q + g;
+                    if (r0 + 8 * q >= rows) break;  // uniform across the warp
+                    float xs[8 * V];
+#pragma unroll
+                    for (int v = 0; v < 2 * V; ++v) {
+                        float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        const int off = k + 4 * v;
+                        if (r < rows) {
+                            xv = __ldg((const float4*)(x + (long long)r * K + off));
+                            // the product rounded on its own (__fmul_rn), as elementwise stores it: a
+                            // plain * could be contracted with the lo split's subtraction below
+                            if (ACT == 1) {
+                                const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                                xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+                                xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+                                xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+                                xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
+                            } else if (ACT == 2) {
+                                const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                                xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+                                xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+                                xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+                                xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
+                            }
+                        }
+                        xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
+                    }
+#pragma unroll
+                    for (int s = 0; s < 4 * V; ++s) {
+                        const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
+                                                   wbv[s] & 0xffff0000u};
+                        const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+                        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(d, a, h0, h1);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) hi[q][e] += d[e];
+#ifndef LOWP
+                        const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
+                        const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));
+                        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) lo[q][e] += dl[e];
+#endif
+                    }
                 }
             }
+#pragma unroll
+            for (int q = 0; q < G; ++q)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[c][q][lane][e] = hi[q][e] + lo[q][e];
         }
-#pragma unroll
-        for (int q = 0; q < G; ++q)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) red[warp][q][lane][e] = hi[q][e] + lo[q][e];
         __syncthreads();
         if (warp == 0) {
 #pragma unroll
@@ -254,7 +264,7 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float acc = red[0][q][lane][e];
-                    for (int w = 1; w < nw; ++w) acc += red[w][q][lane][e];
+                    for (int w = 1; w < nc; ++w) acc += red[w][q][lane][e];
                     const int n = (e < 2 ? ra : rb);
                     const int r = r0 + 8 * q + 2 * t + (e & 1);
                     if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;

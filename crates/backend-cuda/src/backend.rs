@@ -606,6 +606,13 @@ pub struct CudaOptions {
     /// step; 2, 16 contiguous keys (one 128-byte line per row and step) where K is a multiple of
     /// 64, else 1.
     pub gemv_v: usize,
+    /// Warps a block of `gemv_tc2_*` for up to 8 rows (`DRAMATIS_CUDA_GEMV_WARPS`) and for more
+    /// (`DRAMATIS_CUDA_GEMV_WARPS_MANY`): each warp takes a run of the K chunks, summed in chunk
+    /// order whatever the count, so the bits never change; 0 is a warp per chunk (up to 16).
+    /// Fewer warps than chunks let the warps of a multiprocessor walk the activations in the
+    /// same order (one L1 working set) instead of each reading its own chunk of every row.
+    pub gemv_warps: usize,
+    pub gemv_warps_many: usize,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -682,6 +689,8 @@ impl CudaOptions {
             tc_gemv: get("DRAMATIS_CUDA_TC").is_none_or(|v| v.trim() != "0"),
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
+            gemv_warps: num("DRAMATIS_CUDA_GEMV_WARPS", 0).min(16),
+            gemv_warps_many: num("DRAMATIS_CUDA_GEMV_WARPS_MANY", 2).min(16),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -993,11 +1002,20 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                 "gemv_tc2_sigm_g4_v2",
             ),
         };
+        let chunks = k.div_ceil(kc);
+        let warps = match if rows <= 8 {
+            o.gemv_warps
+        } else {
+            o.gemv_warps_many
+        } {
+            0 => chunks,
+            w => w.min(chunks),
+        };
         Bf16Gemv {
             single,
             multi,
             per_block: 16,
-            block: (32 * k.div_ceil(kc)) as u32,
+            block: (32 * warps) as u32,
             kc: Some(kc as i32),
             act: Some((silu, sigm)),
         }

@@ -24,6 +24,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         // the engine's default GEMV layout, whatever the caller's environment
         gemv_kc: CudaOptions::from_lookup(|_| None).gemv_kc,
         gemv_v: CudaOptions::from_lookup(|_| None).gemv_v,
+        gemv_warps: CudaOptions::from_lookup(|_| None).gemv_warps,
+        gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -679,6 +681,25 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
                     Ok(())
                 },
             )?;
+            // the warps a block decide only which warp sums a chunk: three warps for few rows
+            // and one for many give the default's bits (uneven runs where K has 5 chunks)
+            let alt = CudaBackend::with_gpu(
+                c.shared.clone(),
+                Variant::Exact,
+                CudaOptions {
+                    gemv_v: v,
+                    gemv_warps: 3,
+                    gemv_warps_many: 1,
+                    ..base_opts(false)
+                },
+            );
+            let got = run(&alt)?;
+            same_bits(
+                c,
+                format!("{case}: three and one warps a block bitwise = the default"),
+                &got,
+                &exact,
+            );
         }
     }
     Ok(())
