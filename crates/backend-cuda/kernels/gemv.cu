@@ -148,9 +148,9 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
 // chunk order through shared memory. Every output of a row is the same sequence of operations
 // whatever the other rows hold and however many there are, so the result does not depend on
 // the batch. The block's warps take the chunks in runs of ceil(chunks / warps): one chunk a
-// warp when the caller launches a warp per chunk, fewer warps for many rows, so the warps of a
-// multiprocessor walk the activations in chunk order and share them in L1; the warp count
-// changes only which warp computes a chunk, never the bits. In a step,
+// warp as the engine launches it (fewer warps, so that a multiprocessor's warps share one
+// activation chunk in L1, measured slower: DRAMATIS_CUDA_GEMV_WARPS); the warp count changes
+// only which warp computes a chunk, never the bits. In a step,
 // thread (g, t) loads 8 V consecutive weights of rows n0 + g and n0 + g + 8 at key kb + 8 V t
 // (V = 2: one 128-byte line per row and step) and the matching activations; MMA s (0 <= s < 4 V)
 // takes keys 8 V t + 2 s and 8 V t + 2 s + 1 of each t. G row groups of 8 per pass (G = 1 for

@@ -610,7 +610,10 @@ pub struct CudaOptions {
     /// (`DRAMATIS_CUDA_GEMV_WARPS_MANY`): each warp takes a run of the K chunks, summed in chunk
     /// order whatever the count, so the bits never change; 0 is a warp per chunk (up to 16).
     /// Fewer warps than chunks let the warps of a multiprocessor walk the activations in the
-    /// same order (one L1 working set) instead of each reading its own chunk of every row.
+    /// same order (one L1 working set) instead of each reading its own chunk of every row; on
+    /// the H200 that was slower at every row count (`gemvbench`, session 11: GDN projections at
+    /// 32 rows 58.6 us with a warp per chunk, 68.0 with 2 warps, 90.2 with 1), so both default
+    /// to 0.
     pub gemv_warps: usize,
     pub gemv_warps_many: usize,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
@@ -690,7 +693,7 @@ impl CudaOptions {
             gemv_kc: num("DRAMATIS_CUDA_GEMV_KC", 256).min(8192),
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             gemv_warps: num("DRAMATIS_CUDA_GEMV_WARPS", 0).min(16),
-            gemv_warps_many: num("DRAMATIS_CUDA_GEMV_WARPS_MANY", 2).min(16),
+            gemv_warps_many: num("DRAMATIS_CUDA_GEMV_WARPS_MANY", 0).min(16),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
