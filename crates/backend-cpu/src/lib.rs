@@ -323,7 +323,8 @@ impl Backend for CpuBackend {
     fn linear(&self, x: &CpuBuf, w: &CpuWeight, rows: Rows) -> BResult<CpuBuf> {
         check::linear(x.shape(), (w.rows, w.cols))?;
         let y = match rows {
-            Rows::Exact => linear::linear_exact(&x.data, x.rows, w),
+            // joined prompts are each under BULK_MIN_ROWS (joined_rows), where Bulk is exact too
+            Rows::Exact | Rows::Joined => linear::linear_exact(&x.data, x.rows, w),
             Rows::Bulk => linear::linear_bulk(&x.data, x.rows, w),
         };
         Ok(CpuBuf::new(x.rows, w.rows, y))
@@ -522,6 +523,12 @@ impl Backend for CpuBackend {
 
     fn route_host(&self, route: &Route) -> BResult<Route> {
         Ok(route.clone())
+    }
+
+    /// Bulk linears (the experts' too, per expert) take the exact path below
+    /// `BULK_MIN_ROWS` rows, so a prompt under that joins with the same bits.
+    fn joined_rows(&self) -> usize {
+        linear::BULK_MIN_ROWS - 1
     }
 
     fn moe_experts(

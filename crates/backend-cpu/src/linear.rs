@@ -176,7 +176,7 @@ pub const PARALLEL_MIN_MACS: usize = 1 << 18;
 /// Output columns per sgemm tile.
 const BULK_TILE: usize = 128;
 /// Below this many rows the sgemm path is not worth its dequantisation pass.
-const BULK_MIN_ROWS: usize = 8;
+pub(crate) const BULK_MIN_ROWS: usize = 8;
 
 /// `y = x Wᵀ`, `x` `[n, cols]`, each row by the same arithmetic whatever `n`.
 pub fn linear_exact(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {

@@ -133,6 +133,85 @@ fn batched_round_equals_solo_runs_bit_for_bit() {
     }
 }
 
+/// Greedy frames and their traces from a prefilled lane.
+fn frames_after(lane: &mut LaneState<CpuBackend>, n: u64) -> Vec<(FrameOut, StepTrace)> {
+    let m = model();
+    (0..n)
+        .map(|step| {
+            m.step_frame_traced(lane, &SamplingParams::greedy(), 5, step)
+                .unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn joined_prefill_equals_solo_prefills_bit_for_bit() {
+    let m = model();
+    let p = prompt();
+    let most = m.backend.joined_rows();
+    assert!(most >= 6, "the CPU joins prompts of up to {most} rows");
+    // fresh lanes of 6, 5 and 1 rows (no tower position), and a lane continuing a 30-row
+    // prefill (its last row and hidden feed the tower)
+    let pieces: [(&[Row], &[Row]); 4] = [
+        (&[], &p[..6]),
+        (&[], &p[10..15]),
+        (&[], &p[..1]),
+        (&p[..30], &p[30..36]),
+    ];
+    let cap = 60;
+    let mut solo = Vec::new();
+    let mut joined = Vec::new();
+    for (before, rows) in pieces {
+        let mut a = m.new_lane(cap).unwrap();
+        let mut b = m.new_lane(cap).unwrap();
+        if !before.is_empty() {
+            m.prefill(&mut a, before).unwrap();
+            m.prefill(&mut b, before).unwrap();
+        }
+        m.prefill(&mut a, rows).unwrap();
+        solo.push(a);
+        joined.push(b);
+    }
+    let prompts: Vec<&[Row]> = pieces.iter().map(|(_, r)| *r).collect();
+    let mut refs: Vec<&mut LaneState<CpuBackend>> = joined.iter_mut().collect();
+    m.prefill_joined(&mut refs, &prompts).unwrap();
+    for (i, (a, b)) in solo.iter_mut().zip(joined.iter_mut()).enumerate() {
+        assert_eq!(a.rows(), b.rows(), "lane {i}");
+        let (fa, fb) = (frames_after(a, 3), frames_after(b, 3));
+        for (s, ((oa, ta), (ob, tb))) in fa.iter().zip(&fb).enumerate() {
+            assert_eq!(oa, ob, "lane {i} step {s}");
+            assert_eq!(ta.main_logits, tb.main_logits, "lane {i} step {s}");
+            assert_eq!(ta.hidden, tb.hidden, "lane {i} step {s}");
+            assert_eq!(ta.head_logits, tb.head_logits, "lane {i} step {s}");
+        }
+    }
+}
+
+#[test]
+fn joined_prefill_checks_every_prompt_first_and_falls_back_over_its_limit() {
+    let m = model();
+    let p = prompt();
+    let mut bad = p[..3].to_vec();
+    bad[2][0] = 100_000;
+    let mut lanes = [m.new_lane(40).unwrap(), m.new_lane(40).unwrap()];
+    let mut refs: Vec<&mut LaneState<CpuBackend>> = lanes.iter_mut().collect();
+    assert!(m.prefill_joined(&mut refs, &[&p[..4], &bad]).is_err());
+    // nothing ran: both lanes are still empty
+    assert_eq!((lanes[0].rows(), lanes[1].rows()), (0, 0));
+    // a prompt over the backend's limit: each prompt is prefilled alone, with its own bits
+    let long = &p[..m.backend.joined_rows() + 5];
+    let mut refs: Vec<&mut LaneState<CpuBackend>> = lanes.iter_mut().collect();
+    m.prefill_joined(&mut refs, &[&p[..4], long]).unwrap();
+    let mut solo = m.new_lane(40).unwrap();
+    m.prefill(&mut solo, long).unwrap();
+    assert_eq!(lanes[1].rows(), solo.rows());
+    let (fa, fb) = (frames_after(&mut lanes[1], 2), frames_after(&mut solo, 2));
+    assert_eq!(
+        fa.iter().map(|f| &f.1.main_logits).collect::<Vec<_>>(),
+        fb.iter().map(|f| &f.1.main_logits).collect::<Vec<_>>()
+    );
+}
+
 #[test]
 fn split_prefill_gives_the_golden_greedy_frames() {
     let m = model();

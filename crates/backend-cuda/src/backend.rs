@@ -3389,11 +3389,13 @@ impl Backend for CudaBackend {
         // many rows: the same bits with each expert's weights read once per slot group (`wide`
         // already holds I and H to multiples of 4, which SLOTS_PER_WARP divides)
         const _: () = assert!(4 % SLOTS_PER_WARP == 0);
-        if wide && n >= self.opts.slots_min_rows {
+        if wide && n >= self.opts.slots_min_rows && kind != Rows::Joined {
             self.experts_grouped(x, route, tab, experts.len(), i, h, &y, true)?;
             return Ok(y);
         }
-        let tc = self.opts.moe_tc || (kind == Rows::Bulk && self.opts.moe_tc_bulk);
+        // joined prompts take what each prompt alone would (fewer rows than joined_rows)
+        let tc = self.opts.moe_tc
+            || (matches!(kind, Rows::Bulk | Rows::Joined) && self.opts.moe_tc_bulk);
         if !nvfp4 && tc && tc_experts_fit(i, h, k) {
             let grouped = n >= self.opts.moe_tc_group_rows;
             self.experts_tc(x, route, tab, experts.len(), i, h, &y, grouped)?;
@@ -3439,6 +3441,17 @@ impl Backend for CudaBackend {
             r0 += rn;
         }
         Ok(y)
+    }
+
+    /// A prompt under every row count from which `Rows::Bulk` changes kernels (the tiled GEMM,
+    /// the grouped FMA experts, the slot experts) runs the row-invariant GEMVs and experts
+    /// alone, so joined with others it keeps its bits (`bulk_rows`, `moe_experts`).
+    fn joined_rows(&self) -> usize {
+        let o = &self.opts;
+        o.gemm_min_rows
+            .min(o.group_min_rows)
+            .min(o.slots_min_rows)
+            .saturating_sub(1)
     }
 
     fn settle(&self) -> BResult<()> {

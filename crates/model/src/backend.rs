@@ -19,6 +19,10 @@ pub enum Rows {
     Exact,
     /// One lane's prompt: the backend may pick a GEMM whose rounding depends on the row count.
     Bulk,
+    /// Several lanes' prompts one after another, each of at most [`Backend::joined_rows`] rows:
+    /// every row's arithmetic is that of a `Bulk` call holding only its own lane's rows, so a
+    /// prompt's bits do not depend on the prompts it was joined with.
+    Joined,
 }
 
 /// Rotary layout of the first `rot_dims` dims of each head.
@@ -619,6 +623,13 @@ pub trait Backend: Send + Sync + Sized {
         experts: &[Option<Expert<Self::Weight>>],
         rows: Rows,
     ) -> BResult<Self::Buf>;
+
+    /// The most rows of one lane's prompt (or prompt piece) that a [`Rows::Joined`] call takes,
+    /// giving each row the bits of a [`Rows::Bulk`] call of that lane alone; 0 (the default)
+    /// when the backend cannot join prompts, and the model then prefills them one at a time.
+    fn joined_rows(&self) -> usize {
+        0
+    }
 
     /// Waits for the work issued so far and returns an error that work raised but could not
     /// return when it was issued (a backend whose ops report errors as they return has nothing

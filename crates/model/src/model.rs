@@ -18,6 +18,27 @@ pub type Row = [i64; 11];
 /// Width of a row (1 + codebooks); the model refuses configs with another codebook count.
 pub const ROW_WIDTH: usize = 11;
 
+/// Which of a call's rows belong to which lane.
+#[derive(Clone, Copy)]
+enum Span<'a> {
+    /// One row per lane (frame rounds, the tower's step).
+    Step,
+    /// Prompts: lane i's rows are the next `lens[i]` rows, after the lanes before it. One lane
+    /// runs as `Rows::Bulk`, several as `Rows::Joined`.
+    Prompts(&'a [usize]),
+}
+
+impl Span<'_> {
+    /// How the backend may treat the call's rows.
+    fn rows(self) -> Rows {
+        match self {
+            Span::Step => Rows::Exact,
+            Span::Prompts([_]) => Rows::Bulk,
+            Span::Prompts(_) => Rows::Joined,
+        }
+    }
+}
+
 /// Sizes the forward pass needs, read once from the config.
 #[derive(Debug, Clone)]
 pub struct Geometry {
@@ -538,25 +559,29 @@ impl<B: Backend> Model<B> {
 
     // ---------------------------------------------------------------- §4.2 backbone
 
-    /// Runs the backbone layers over `x` (`[rows, H]`). `Rows::Bulk`: one lane, its next rows.
-    /// `Rows::Exact`: one row per lane. Returns the final-normed hidden; advances the lanes.
-    /// With `round`, positions and cache lengths come from the round's counters and the
-    /// lanes' host counters are left to the round's bookkeeping.
+    /// Runs the backbone layers over `x` (`[rows, H]`): each lane's next prompt rows
+    /// (`Span::Prompts`) or one row per lane (`Span::Step`). Returns the final-normed hidden;
+    /// advances the lanes. With `round`, positions and cache lengths come from the round's
+    /// counters and the lanes' host counters are left to the round's bookkeeping.
     fn backbone(
         &self,
         lanes: &mut [&mut LaneState<B>],
         mut x: B::Buf,
-        mode: Rows,
+        span: Span<'_>,
         mut trace: Option<&mut Vec<Vec<f32>>>,
         round: Option<&B::Round>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let g = &self.geometry;
-        let (n, _) = be.shape(&x);
-        let host: Vec<usize> = match (round, mode) {
+        let mode = span.rows();
+        let host: Vec<usize> = match (round, span) {
             (Some(_), _) => Vec::new(),
-            (None, Rows::Bulk) => (0..n).map(|i| lanes[0].rows + i).collect(),
-            (None, Rows::Exact) => lanes.iter().map(|l| l.rows).collect(),
+            (None, Span::Prompts(lens)) => lanes
+                .iter()
+                .zip(lens)
+                .flat_map(|(l, &n)| (0..n).map(move |i| l.rows + i))
+                .collect(),
+            (None, Span::Step) => lanes.iter().map(|l| l.rows).collect(),
         };
         let positions = match round {
             Some(r) => RopeAt::Round(r, Counter::Backbone),
@@ -568,8 +593,8 @@ impl<B: Backend> Model<B> {
         let mut h = be.rms_norm(&x, first, g.hidden, g.eps, true)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let m = match &layer.mixer {
-                Mixer::Gdn(s, w) => self.gdn(lanes, *s, w, &h, mode)?,
-                Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, positions, mode)?,
+                Mixer::Gdn(s, w) => self.gdn(lanes, *s, w, &h, span)?,
+                Mixer::Attn(s, w) => self.attention(lanes, *s, w, &h, positions, span)?,
             };
             let (x1, h1) = be.add_rms_norm(&x, &m, &layer.post_norm, g.hidden, g.eps, true)?;
             let y = self.moe(&layer.moe, &h1, mode)?;
@@ -586,12 +611,39 @@ impl<B: Backend> Model<B> {
                 t.push(be.download(&x)?);
             }
         }
-        match (mode, round) {
+        match (span, round) {
             (_, Some(_)) => {}
-            (Rows::Bulk, None) => lanes[0].rows += n,
-            (Rows::Exact, None) => lanes.iter_mut().for_each(|l| l.rows += 1),
+            (Span::Prompts(lens), None) => {
+                lanes.iter_mut().zip(lens).for_each(|(l, n)| l.rows += n)
+            }
+            (Span::Step, None) => lanes.iter_mut().for_each(|l| l.rows += 1),
         }
         Ok(h)
+    }
+
+    /// `f(i, parts)` on lane i's rows of each of `bufs` (`lens[i]` rows after the lanes before
+    /// it), the outputs joined in lane order; a single lane takes the buffers whole.
+    fn per_lane<F>(&self, lens: &[usize], bufs: &[&B::Buf], mut f: F) -> Result<B::Buf>
+    where
+        F: FnMut(usize, &[&B::Buf]) -> Result<B::Buf>,
+    {
+        if let [_] = lens {
+            return f(0, bufs);
+        }
+        let be = &self.backend;
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut off = 0;
+        for (i, &n) in lens.iter().enumerate() {
+            let parts = bufs
+                .iter()
+                .map(|b| be.rows(b, off, n))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let refs: Vec<&B::Buf> = parts.iter().collect();
+            outs.push(f(i, &refs)?);
+            off += n;
+        }
+        let refs: Vec<&B::Buf> = outs.iter().collect();
+        Ok(be.concat_rows(&refs)?)
     }
 
     /// §4.3 Gated DeltaNet mixer: `[n, H] -> [n, H]`.
@@ -601,19 +653,20 @@ impl<B: Backend> Model<B> {
         slot: usize,
         w: &GdnWeights<B>,
         x: &B::Buf,
-        mode: Rows,
+        span: Span<'_>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let d = &self.geometry.gdn;
+        let mode = span.rows();
         // qkv [n, C], z [n, nv·dv], b and a [n, nv]
         let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
         let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
-        let o = match mode {
-            Rows::Bulk => {
-                let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
-                be.gdn_prefill(&u, &b, &a, &w.a_log, &w.dt_bias, d, states[0], true)?
-            }
-            Rows::Exact => {
+        let o = match span {
+            Span::Prompts(lens) => self.per_lane(lens, &[&qkv, &b, &a], |i, p| {
+                let u = be.gdn_conv(p[0], &w.conv, d, states[i])?;
+                Ok(be.gdn_prefill(&u, p[1], p[2], &w.a_log, &w.dt_bias, d, states[i], true)?)
+            })?,
+            Span::Step => {
                 let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
                 be.gdn_step(&u, &b, &a, &w.a_log, &w.dt_bias, d, &mut states)?
             }
@@ -640,7 +693,7 @@ impl<B: Backend> Model<B> {
         q_norm: &B::Vector,
         k_norm: &B::Vector,
         positions: At<'_, B>,
-        mode: Rows,
+        span: Span<'_>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let hd = dims.head_dim;
@@ -648,9 +701,11 @@ impl<B: Backend> Model<B> {
         let q = be.norm_rope(q.0, q.1, q_norm, eps, hd, rot, th, st, positions)?;
         let k = be.norm_rope(k.0, k.1, k_norm, eps, hd, rot, th, st, positions)?;
         let o = match positions {
-            RopeAt::Host(_) => match mode {
-                Rows::Bulk => be.attn_prefill(&q, &k, &v, dims, kvs[0])?,
-                Rows::Exact => be.attn_step(&q, &k, &v, dims, kvs)?,
+            RopeAt::Host(_) => match span {
+                Span::Prompts(lens) => self.per_lane(lens, &[&q, &k, &v], |i, p| {
+                    Ok(be.attn_prefill(p[0], p[1], p[2], dims, kvs[i])?)
+                })?,
+                Span::Step => be.attn_step(&q, &k, &v, dims, kvs)?,
             },
             RopeAt::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
         };
@@ -664,10 +719,11 @@ impl<B: Backend> Model<B> {
         w: &AttnWeights<B>,
         x: &B::Buf,
         positions: At<'_, B>,
-        mode: Rows,
+        span: Span<'_>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let d = &self.geometry.attn;
+        let mode = span.rows();
         let (hq, hd) = (d.q_heads, d.head_dim);
         // q_proj rows are per head [q_h ; gate_h]: split each 2·hd block.
         let [qg, k, v]: [B::Buf; 3] = linears(be, x, [&w.q, &w.k, &w.v], mode)?;
@@ -685,7 +741,7 @@ impl<B: Backend> Model<B> {
             &w.q_norm,
             &w.k_norm,
             positions,
-            mode,
+            span,
         )?;
         Ok(be.linear_sigmoid_mul(&o, &gate, &w.o, mode)?)
     }
@@ -754,10 +810,11 @@ impl<B: Backend> Model<B> {
         h: &B::Buf,
         e: &B::Buf,
         positions: At<'_, B>,
-        mode: Rows,
+        span: Span<'_>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
         let g = &self.geometry;
+        let mode = span.rows();
         let w = &self.tower[t];
         let d = &g.tower_attn;
         let (dim, eps) = (g.hidden, g.tower_eps);
@@ -784,7 +841,7 @@ impl<B: Backend> Model<B> {
             &w.q_norm,
             &w.k_norm,
             positions,
-            mode,
+            span,
         )?;
         let (r, x) = be.add_rms_norm(
             &m,
@@ -807,15 +864,17 @@ impl<B: Backend> Model<B> {
         Ok(be.add_rms_norm(&r, &f, &w.out_norm, dim, eps, true)?.1)
     }
 
-    /// Teacher-forced tower over one lane's positions `lane.tower_rows ..`: `hidden[i]` and
-    /// `inputs[i]` at that position, `labels[i]` the frame it predicts. Optionally records each
+    /// Teacher-forced tower over each lane's next `lens[i]` positions `lane.tower_rows ..`
+    /// (every `lens[i]` at least 1), the lanes' rows one after another: `hidden[j]` and
+    /// `inputs[j]` at that position, `labels[j]` the frame it predicts. Optionally records each
     /// layer's output and the head logits.
-    fn tower_bulk(
+    fn tower_prompts(
         &self,
-        lane: &mut LaneState<B>,
+        lanes: &mut [&mut LaneState<B>],
         hidden: &B::Buf,
         inputs: &[Row],
         labels: &[Row],
+        lens: &[usize],
         mut trace: Option<&mut TowerTrace>,
     ) -> Result<()> {
         let be = &self.backend;
@@ -823,28 +882,29 @@ impl<B: Backend> Model<B> {
         if n == 0 {
             return Ok(());
         }
-        let positions: Vec<usize> = (0..n).map(|i| lane.tower_rows + i).collect();
+        let positions: Vec<usize> = lanes
+            .iter()
+            .zip(lens)
+            .flat_map(|(l, &m)| (0..m).map(move |i| l.tower_rows + i))
+            .collect();
+        let span = Span::Prompts(lens);
         let mut h = be.rows(hidden, 0, n)?;
         for t in 0..self.geometry.tower_layers {
             let e = self.tower_embed(t, inputs, labels)?;
-            h = self.tower_layer(
-                t,
-                &mut [&mut lane.tower_kv[t]],
-                &h,
-                &e,
-                RopeAt::Host(&positions),
-                Rows::Bulk,
-            )?;
+            let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
+            h = self.tower_layer(t, &mut kvs, &h, &e, RopeAt::Host(&positions), span)?;
             if let Some(tr) = trace.as_deref_mut() {
                 tr.layer_outputs.push(be.download(&h)?);
                 if t >= self.geometry.tower_shared {
                     let r = t - self.geometry.tower_shared;
-                    let l = be.download(&be.linear(&h, &self.heads[r], Rows::Bulk)?)?;
+                    let l = be.download(&be.linear(&h, &self.heads[r], span.rows())?)?;
                     tr.codebook_logits.extend(l);
                 }
             }
         }
-        lane.tower_rows += n;
+        for (l, m) in lanes.iter_mut().zip(lens) {
+            l.tower_rows += m;
+        }
         Ok(())
     }
 
@@ -875,6 +935,99 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// [`Model::prefill`] of several lanes at once, `prompts[i]` into `lanes[i]`: one pass of
+    /// the row-wise ops over every prompt's rows (each weight read once for all of them), the
+    /// recurrences and attention per lane. Each prompt's rows get the bits of its own prefill
+    /// ([`Rows::Joined`]), so a lane ends as [`Model::prefill`] would leave it. Prompts over the
+    /// backend's [`Backend::joined_rows`], a single lane, or a backend that cannot join take
+    /// [`Model::prefill`] one after another. The caller bounds the total rows (the plan's
+    /// prefill chunk).
+    pub fn prefill_joined(
+        &self,
+        lanes: &mut [&mut LaneState<B>],
+        prompts: &[&[Row]],
+    ) -> Result<()> {
+        let be = &self.backend;
+        if lanes.len() != prompts.len() {
+            return Err(ModelError::Unsupported(format!(
+                "prefill_joined: {} lanes for {} prompts",
+                lanes.len(),
+                prompts.len()
+            )));
+        }
+        let most = be.joined_rows();
+        if lanes.len() < 2 || prompts.iter().any(|p| p.is_empty() || p.len() > most) {
+            for (lane, rows) in lanes.iter_mut().zip(prompts) {
+                self.prefill_traced(lane, rows, None, None)?;
+            }
+            be.settle()?;
+            return Ok(());
+        }
+        // every prompt checked before any work, so a bad one leaves every lane untouched
+        for (lane, rows) in lanes.iter().zip(prompts) {
+            lane.check_room(rows.len())?;
+            for (i, r) in rows.iter().enumerate() {
+                self.check_row(i, r)?;
+            }
+        }
+        let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+        let all: Vec<Row> = prompts.concat();
+        let x = self.embed_rows(&all)?;
+        let hn = self.backbone(lanes, x, Span::Prompts(&lens), None, None)?;
+        // the tower over each lane's positions whose label is now known, as prefill_traced
+        let (mut inputs, mut labels, mut hidden, mut tlens) = (vec![], vec![], vec![], vec![]);
+        let mut off = 0;
+        for (lane, rows) in lanes.iter_mut().zip(prompts) {
+            let t = rows.len();
+            let last = lane.last_hidden.take();
+            let mut n = 0;
+            if lane.has_tower() {
+                if let (Some(r), Some(h)) = (lane.last_row, last) {
+                    inputs.push(r);
+                    hidden.push(h);
+                    n += 1;
+                }
+                inputs.extend_from_slice(&rows[..t - 1]);
+                labels.extend_from_slice(if lane.last_row.is_some() {
+                    rows
+                } else {
+                    &rows[1..]
+                });
+                if t > 1 {
+                    hidden.push(be.rows(&hn, off, t - 1)?);
+                }
+                n += t - 1;
+            }
+            tlens.push(n);
+            off += t;
+        }
+        if !inputs.is_empty() {
+            let refs: Vec<&B::Buf> = hidden.iter().collect();
+            let h = be.concat_rows(&refs)?;
+            let mut with: Vec<&mut LaneState<B>> = lanes
+                .iter_mut()
+                .zip(&tlens)
+                .filter(|(_, &n)| n > 0)
+                .map(|(l, _)| &mut **l)
+                .collect();
+            let lens: Vec<usize> = tlens.iter().copied().filter(|&n| n > 0).collect();
+            self.tower_prompts(&mut with, &h, &inputs, &labels, &lens, None)?;
+        }
+        let mut off = 0;
+        for (lane, rows) in lanes.iter_mut().zip(prompts) {
+            let t = rows.len();
+            lane.set_hidden(be.rows(&hn, off + t - 1, 1)?);
+            lane.last_row = Some(rows[t - 1]);
+            for r in rows.iter() {
+                lane.push_main(r[0]);
+            }
+            off += t;
+        }
+        // an error the prompts' kernels raised fails these prefills, not the next shared round
+        be.settle()?;
+        Ok(())
+    }
+
     fn prefill_traced(
         &self,
         lane: &mut LaneState<B>,
@@ -891,7 +1044,8 @@ impl<B: Backend> Model<B> {
         }
         lane.check_room(rows.len())?;
         let x = self.embed_rows(rows)?;
-        let hn = self.backbone(&mut [&mut *lane], x, Rows::Bulk, layer_trace, None)?;
+        let t = rows.len();
+        let hn = self.backbone(&mut [&mut *lane], x, Span::Prompts(&[t]), layer_trace, None)?;
         // Tower positions: the lane's previous last row (if any) and all new rows but the last.
         let (mut inputs, mut hidden) = (Vec::new(), Vec::new());
         if let (Some(r), Some(h)) = (lane.last_row, lane.last_hidden.take()) {
@@ -904,14 +1058,14 @@ impl<B: Backend> Model<B> {
         } else {
             rows[1..].to_vec()
         };
-        let t = rows.len();
         if t > 1 {
             hidden.push(be.rows(&hn, 0, t - 1)?);
         }
         if !inputs.is_empty() && lane.has_tower() {
             let refs: Vec<&B::Buf> = hidden.iter().collect();
             let h = be.concat_rows(&refs)?;
-            self.tower_bulk(lane, &h, &inputs, &labels, tower_trace)?;
+            let n = inputs.len();
+            self.tower_prompts(&mut [lane], &h, &inputs, &labels, &[n], tower_trace)?;
         }
         lane.set_hidden(be.rows(&hn, t - 1, 1)?);
         lane.last_row = Some(rows[t - 1]);
@@ -929,7 +1083,14 @@ impl<B: Backend> Model<B> {
         let x = self.embed_rows(rows)?;
         let input_embeds = be.download(&x)?;
         let mut layers = Vec::new();
-        let hn = self.backbone(&mut [&mut lane], x, Rows::Bulk, Some(&mut layers), None)?;
+        let t = rows.len();
+        let hn = self.backbone(
+            &mut [&mut lane],
+            x,
+            Span::Prompts(&[t]),
+            Some(&mut layers),
+            None,
+        )?;
         Ok(BackboneTrace {
             input_embeds,
             layer_outputs: layers,
@@ -954,7 +1115,14 @@ impl<B: Backend> Model<B> {
             codebook_logits: Vec::new(),
         };
         if t > 1 {
-            self.tower_bulk(&mut lane, &h, &rows[..t - 1], &rows[1..], Some(&mut trace))?;
+            self.tower_prompts(
+                &mut [&mut lane],
+                &h,
+                &rows[..t - 1],
+                &rows[1..],
+                &[t - 1],
+                Some(&mut trace),
+            )?;
             // Reorder logits from [head][pos][cb] to [pos][head][cb].
             let (cb, heads) = (self.geometry.codebook, self.geometry.codebooks - 1);
             let src = std::mem::take(&mut trace.codebook_logits);
@@ -1024,7 +1192,7 @@ impl<B: Backend> Model<B> {
         for t in 0..g.tower_layers {
             let e = self.tower_embed(t, &inputs, &frames)?;
             let mut kvs: Vec<&mut B::Kv> = lanes.iter_mut().map(|l| &mut l.tower_kv[t]).collect();
-            h = self.tower_layer(t, &mut kvs, &h, &e, RopeAt::Host(&positions), Rows::Exact)?;
+            h = self.tower_layer(t, &mut kvs, &h, &e, RopeAt::Host(&positions), Span::Step)?;
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
                 let l = be.download(&be.linear(&h, &self.heads[r], Rows::Exact)?)?;
@@ -1102,7 +1270,7 @@ impl<B: Backend> Model<B> {
                 &h,
                 &e,
                 RopeAt::Round(round, Counter::Tower),
-                Rows::Exact,
+                Span::Step,
             )?;
             if t >= g.tower_shared {
                 let r = t - g.tower_shared;
@@ -1121,7 +1289,7 @@ impl<B: Backend> Model<B> {
             mix,
             Counter::Backbone,
         )?;
-        let hn = self.backbone(lanes, x, Rows::Exact, None, Some(round))?;
+        let hn = self.backbone(lanes, x, Span::Step, None, Some(round))?;
         let mut outs = lanes
             .iter_mut()
             .map(|l| l.last_hidden.as_mut().ok_or(ModelError::NotPrefilled))
@@ -1137,7 +1305,7 @@ impl<B: Backend> Model<B> {
             l.check_room(1)?;
         }
         let x = self.embed_rows(frames)?;
-        let hn = self.backbone(lanes, x, Rows::Exact, None, None)?;
+        let hn = self.backbone(lanes, x, Span::Step, None, None)?;
         for (i, l) in lanes.iter_mut().enumerate() {
             l.set_hidden(be.rows(&hn, i, 1)?);
             l.last_row = Some(frames[i]);
