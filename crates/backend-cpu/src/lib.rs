@@ -323,7 +323,7 @@ impl Backend for CpuBackend {
     fn linear(&self, x: &CpuBuf, w: &CpuWeight, rows: Rows) -> BResult<CpuBuf> {
         check::linear(x.shape(), (w.rows, w.cols))?;
         let y = match rows {
-            // joined prompts are each under BULK_MIN_ROWS (joined_rows), where Bulk is exact too
+            // joined prompts are each under bulk_min_rows (joined_rows), where Bulk is exact too
             Rows::Exact | Rows::Joined => linear::linear_exact(&x.data, x.rows, w),
             Rows::Bulk => linear::linear_bulk(&x.data, x.rows, w),
         };
@@ -526,9 +526,9 @@ impl Backend for CpuBackend {
     }
 
     /// Bulk linears (the experts' too, per expert) take the exact path below
-    /// `BULK_MIN_ROWS` rows, so a prompt under that joins with the same bits.
+    /// `linear::bulk_min_rows` rows, so a prompt under that joins with the same bits.
     fn joined_rows(&self) -> usize {
-        linear::BULK_MIN_ROWS - 1
+        linear::bulk_min_rows() - 1
     }
 
     fn moe_experts(

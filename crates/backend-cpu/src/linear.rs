@@ -176,7 +176,21 @@ pub const PARALLEL_MIN_MACS: usize = 1 << 18;
 /// Output columns per sgemm tile.
 const BULK_TILE: usize = 128;
 /// Below this many rows the sgemm path is not worth its dequantisation pass.
-pub(crate) const BULK_MIN_ROWS: usize = 8;
+/// From this many rows on, a `Rows::Bulk` linear runs the tiled GEMM (`matrixmultiply`, whose
+/// rounding may depend on the row count); below it every row takes the exact path, so prompts
+/// of fewer rows join with their own bits (`CpuBackend::joined_rows`). 8, or
+/// `DRAMATIS_CPU_BULK_MIN_ROWS` (read once per process; the engine tests raise it so their
+/// prompts join).
+pub(crate) fn bulk_min_rows() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("DRAMATIS_CPU_BULK_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&n| n >= 1)
+            .unwrap_or(8)
+    })
+}
 
 /// `y = x Wᵀ`, `x` `[n, cols]`, each row by the same arithmetic whatever `n`.
 pub fn linear_exact(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
@@ -227,7 +241,7 @@ impl OutPtr {
 
 /// `y = x Wᵀ` through f32 tiles and sgemm (one lane's prompt).
 pub fn linear_bulk(x: &[f32], n: usize, w: &CpuWeight) -> Vec<f32> {
-    if n < BULK_MIN_ROWS {
+    if n < bulk_min_rows() {
         return linear_exact(x, n, w);
     }
     let (out, k) = (w.rows, w.cols);

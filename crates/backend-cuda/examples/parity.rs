@@ -13,7 +13,7 @@ use std::time::Instant;
 use backend_cpu::CpuBackend;
 use backend_cuda::CudaBackend;
 use checkpoint::Checkpoint;
-use model::{Backend, Model, Row, ROW_WIDTH};
+use model::{Backend, LaneState, Model, Row, ROW_WIDTH};
 
 use backend_cuda::rng::Rng;
 
@@ -30,28 +30,80 @@ fn run<B: Backend>(m: &Model<B>, prompt: &[Row], frames: &[Row]) -> Result<Trace
     let mut lane = m.new_lane(prompt.len() + frames.len() + 1).map_err(e)?;
     let t0 = Instant::now();
     m.prefill(&mut lane, prompt).map_err(e)?;
-    let mut main = m.main_logits(&[&mut lane]).map_err(e)?;
     let prefill_s = t0.elapsed().as_secs_f64();
-    let mut heads = Vec::new();
     let t1 = Instant::now();
-    for f in frames {
-        let forced = *f;
-        let pick = |r: usize, _lane: usize, _l: &[f32]| forced[2 + r] as u32;
-        let got = m
-            .tower_step(&mut [&mut lane], &[f[0] as u32], &pick, Some(&mut heads))
-            .map_err(e)?;
-        if got[0] != *f {
-            return Err(format!("tower step rebuilt {:?}, expected {f:?}", got[0]));
-        }
-        m.advance(&mut [&mut lane], &[forced]).map_err(e)?;
-        main.extend(m.main_logits(&[&mut lane]).map_err(e)?);
-    }
+    let (main, heads) = follow(m, &mut lane, frames)?;
     Ok(Trace {
         main,
         heads,
         prefill_s,
         frames_s: t1.elapsed().as_secs_f64(),
     })
+}
+
+/// A prefilled lane's main logits, then `frames` teacher-forced (the tower step with the
+/// frame's codes forced, then the backbone advance): every main row and head row.
+#[allow(clippy::type_complexity)]
+fn follow<B: Backend>(
+    m: &Model<B>,
+    lane: &mut LaneState<B>,
+    frames: &[Row],
+) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), String> {
+    let e = |x: model::ModelError| x.to_string();
+    let mut main = m.main_logits(&[&mut *lane]).map_err(e)?;
+    let mut heads = Vec::new();
+    for f in frames {
+        let forced = *f;
+        let pick = |r: usize, _lane: usize, _l: &[f32]| forced[2 + r] as u32;
+        let got = m
+            .tower_step(&mut [&mut *lane], &[f[0] as u32], &pick, Some(&mut heads))
+            .map_err(e)?;
+        if got[0] != *f {
+            return Err(format!("tower step rebuilt {:?}, expected {f:?}", got[0]));
+        }
+        m.advance(&mut [&mut *lane], &[forced]).map_err(e)?;
+        main.extend(m.main_logits(&[&mut *lane]).map_err(e)?);
+    }
+    Ok((main, heads))
+}
+
+/// Prompts of 1, 17, all and half-plus-3 rows prefilled joined (`Model::prefill_joined`)
+/// against each prefilled alone: every main and head logit after the prefill and `frames`
+/// teacher-forced steps, bit for bit. Returns (lanes, lanes equal).
+fn joined_equals_solo<B: Backend>(
+    m: &Model<B>,
+    prompt: &[Row],
+    frames: &[Row],
+) -> Result<(usize, usize), String> {
+    let e = |x: model::ModelError| x.to_string();
+    let n = prompt.len();
+    let pieces: Vec<&[Row]> = vec![
+        &prompt[..1],
+        &prompt[3.min(n - 1)..20.min(n)],
+        prompt,
+        &prompt[..(n / 2 + 3).min(n)],
+    ];
+    let cap = n + frames.len() + 2;
+    let mut solo = Vec::new();
+    for p in &pieces {
+        let mut l = m.new_lane(cap).map_err(e)?;
+        m.prefill(&mut l, p).map_err(e)?;
+        solo.push(follow(m, &mut l, frames)?);
+    }
+    let mut lanes = pieces
+        .iter()
+        .map(|_| m.new_lane(cap))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(e)?;
+    let mut refs: Vec<&mut LaneState<B>> = lanes.iter_mut().collect();
+    m.prefill_joined(&mut refs, &pieces).map_err(e)?;
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+    let mut equal = 0;
+    for (l, want) in lanes.iter_mut().zip(&solo) {
+        let got = follow(m, l, frames)?;
+        equal += usize::from(bits(&got.0) == bits(&want.0) && bits(&got.1) == bits(&want.1));
+    }
+    Ok((pieces.len(), equal))
 }
 
 struct Cmp {
@@ -211,6 +263,16 @@ fn real_main() -> Result<bool, String> {
         "cuda_frames_s": gpu.frames_s,
     });
     let mut ok = true;
+    // joined prompts keep their bits (f32 KV, as the gate below)
+    gm.backend.set_kv_f32(true);
+    let (lanes, equal) = joined_equals_solo(&gm, &prompt, &frames[..frames.len().min(2)])?;
+    gm.backend.set_kv_f32(opts.kv_f32);
+    println!(
+        "JOINED prefill: {equal}/{lanes} lanes bitwise equal to their own prefill (max joined rows {})",
+        gm.backend.joined_rows()
+    );
+    report["joined_prefill_lanes_bitwise_equal"] = serde_json::json!([equal, lanes]);
+    ok &= equal == lanes;
     if !skip_cpu {
         let t = Instant::now();
         let cm = Model::load(&ck, CpuBackend::new()).map_err(|e| e.to_string())?;

@@ -421,6 +421,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut frames = Vec::new();
         let rounds0 = eng.stats().rounds;
         let deferred0 = eng.stats().starts_deferred;
+        let joined0 = eng.stats().prefills_joined;
         for r in 0..a.runs {
             let res = one_run(&eng, lanes, &a, r)?;
             fps.push(res.frames as f64 / res.wall);
@@ -446,6 +447,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "real_time_factor_median": median(rtf),
             "rounds": rounds_field(&eng.stats().rounds.since(&rounds0)),
             "starts_deferred": eng.stats().starts_deferred - deferred0,
+            "prefills_joined": eng.stats().prefills_joined - joined0,
         }));
         // the rate while the lanes are in kept rounds (no prefill between): lanes over the mean
         // kept round; an estimate, since a round can hold finished lanes' ghost slots

@@ -15,6 +15,7 @@ pub struct Metrics {
     requests: IntCounterVec,
     refusals: IntCounterVec,
     pub starts_deferred: IntCounter,
+    pub prefills_joined: IntCounter,
     pub frames: IntCounter,
     pub audio_samples: IntCounter,
     pub capped_segments: IntCounter,
@@ -109,6 +110,11 @@ impl Metrics {
                 "dramatis_starts_deferred_total",
                 "Times a waiting job was left for the next round by --starts-per-round",
             ),
+            prefills_joined: counter(
+                &registry,
+                "dramatis_prefills_joined_total",
+                "Lanes prefilled together with other lanes in one joined prefill",
+            ),
             frames: counter(
                 &registry,
                 "dramatis_frames_generated_total",
@@ -183,6 +189,7 @@ impl Metrics {
         // The engine counts frames and rounds; the counters follow it.
         follow(&self.frames, stats.frames_total);
         follow(&self.starts_deferred, stats.starts_deferred);
+        follow(&self.prefills_joined, stats.prefills_joined);
         let r = stats.rounds;
         for (how, n) in [
             ("host", r.host),

@@ -118,6 +118,8 @@ pub struct EngineStats {
     pub starts_deferred: u64,
     /// The most jobs started between two frame rounds.
     pub starts_most: u64,
+    /// Lanes prefilled in a joined prefill (`Model::prefill_joined`) with at least one other.
+    pub prefills_joined: u64,
     /// How the frame rounds ran (host-drawn, kept: replayed, recorded or issued).
     pub rounds: model::RoundCounts,
 }
@@ -264,6 +266,7 @@ pub struct Engine {
     frames_total: Arc<AtomicU64>,
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
+    prefills_joined: Arc<AtomicU64>,
     /// The model's frame-round counters (shared with the worker's model).
     round_stats: Arc<model::RoundStats>,
     /// Device bytes the backend reserved at start-up for the plan's state (0 on the CPU).
@@ -459,6 +462,7 @@ impl Engine {
         let frames_total = Arc::new(AtomicU64::new(0));
         let starts_deferred = Arc::new(AtomicU64::new(0));
         let starts_most = Arc::new(AtomicU64::new(0));
+        let prefills_joined = Arc::new(AtomicU64::new(0));
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
@@ -513,6 +517,7 @@ impl Engine {
             starts_per_round: opts.starts_per_round,
             starts_deferred: Arc::clone(&starts_deferred),
             starts_most: Arc::clone(&starts_most),
+            prefills_joined: Arc::clone(&prefills_joined),
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -560,6 +565,7 @@ impl Engine {
             frames_total,
             starts_deferred,
             starts_most,
+            prefills_joined,
             round_stats,
             device_reserved,
             cache_hits,
@@ -643,6 +649,7 @@ impl Engine {
             frames_total: self.frames_total.load(Ordering::Relaxed),
             starts_deferred: self.starts_deferred.load(Ordering::Relaxed),
             starts_most: self.starts_most.load(Ordering::Relaxed),
+            prefills_joined: self.prefills_joined.load(Ordering::Relaxed),
             rounds: self.round_stats.counts(),
         }
     }
@@ -1485,6 +1492,7 @@ struct WorkerCtx {
     starts_per_round: usize,
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
+    prefills_joined: Arc<AtomicU64>,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1552,6 +1560,7 @@ fn spawn_worker<B: Backend + 'static>(
         starts_per_round: ctx.starts_per_round,
         starts_deferred: ctx.starts_deferred,
         starts_most: ctx.starts_most,
+        prefills_joined: ctx.prefills_joined,
         max_unread_samples: ctx.max_unread_samples,
         max_pause: ctx.max_pause,
         sample_rate: f64::from(rate),
@@ -1603,6 +1612,7 @@ struct Worker<B: Backend> {
     starts_per_round: usize,
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
+    prefills_joined: Arc<AtomicU64>,
     /// [`EngineOptions::max_unread_audio_seconds`] in samples.
     max_unread_samples: u64,
     /// [`EngineOptions::max_pause_seconds`].
@@ -1682,14 +1692,7 @@ impl<B: Backend> Worker<B> {
                     return;
                 }
             }
-            for (job, reservation) in fresh {
-                match self.start(job, reservation) {
-                    Ok(a) => active.push(a),
-                    Err((tx, e)) => {
-                        let _ = tx.send(JobEvent::Failed(e));
-                    }
-                }
-            }
+            active.extend(self.start_all(fresh));
             // Cancelled jobs leave before the round; their lanes go back to the model (settled:
             // no round is in flight here), which may keep them as ghosts of the kept round.
             let mut left = Vec::with_capacity(active.len());
@@ -1767,8 +1770,35 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Takes a lane and prefills the first segment; on failure the job's sender and the reason.
-    fn start(
+    /// Takes a lane for each job and prefills their first segments together
+    /// (`prefill_segments`); a job that fails is told why and leaves no state behind.
+    fn start_all(&self, fresh: Vec<(Job, admission::Reservation)>) -> Vec<Active<B>> {
+        let mut opened = Vec::with_capacity(fresh.len());
+        for (job, reservation) in fresh {
+            match self.open(job, reservation) {
+                Ok(a) => opened.push(a),
+                Err((tx, e)) => {
+                    let _ = tx.send(JobEvent::Failed(e));
+                }
+            }
+        }
+        let results = self.prefill_segments(&mut opened);
+        let mut started = Vec::with_capacity(opened.len());
+        for (a, r) in opened.into_iter().zip(results) {
+            match r {
+                Ok(()) => started.push(a),
+                Err(e) => {
+                    let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
+                    let _ = a.job.events.send(JobEvent::Failed(e));
+                }
+            }
+        }
+        started
+    }
+
+    /// Takes a lane and tells the codec thread and the caller that the job started; on failure
+    /// the job's sender and the reason.
+    fn open(
         &self,
         job: Job,
         reservation: admission::Reservation,
@@ -1777,7 +1807,7 @@ impl<B: Backend> Worker<B> {
             Ok(l) => l,
             Err(e) => return Err((job.events, e.to_string())),
         };
-        let mut a = Active {
+        let a = Active {
             lane,
             uncond: None,
             _reservation: reservation,
@@ -1803,10 +1833,6 @@ impl<B: Backend> Worker<B> {
             cap: a.job.cap,
             prompt_rows: a.job.segments[0].1.prompt_rows.0,
         });
-        if let Err(e) = self.prefill_segment(&mut a) {
-            let _ = self.codec_tx.send(CodecMsg::Drop { key: a.key });
-            return Err((a.job.events, e));
-        }
         Ok(a)
     }
 
@@ -1819,7 +1845,123 @@ impl<B: Backend> Worker<B> {
             .map_err(|e| e.to_string())
     }
 
+    /// Prefills one job's current segment (`prefill_segments` of one job).
     fn prefill_segment(&self, a: &mut Active<B>) -> Result<(), String> {
+        self.prefill_segments(std::slice::from_mut(a))
+            .pop()
+            .unwrap_or(Ok(()))
+    }
+
+    /// Prefills each job's current segment, one result per job. What each job does alone (a
+    /// new lane for a later segment, the reference prefix from the cache or prefilled and
+    /// cached) comes first; then the rows left, the conditional lanes' and the guidance
+    /// branches', run as joined prefills (`Model::prefill_joined`: each weight read once for
+    /// all of them, every lane with the bits of its own prefill) in groups of at most the
+    /// plan's prefill chunk, and longer prompts alone in chunks.
+    fn prefill_segments(&self, jobs: &mut [Active<B>]) -> Vec<Result<(), String>> {
+        let mut results: Vec<Result<(), String>> = Vec::with_capacity(jobs.len());
+        // (job, guidance branch, rows)
+        let mut items: Vec<(usize, bool, Vec<model::Row>)> = Vec::new();
+        for (i, a) in jobs.iter_mut().enumerate() {
+            results.push(match self.segment_rows(a) {
+                Ok((rows, un)) => {
+                    items.push((i, false, rows));
+                    if let Some(u) = un {
+                        items.push((i, true, u));
+                    }
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            });
+        }
+        let most = self.model.backend.joined_rows().min(self.prefill_chunk);
+        // each job's lanes, taken out as its items run
+        // (conditional lane, guidance branch) of each job
+        type Lanes<'a, B> = (Option<&'a mut LaneState<B>>, Option<&'a mut LaneState<B>>);
+        let mut lanes: Vec<Lanes<'_, B>> = jobs
+            .iter_mut()
+            .map(|a| (Some(&mut a.lane), a.uncond.as_mut()))
+            .collect();
+        let mut take = |i: usize, un: bool| {
+            let l = &mut lanes[i];
+            if un {
+                l.1.take()
+            } else {
+                l.0.take()
+            }
+        };
+        let mut group: Vec<(usize, &mut LaneState<B>, &[model::Row])> = Vec::new();
+        let mut group_rows = 0;
+        for (i, un, rows) in &items {
+            let Some(lane) = take(*i, *un) else { continue };
+            if results[*i].is_err() {
+                continue;
+            }
+            if rows.len() > most || most == 0 {
+                if let Err(e) = self.prefill(lane, rows) {
+                    results[*i] = Err(e);
+                }
+                continue;
+            }
+            if group_rows + rows.len() > self.prefill_chunk {
+                self.prefill_group(std::mem::take(&mut group), &mut results);
+                group_rows = 0;
+            }
+            group_rows += rows.len();
+            group.push((*i, lane, rows));
+        }
+        self.prefill_group(group, &mut results);
+        results
+    }
+
+    /// One joined prefill of `group`'s lanes. A refused prompt (checked before any work, so
+    /// no lane has moved) sends each lane to its own prefill, so only the bad job fails; an
+    /// error after the work began fails every job of the group.
+    fn prefill_group(
+        &self,
+        group: Vec<(usize, &mut LaneState<B>, &[model::Row])>,
+        results: &mut [Result<(), String>],
+    ) {
+        let (mut owners, mut lanes, mut prompts) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, lane, rows) in group {
+            if results[i].is_ok() {
+                owners.push(i);
+                lanes.push(lane);
+                prompts.push(rows);
+            }
+        }
+        if lanes.is_empty() {
+            return;
+        }
+        let before: Vec<usize> = lanes.iter().map(|l| l.rows()).collect();
+        let Err(e) = self.model.prefill_joined(&mut lanes, &prompts) else {
+            if lanes.len() > 1 {
+                self.prefills_joined
+                    .fetch_add(lanes.len() as u64, Ordering::Relaxed);
+            }
+            return;
+        };
+        let untouched = lanes.iter().zip(&before).all(|(l, &b)| l.rows() == b);
+        for ((i, lane), rows) in owners.into_iter().zip(lanes).zip(prompts) {
+            if results[i].is_err() {
+                continue;
+            }
+            results[i] = if untouched {
+                self.prefill(lane, rows)
+            } else {
+                Err(e.to_string())
+            };
+        }
+    }
+
+    /// The state a job's current segment starts from (a fresh lane for a later segment, the
+    /// reference prefix restored or prefilled, the guidance branch's lane) and the rows then
+    /// left to prefill: the conditional lane's, and the guidance branch's.
+    #[allow(clippy::type_complexity)]
+    fn segment_rows(
+        &self,
+        a: &mut Active<B>,
+    ) -> Result<(Vec<model::Row>, Option<Vec<model::Row>>), String> {
         if a.segment > 0 {
             a.lane = self
                 .model
@@ -1851,23 +1993,27 @@ impl<B: Backend> Worker<B> {
                 }
             }
             drop(cache);
-            self.prefill(&mut a.lane, &rows[p..])?;
-        } else {
-            self.prefill(&mut a.lane, &rows)?;
         }
+        let main = if p > 0 && p < rows.len() {
+            rows[p..].to_vec()
+        } else {
+            rows
+        };
+        let mut un_rows = None;
+        a.uncond = None;
         if let Some((_, un)) = &a.job.guidance {
             let seg = &a.job.segments[a.segment];
             let urows = to_rows(&un[a.segment].rows);
             let cap = urows.len() + seg.1.frames.0 as usize + 1;
-            let mut lane = self
+            let lane = self
                 .model
                 .new_backbone_lane(cap)
                 .map_err(|e| e.to_string())?;
-            self.prefill(&mut lane, &urows)?;
             a.uncond = Some(lane);
+            un_rows = Some(urows);
         }
         a.seg_frames = 0;
-        Ok(())
+        Ok((main, un_rows))
     }
 
     /// One shared frame round; returns the final messages of lanes that ended, for the codec

@@ -12,7 +12,10 @@ fn engine(parallel: usize, queue: usize) -> Arc<Engine> {
 }
 
 /// An engine on the built-in checkpoint with the tests' cache, voices and a 2048-row window.
+/// Prompts of up to 4095 rows take the CPU's exact linears, so prompts starting together are
+/// prefilled joined (`Model::prefill_joined`), and the solo-equals-concurrent checks cover it.
 fn engine_with(opts: EngineOptions) -> Arc<Engine> {
+    exact_prompts();
     let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
     Engine::load(EngineOptions {
@@ -21,6 +24,12 @@ fn engine_with(opts: EngineOptions) -> Arc<Engine> {
         ..opts
     })
     .unwrap()
+}
+
+/// Every test sets this before its first engine, so the process reads one value whatever the
+/// order the tests run in.
+fn exact_prompts() {
+    std::env::set_var("DRAMATIS_CPU_BULK_MIN_ROWS", "4096");
 }
 
 fn req(text: &str, seed: u64, frames: u64) -> SynthesisRequest {
@@ -109,8 +118,15 @@ fn a_start_limit_defers_prefills_and_changes_no_output() {
     };
     let (free, free_stats) = run(0);
     let (limited, limited_stats) = run(1);
-    // without a limit the three queued jobs start between the same two rounds
+    // without a limit the three queued jobs start between the same two rounds, prefilled
+    // joined (the lanes' PCM below equals the limited run's, where each starts alone)
     assert!(free_stats.starts_most >= 2, "{}", free_stats.starts_most);
+    assert!(
+        free_stats.prefills_joined >= 2,
+        "{}",
+        free_stats.prefills_joined
+    );
+    assert_eq!(limited_stats.prefills_joined, 0);
     // with it, never more than one, and the others waited (each counted once)
     assert_eq!(limited_stats.starts_most, 1);
     assert!(
@@ -197,6 +213,7 @@ fn window_boundary_is_exact_with_and_without_references() {
     let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
     let c = 300u64;
+    exact_prompts();
     let e = Engine::load(EngineOptions {
         context: Some(c),
         voices_dir: Some(cache.join("voices-window")),
@@ -304,6 +321,7 @@ fn sentence_groups_are_bounded() {
 fn whole_replies_are_checked_against_host_memory() {
     let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
+    exact_prompts();
     let e = Engine::load(EngineOptions {
         host_gib: Some(4.0),
         prompt_cache_gib: 0.0,
@@ -339,6 +357,7 @@ fn whole_replies_are_checked_against_host_memory() {
 fn a_caller_that_stops_reading_pauses_its_job_only() {
     let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
+    exact_prompts();
     let e = Engine::load(EngineOptions {
         parallel: 2,
         queue: Some(4),
@@ -399,6 +418,7 @@ fn a_caller_that_stops_reading_pauses_its_job_only() {
 fn a_caller_that_never_reads_is_stopped_and_its_lane_freed() {
     let cache = std::env::temp_dir().join("dramatis-engine-tests-cache");
     std::env::set_var("XDG_CACHE_HOME", &cache);
+    exact_prompts();
     let e = Engine::load(EngineOptions {
         parallel: 1,
         queue: Some(4),
@@ -439,6 +459,7 @@ fn a_cuda_plan_past_the_device_budget_is_refused_before_loading() {
     std::env::set_var("XDG_CACHE_HOME", &cache);
     // 1 MiB of device memory holds no weights: start-up names the device side and the flag,
     // on any build (the plan is checked before a backend exists)
+    exact_prompts();
     let err = Engine::load(EngineOptions {
         backend: speech::BackendChoice::Cuda,
         device_gib: Some(1.0 / 1024.0),
@@ -452,6 +473,7 @@ fn a_cuda_plan_past_the_device_budget_is_refused_before_loading() {
     assert!(msg.contains("--device-gib"), "{msg}");
     assert!(msg.contains("device_memory_exceeded"), "{msg}");
     // a bad figure is named as such
+    exact_prompts();
     let err = Engine::load(EngineOptions {
         backend: speech::BackendChoice::Cuda,
         device_gib: Some(-1.0),
