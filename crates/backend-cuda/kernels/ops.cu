@@ -727,7 +727,11 @@ __device__ __forceinline__ long long decode_chunk(long long keys) {
 // attn_generic_body. It writes an unnormalised partial (m, l, acc[hd]) per head; the last block of
 // (kvh, L) to finish (counted in `count`, which it resets to 0) combines the lane's chunks in chunk
 // order, so the result does not depend on which block ends last. part_* hold [lanes * nh][nchunks]
-// (times hd for acc). PLANT 1: sees one key past the lane's limit. LOWP: q rounded to bf16.
+// (times hd for acc). The grid covers a round's capacity (a graph replays it while the lanes
+// grow), so a block past the lane's keys returns at once: only the chunks holding keys count
+// and combine (an empty chunk added exactly nothing but cost its block and a combine step:
+// 32 chunks at a 4096-row capacity, 256 at 262144, for a prompt of a few hundred keys).
+// PLANT 1: sees one key past the lane's limit. LOWP: q rounded to bf16.
 template <typename T>
 __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
                                  float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
@@ -755,6 +759,10 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     const long long chunk = decode_chunk(keys);
     const long long k0 = (long long)c * chunk;
     const long long k1 = k0 + chunk < limit ? k0 + chunk : limit;
+    // chunks holding keys (at least one: a decode row sees itself)
+    const long long used_ll = (limit + chunk - 1) / chunk;
+    const int used = (int)(used_ll < nchunks ? used_ll : nchunks);
+    if (c >= used) return;  // uniform across the block, before any barrier
     const long long row0 = (long long)lane_id * nh + (long long)kvh * (nh / nkv) + h0;  // head hh: row0 + hh
     float m[DG], l[DG], acc[DG][DHD / 32];
 #pragma unroll
@@ -890,7 +898,7 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
     __threadfence();
     __syncthreads();
     int* ctr = count + (long long)lane_id * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == nchunks - 1;
+    if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == used - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -898,9 +906,9 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
         int hh = i / hd, dd = i % hd;
         long long pr = (row0 + hh) * nchunks;
         float M = -INFINITY;
-        for (int cc = 0; cc < nchunks; ++cc) M = fmaxf(M, __ldcg(pm + pr + cc));
+        for (int cc = 0; cc < used; ++cc) M = fmaxf(M, __ldcg(pm + pr + cc));
         float a = 0.0f, L = 0.0f;
-        for (int cc = 0; cc < nchunks; ++cc) {
+        for (int cc = 0; cc < used; ++cc) {
             float mc = __ldcg(pm + pr + cc);
             float f = mc == -INFINITY ? 0.0f : expf(mc - M);
             L = fmaf(f, __ldcg(pl + pr + cc), L);
