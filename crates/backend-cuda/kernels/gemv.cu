@@ -309,3 +309,157 @@ GEMV_TC2_SILU(4, 1)
 GEMV_TC2_SILU(1, 2)
 GEMV_TC2_SILU(4, 2)
 
+
+// ---------------------------------------------------------------- persistent one-row GEMV
+
+// 16 bytes global -> shared, bypassing L1; zero-filled when !valid (nothing read).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// gemv_tc2_g1_v2 (up to 8 rows, layout 2) with each block walking output tiles of 16 (tile,
+// tile + gridDim.x, ...) over the weights of a Multi, and every thread copying its own weight
+// words of the next tile into shared memory (cp.async) while it computes the current one: the
+// weights stream without a register or a block launch per tile. Each tile is computed with
+// exactly gemv_tc2_body's operations in its order (a warp per K chunk, the same loads into the
+// same MMA operands, the chunk partials summed in chunk order), so the bits are
+// gemv_tc2_g1_v2's, which the contract checks. The caller launches a warp per chunk (blockDim
+// 32 * ceil(K / kc)) and 2 * blockDim * (kc / 64) * 64 bytes of dynamic shared memory; tiles
+// are numbered across the weights as gemv_tc2_multi's blocks (m.start).
+template <int ACT>
+__device__ __forceinline__ void gemv_tc2p_body(const Multi& m, const float* __restrict__ x,
+                                               const float* __restrict__ u, int K, int rows, int kc) {
+    extern __shared__ __align__(16) uint4 wsm[];
+    __shared__ float red[16][32][4];
+    constexpr int SK = 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nc = (K + kc - 1) / kc;
+    const int per = (kc / SK) * 4;  // uint4 a thread holds for one tile
+    const int total = m.start[m.count];
+    const int kb0 = warp * kc;
+    int kb1 = kb0 + kc < K ? kb0 + kc : K;
+#if PLANT == 1
+    kb1 -= SK;
+#endif
+    // copies tile `tile`'s words of this thread into buffer b, as one group
+    auto issue = [&](int tile, int b) {
+        int j = 0;
+        while (j + 1 < m.count && tile >= m.start[j + 1]) ++j;
+        const int n_out = m.n_out[j];
+        const int ra = (tile - m.start[j]) * 16 + g, rb = ra + 8;
+        const bf16_t* W = (const bf16_t*)m.w[j];
+        const bf16_t* wa = W + (long long)(ra < n_out ? ra : 0) * K;
+        const bf16_t* wb = W + (long long)(rb < n_out ? rb : 0) * K;
+        uint4* dst = wsm + ((long long)b * blockDim.x + threadIdx.x) * per;
+        int s = 0;
+        for (int kb = kb0; kb < kb1; kb += SK, ++s) {
+            const int k = kb + 16 * t;
+            cp_async16(dst + 4 * s, wa + k, ra < n_out);
+            cp_async16(dst + 4 * s + 1, wa + k + 8, ra < n_out);
+            cp_async16(dst + 4 * s + 2, wb + k, rb < n_out);
+            cp_async16(dst + 4 * s + 3, wb + k + 8, rb < n_out);
+        }
+        cp_async_commit();
+    };
+    int b = 0;
+    if ((int)blockIdx.x < total) issue(blockIdx.x, 0);
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, b ^= 1) {
+        if (tile + (int)gridDim.x < total) {
+            issue(tile + gridDim.x, b ^ 1);
+        } else {
+            cp_async_commit();  // an empty group, so wait_group 1 below still means this tile
+        }
+        cp_async_wait1();
+        int j = 0;
+        while (j + 1 < m.count && tile >= m.start[j + 1]) ++j;
+        const int n_out = m.n_out[j];
+        float* y = (float*)m.y[j];
+        const int ra = (tile - m.start[j]) * 16 + g, rb = ra + 8;
+        const uint4* src = wsm + ((long long)b * blockDim.x + threadIdx.x) * per;
+        float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int r = g;
+        int s = 0;
+#pragma unroll 4
+        for (int kb = kb0; kb < kb1; kb += SK, ++s) {
+            const int k = kb + 16 * t;
+            const uint4 a0 = src[4 * s], a1 = src[4 * s + 1], b0 = src[4 * s + 2], b1 = src[4 * s + 3];
+            const unsigned int wav[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const unsigned int wbv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            float xs[16];
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const int off = k + 4 * v;
+                if (r < rows) {
+                    xv = __ldg((const float4*)(x + (long long)r * K + off));
+                    if (ACT == 1) {
+                        const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                        xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+                        xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+                        xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+                        xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
+                    } else if (ACT == 2) {
+                        const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                        xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+                        xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+                        xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+                        xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
+                    }
+                }
+                xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const unsigned int a[4] = {wav[q] << 16, wbv[q] << 16, wav[q] & 0xffff0000u,
+                                           wbv[q] & 0xffff0000u};
+                const unsigned int h0 = to_tf32(xs[2 * q]), h1 = to_tf32(xs[2 * q + 1]);
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_tf32(d, a, h0, h1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hi[e] += d[e];
+#ifndef LOWP
+                const unsigned int l0 = to_tf32(xs[2 * q] - __uint_as_float(h0));
+                const unsigned int l1 = to_tf32(xs[2 * q + 1] - __uint_as_float(h1));
+                float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) lo[e] += dl[e];
+#endif
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][lane][e] = hi[e] + lo[e];
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float acc = red[0][lane][e];
+                for (int w = 1; w < nc; ++w) acc += red[w][lane][e];
+                const int n = (e < 2 ? ra : rb);
+                const int rr = 2 * t + (e & 1);
+                if (n < n_out && rr < rows) y[(long long)rr * n_out + n] = acc;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512) gemv_tc2p_multi(Multi m, const float* __restrict__ x, int K,
+                                                                  int rows, int kc) {
+    gemv_tc2p_body<0>(m, x, nullptr, K, rows, kc);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_tc2p_silu(Multi m, const float* __restrict__ x,
+                                                                 const float* __restrict__ u, int K, int rows,
+                                                                 int kc) {
+    gemv_tc2p_body<1>(m, x, u, K, rows, kc);
+}
+extern "C" __global__ void __launch_bounds__(512) gemv_tc2p_sigm(Multi m, const float* __restrict__ x,
+                                                                 const float* __restrict__ u, int K, int rows,
+                                                                 int kc) {
+    gemv_tc2p_body<2>(m, x, u, K, rows, kc);
+}
