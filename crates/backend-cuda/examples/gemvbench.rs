@@ -2,9 +2,9 @@
 //! frame reads them. Each shape is uploaded in enough copies to pass 400 MB (far over the 50 MB
 //! L2), and consecutive calls walk the copies, so every call reads its weight from HBM; `opbench`
 //! repeats one weight and so measures L2 for the smaller ones. A variant is `old` (session 7's
-//! `gemv_tc`: 512 keys per warp in 32-key steps) or `KC:V[:W[:P]]` (at least KC keys per warp,
-//! load layout V = 1 or 2, W warps a block at every row count, 0 a warp per chunk, P 0 or 1 the
-//! persistent kernel for up to 8 rows; without W or P the engine's setting). Figures are
+//! `gemv_tc`: 512 keys per warp in 32-key steps) or `KC:V[:W]` (at least KC keys per warp, load
+//! layout V = 1 or 2, W warps a block at every row count, 0 a warp per chunk; without W the
+//! engine's setting). Figures are
 //! the median of 5 rounds of 40 calls, event-timed after a warm-up; the floor is the weight bytes
 //! over the 4.3 TB/s measured copy rate.
 
@@ -75,17 +75,15 @@ fn main() -> Result<(), String> {
                 .map_err(s)?;
             let mut reference: Option<Vec<f32>> = None;
             for v in &variants {
-                // KC:V[:W[:P]], W warps a block at every row count (0: a warp per chunk), P 0 or
-                // 1 the persistent kernel for up to 8 rows
+                // KC:V[:W], W warps a block at every row count (0: a warp per chunk)
                 let parts: Vec<&str> = v.split(':').collect();
-                let (kc, vv, ww, pp) = match parts.as_slice() {
+                let (kc, vv, ww) = match parts.as_slice() {
                     [a, b, rest @ ..] => (
                         a.parse().unwrap_or(128),
                         b.parse().unwrap_or(1),
                         rest.first().map(|w| w.parse().unwrap_or(0)),
-                        rest.get(1).map(|p| *p != "0"),
                     ),
-                    _ => (0, 1, None, None),
+                    _ => (0, 1, None),
                 };
                 let env = CudaOptions::from_env();
                 let opts = CudaOptions {
@@ -93,7 +91,6 @@ fn main() -> Result<(), String> {
                     gemv_v: vv,
                     gemv_warps: ww.unwrap_or(env.gemv_warps),
                     gemv_warps_many: ww.unwrap_or(env.gemv_warps_many),
-                    gemv_persist: pp.unwrap_or(env.gemv_persist),
                     ..env
                 };
                 let be = CudaBackend::with_gpu(gpu.clone(), Variant::Exact, opts);

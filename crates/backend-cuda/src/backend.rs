@@ -616,11 +616,6 @@ pub struct CudaOptions {
     /// to 0.
     pub gemv_warps: usize,
     pub gemv_warps_many: usize,
-    /// Up to 8 rows of `gemv_tc2_*` layout 2 run persistent (`gemv_tc2p_*`): a block per
-    /// multiprocessor walks the output tiles, copying the next tile's weights into shared
-    /// memory while it computes the current one; the same bits (`DRAMATIS_CUDA_GEMV_PERSIST`,
-    /// 0 turns it off).
-    pub gemv_persist: bool,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -699,7 +694,6 @@ impl CudaOptions {
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             gemv_warps: num("DRAMATIS_CUDA_GEMV_WARPS", 0).min(16),
             gemv_warps_many: num("DRAMATIS_CUDA_GEMV_WARPS_MANY", 0).min(16),
-            gemv_persist: get("DRAMATIS_CUDA_GEMV_PERSIST").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -942,13 +936,7 @@ struct Bf16Gemv {
     /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
     /// the input loads (`Act`).
     act: Option<(&'static str, &'static str)>,
-    /// `gemv_tc2p_*` instead (`CudaOptions::gemv_persist`): its dynamic shared memory, bytes.
-    persist: Option<u32>,
 }
-
-/// The most dynamic shared memory a `gemv_tc2p_*` block takes (two tiles' weights): K up to
-/// 2048 (a 16 x 2048 BF16 tile is 64 KiB).
-const PERSIST_SMEM_MAX: usize = 128 * 1024;
 
 /// The elementwise op a `gemv_tc2_*` input load makes: `silu(x) * u` or `x * sigmoid(u)`.
 #[derive(Clone, Copy)]
@@ -1026,11 +1014,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             0 => chunks,
             w => w.min(chunks),
         };
-        // two buffers of a tile's weights: 64 bytes a thread and 64-key step
-        let persist = (o.gemv_persist && rows <= 8 && v == 2 && warps == chunks)
-            .then_some(2 * 32 * warps * (kc / 64) * 64)
-            .filter(|&b| b <= PERSIST_SMEM_MAX)
-            .map(|b| b as u32);
         Bf16Gemv {
             single,
             multi,
@@ -1038,7 +1021,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: (32 * warps) as u32,
             kc: Some(kc as i32),
             act: Some((silu, sigm)),
-            persist,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1048,7 +1030,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             kc: None,
             act: None,
-            persist: None,
         }
     } else {
         Bf16Gemv {
@@ -1058,7 +1039,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             kc: None,
             act: None,
-            persist: None,
         }
     }
 }
@@ -2251,77 +2231,6 @@ impl CudaBackend {
     /// Whether a linear of `n` rows in `mode` takes the bulk GEMM tiles (else the per-row
     /// GEMVs): the one rule for `linear`, `linear_many` and the fused-input linears, so that a
     /// fused linear and its composed ops run the same kernel class.
-    /// One `gemv_tc2p_*` launch over the weights of `m` (`name`: `gemv_tc2p_multi`, or the
-    /// `_silu` / `_sigm` forms with `u`): as many blocks as fit at once, at most one a tile.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_persist(
-        &self,
-        op: &'static str,
-        name: &'static str,
-        m: &Multi,
-        x: &CudaBuf,
-        u: Option<&CudaBuf>,
-        kc: i32,
-        block: u32,
-        smem: u32,
-    ) -> BResult<()> {
-        let f = self
-            .gpu
-            .func(Source::Gemv, self.variant, name)
-            .map_err(dev)?;
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            i32v(op, smem as usize)?,
-        )
-        .map_err(dev)?;
-        let tiles = m.start[m.count as usize].max(0) as usize;
-        if tiles == 0 {
-            return Ok(());
-        }
-        // blocks a multiprocessor holds: shared memory (with the 8 KiB reduction buffer),
-        // threads, and registers at up to 128 a thread
-        let b = block as usize;
-        let per_sm = (self.gpu.info.max_smem_optin as usize / (smem as usize + 9 * 1024))
-            .min(2048 / b)
-            .min(65536 / (128 * b))
-            .max(1);
-        let grid = tiles.min(self.gpu.info.sm_count.max(1) as usize * per_sm);
-        let (k32, r32) = (i32v(op, x.cols)?, i32v(op, x.rows)?);
-        let g = (u32v(op, grid)?, 1, 1);
-        match u {
-            Some(u) => go!(self, Source::Gemv, name, g, block, smem;
-                m, &x.ptr(), &u.ptr(), &k32, &r32, &kc),
-            None => go!(self, Source::Gemv, name, g, block, smem;
-                m, &x.ptr(), &k32, &r32, &kc),
-        }
-        Ok(())
-    }
-
-    /// A `Multi` of one BF16 weight `[n_out, K]` (`mem`) writing `out`, tiles of `per_block`.
-    fn multi_one(
-        op: &'static str,
-        mem: u64,
-        out: &CudaBuf,
-        n_out: usize,
-        per_block: usize,
-    ) -> BResult<Multi> {
-        let mut m = Multi {
-            w: [0; MULTI_MAX],
-            y: [0; MULTI_MAX],
-            n_out: [0; MULTI_MAX],
-            start: [0; MULTI_MAX + 1],
-            count: 1,
-        };
-        m.w[0] = mem;
-        m.y[0] = out.ptr();
-        m.n_out[0] = i32v(op, n_out)?;
-        let tiles = i32v(op, n_out.div_ceil(per_block))?;
-        for s in m.start.iter_mut().skip(1) {
-            *s = tiles;
-        }
-        Ok(m)
-    }
-
     fn bulk_rows(&self, mode: Rows, n: usize) -> bool {
         mode == Rows::Bulk && n >= self.opts.gemm_min_rows
     }
@@ -2355,15 +2264,6 @@ impl CudaBackend {
         check::linear(x.shape(), (n_out, w.cols()))?;
         let out = self.buf(x.rows, n_out)?;
         if x.rows == 0 || n_out == 0 {
-            return Ok(Some(out));
-        }
-        if let Some(smem) = gv.persist {
-            let name = match act {
-                Act::Silu => "gemv_tc2p_silu",
-                Act::Sigmoid => "gemv_tc2p_sigm",
-            };
-            let m = Self::multi_one(op, mem.ptr, &out, n_out, gv.per_block)?;
-            self.gemv_persist(op, name, &m, x, Some(u), kc, gv.block, smem)?;
             return Ok(Some(out));
         }
         let name = match act {
@@ -3112,10 +3012,7 @@ impl Backend for CudaBackend {
                 }
                 let gv = bf16_gemv(&self.opts, x.rows, k);
                 let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
-                if let (Some(kc), Some(smem)) = (gv.kc, gv.persist) {
-                    let m = Self::multi_one(op, mem.ptr, &out, n_out, gv.per_block)?;
-                    self.gemv_persist(op, "gemv_tc2p_multi", &m, x, None, kc, gv.block, smem)?;
-                } else if let Some(kc) = gv.kc {
+                if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
                 } else {
@@ -3191,7 +3088,6 @@ impl Backend for CudaBackend {
             per_block,
             block,
             kc,
-            persist,
             ..
         } = bf16_gemv(&self.opts, x.rows, k);
         let mut blocks = 0usize;
@@ -3215,9 +3111,7 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
-        if let (Some(kc), Some(smem)) = (kc, persist) {
-            self.gemv_persist(op, "gemv_tc2p_multi", &m, x, None, kc, block, smem)?;
-        } else if let Some(kc) = kc {
+        if let Some(kc) = kc {
             go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
                 &m, &x.ptr(), &k32, &r32, &kc);
         } else {

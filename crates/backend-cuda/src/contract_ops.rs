@@ -26,7 +26,6 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_v: CudaOptions::from_lookup(|_| None).gemv_v,
         gemv_warps: CudaOptions::from_lookup(|_| None).gemv_warps,
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
-        gemv_persist: CudaOptions::from_lookup(|_| None).gemv_persist,
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -698,24 +697,6 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             same_bits(
                 c,
                 format!("{case}: three and one warps a block bitwise = the default"),
-                &got,
-                &exact,
-            );
-            // the persistent kernel (the default up to 8 rows where K allows) against the
-            // per-tile blocks
-            let plain = CudaBackend::with_gpu(
-                c.shared.clone(),
-                Variant::Exact,
-                CudaOptions {
-                    gemv_v: v,
-                    gemv_persist: false,
-                    ..base_opts(false)
-                },
-            );
-            let got = run(&plain)?;
-            same_bits(
-                c,
-                format!("{case}: persistent blocks bitwise = a block a tile"),
                 &got,
                 &exact,
             );
