@@ -132,73 +132,6 @@ __device__ int block_argmax(const float* row, int n, float* sv, int* si) {
     return r;
 }
 
-// The compare-exchange of a bitonic stage for element i holding v against its partner's o:
-// ascending runs (i & k == 0) keep the smaller key at the lower index of the pair.
-__device__ __forceinline__ unsigned long long bitonic_keep(unsigned long long v, unsigned long long o, int i,
-                                                           int j, int k) {
-    const bool lower = (i & j) == 0, asc = (i & k) == 0;
-    const bool take_min = lower == asc;
-    return take_min ? (o < v ? o : v) : (o > v ? o : v);
-}
-
-// The shared-memory bitonic sort's network (ascending, npad = E * blockDim.x keys), with thread t
-// holding keys [t E, t E + E) in registers: strides under E exchange in registers, under 32 E
-// across the warp's lanes (shuffles), larger ones through shared memory. The keys are unique,
-// so this sorts them to the same order; it moves far fewer bytes through shared memory, which
-// bound the sort (ncu, session 11: 51 us a 4096-key head draw, L1/TEX 62-68% busy). Reads
-// keys (written and synchronised by the caller) and leaves them sorted, synchronised.
-template <int E>
-__device__ void bitonic_regs(unsigned long long* keys, int npad) {
-    const int t = threadIdx.x;
-    unsigned long long v[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) v[e] = keys[t * E + e];
-    for (int k = 2; k <= npad; k <<= 1) {
-        int j = k >> 1;
-        for (; j >= E; j >>= 1) {
-            if (j >= 32 * E) {
-                __syncthreads();  // every thread's reads of the previous stage are done
-#pragma unroll
-                for (int e = 0; e < E; ++e) keys[t * E + e] = v[e];
-                __syncthreads();
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const int i = t * E + e;
-                    v[e] = bitonic_keep(v[e], keys[i ^ j], i, j, k);
-                }
-            } else {
-                const int lm = j / E;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const unsigned long long o = __shfl_xor_sync(0xffffffffu, v[e], lm);
-                    v[e] = bitonic_keep(v[e], o, t * E + e, j, k);
-                }
-            }
-        }
-        // strides under E: both keys in this thread (jj is a constant after unrolling)
-#pragma unroll
-        for (int jj = E / 2; jj > 0; jj >>= 1) {
-            if (jj < k) {
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    if ((e & jj) == 0) {
-                        const int f = e | jj;
-                        const bool asc = ((t * E + e) & k) == 0;
-                        const unsigned long long a = v[e], b = v[f];
-                        const bool swap = asc ? a > b : a < b;
-                        v[e] = swap ? b : a;
-                        v[f] = swap ? a : b;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int e = 0; e < E; ++e) keys[t * E + e] = v[e];
-    __syncthreads();
-}
-
 // sampling::sample with uniform u, for the whole block (every thread returns the index).
 // keys: npad u64 (reused as the f64 exps), order: npad ints.
 __device__ int block_draw(const float* row, int n, int npad, float temperature, int top_k, float top_p,
@@ -216,33 +149,21 @@ __device__ int block_draw(const float* row, int n, int npad, float temperature, 
         keys[i] = key;
     }
     __syncthreads();
-    // bitonic sort, ascending (keys are unique: the index is in the low bits); with 2 to 16 keys
-    // a thread, mostly in registers
-    const int per = (npad % (int)blockDim.x == 0) ? npad / (int)blockDim.x : 0;
-    if (per == 2) {
-        bitonic_regs<2>(keys, npad);
-    } else if (per == 4) {
-        bitonic_regs<4>(keys, npad);
-    } else if (per == 8) {
-        bitonic_regs<8>(keys, npad);
-    } else if (per == 16) {
-        bitonic_regs<16>(keys, npad);
-    } else {
-        for (int k = 2; k <= npad; k <<= 1) {
-            for (int j = k >> 1; j > 0; j >>= 1) {
-                for (int i = threadIdx.x; i < npad; i += blockDim.x) {
-                    int ixj = i ^ j;
-                    if (ixj > i) {
-                        unsigned long long a = keys[i], b = keys[ixj];
-                        bool up = (i & k) == 0;
-                        if ((a > b) == up) {
-                            keys[i] = b;
-                            keys[ixj] = a;
-                        }
+    // bitonic sort, ascending (keys are unique: the index is in the low bits)
+    for (int k = 2; k <= npad; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < npad; i += blockDim.x) {
+                int ixj = i ^ j;
+                if (ixj > i) {
+                    unsigned long long a = keys[i], b = keys[ixj];
+                    bool up = (i & k) == 0;
+                    if ((a > b) == up) {
+                        keys[i] = b;
+                        keys[ixj] = a;
                     }
                 }
-                __syncthreads();
             }
+            __syncthreads();
         }
     }
     for (int i = threadIdx.x; i < n; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffull);
