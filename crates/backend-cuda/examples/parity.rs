@@ -76,7 +76,9 @@ fn joined_equals_solo<B: Backend>(
     frames: &[Row],
 ) -> Result<(usize, usize), String> {
     let e = |x: model::ModelError| x.to_string();
-    let n = prompt.len();
+    // every piece within what the backend joins (else the call prefills them one by one)
+    let n = prompt.len().min(m.backend.joined_rows());
+    let prompt = &prompt[..n];
     let pieces: Vec<&[Row]> = vec![
         &prompt[..1],
         &prompt[3.min(n - 1)..20.min(n)],

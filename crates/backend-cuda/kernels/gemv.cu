@@ -159,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
 // ACT 1: the input is silu(x) * u (elementwise op 1); ACT 2: x * sigmoid(u) (op 2); made as it
 // is loaded with the elementwise op's bits, so the result equals the op then the linear bit for
 // bit.
-// PLANT 1: skips each warp's last step. LOWP: one TF32 MMA (lo dropped).
+// PLANT 1: skips each chunk's last step. LOWP: one TF32 MMA (lo dropped).
 // (Two other load layouts were measured and removed in session 8: two 8-key chunks 32 keys
 // apart, so each load reads 64 contiguous bytes, was slower on most shapes at one row (GDN
 // projections 23.5 -> 27.1 us); layout 2 with `L2::256B` loads was the same speed. NOTES.md,

@@ -955,20 +955,17 @@ impl<B: Backend> Model<B> {
                 prompts.len()
             )));
         }
+        // every prompt checked before any work, so a bad one leaves every lane untouched
+        for (lane, rows) in lanes.iter().zip(prompts) {
+            self.check_prompt(lane, rows)?;
+        }
         let most = be.joined_rows();
-        if lanes.len() < 2 || prompts.iter().any(|p| p.is_empty() || p.len() > most) {
+        if lanes.len() < 2 || prompts.iter().any(|p| p.len() > most) {
             for (lane, rows) in lanes.iter_mut().zip(prompts) {
                 self.prefill_traced(lane, rows, None, None)?;
             }
             be.settle()?;
             return Ok(());
-        }
-        // every prompt checked before any work, so a bad one leaves every lane untouched
-        for (lane, rows) in lanes.iter().zip(prompts) {
-            lane.check_room(rows.len())?;
-            for (i, r) in rows.iter().enumerate() {
-                self.check_row(i, r)?;
-            }
         }
         let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
         let all: Vec<Row> = prompts.concat();
@@ -1028,6 +1025,22 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// What [`Model::prefill`] refuses before any work: no rows, more rows than the lane has
+    /// room for, a row out of range.
+    pub fn check_prompt(&self, lane: &LaneState<B>, rows: &[Row]) -> Result<()> {
+        if rows.is_empty() {
+            return Err(ModelError::BadRow {
+                index: 0,
+                why: "prefill needs at least one row".into(),
+            });
+        }
+        lane.check_room(rows.len())?;
+        for (i, r) in rows.iter().enumerate() {
+            self.check_row(i, r)?;
+        }
+        Ok(())
+    }
+
     fn prefill_traced(
         &self,
         lane: &mut LaneState<B>,
@@ -1036,13 +1049,7 @@ impl<B: Backend> Model<B> {
         tower_trace: Option<&mut TowerTrace>,
     ) -> Result<B::Buf> {
         let be = &self.backend;
-        if rows.is_empty() {
-            return Err(ModelError::BadRow {
-                index: 0,
-                why: "prefill needs at least one row".into(),
-            });
-        }
-        lane.check_room(rows.len())?;
+        self.check_prompt(lane, rows)?;
         let x = self.embed_rows(rows)?;
         let t = rows.len();
         let hn = self.backbone(&mut [&mut *lane], x, Span::Prompts(&[t]), layer_trace, None)?;

@@ -1914,9 +1914,10 @@ impl<B: Backend> Worker<B> {
         results
     }
 
-    /// One joined prefill of `group`'s lanes. A refused prompt (checked before any work, so
-    /// no lane has moved) sends each lane to its own prefill, so only the bad job fails; an
-    /// error after the work began fails every job of the group.
+    /// One joined prefill of `group`'s lanes. Each prompt is checked on its own first
+    /// (`Model::check_prompt`: rows, room), so a refused one fails only its job; an error of
+    /// the joined work itself (the device) fails every job of the group, whose lanes may be
+    /// part way through it.
     fn prefill_group(
         &self,
         group: Vec<(usize, &mut LaneState<B>, &[model::Row])>,
@@ -1924,33 +1925,31 @@ impl<B: Backend> Worker<B> {
     ) {
         let (mut owners, mut lanes, mut prompts) = (Vec::new(), Vec::new(), Vec::new());
         for (i, lane, rows) in group {
-            if results[i].is_ok() {
-                owners.push(i);
-                lanes.push(lane);
-                prompts.push(rows);
+            if results[i].is_err() {
+                continue;
             }
+            if let Err(e) = self.model.check_prompt(lane, rows) {
+                results[i] = Err(e.to_string());
+                continue;
+            }
+            owners.push(i);
+            lanes.push(lane);
+            prompts.push(rows);
         }
         if lanes.is_empty() {
             return;
         }
-        let before: Vec<usize> = lanes.iter().map(|l| l.rows()).collect();
-        let Err(e) = self.model.prefill_joined(&mut lanes, &prompts) else {
-            if lanes.len() > 1 {
+        match self.model.prefill_joined(&mut lanes, &prompts) {
+            Ok(()) if lanes.len() > 1 => {
                 self.prefills_joined
                     .fetch_add(lanes.len() as u64, Ordering::Relaxed);
             }
-            return;
-        };
-        let untouched = lanes.iter().zip(&before).all(|(l, &b)| l.rows() == b);
-        for ((i, lane), rows) in owners.into_iter().zip(lanes).zip(prompts) {
-            if results[i].is_err() {
-                continue;
+            Ok(()) => {}
+            Err(e) => {
+                for i in owners {
+                    results[i] = Err(e.to_string());
+                }
             }
-            results[i] = if untouched {
-                self.prefill(lane, rows)
-            } else {
-                Err(e.to_string())
-            };
         }
     }
 
