@@ -499,13 +499,20 @@ impl<B: Backend> Model<B> {
 
     /// Backbone input: `E[tok]`, or for semantic rows `(E[tok] + Σ_{c=1..k} CB[c][code_c]) / √(1+k)`.
     pub fn embed_rows(&self, rows: &[Row]) -> Result<B::Buf> {
-        let g = &self.geometry;
-        let (terms, mix) = self.embed_terms();
-        let mut out = Vec::with_capacity(rows.len());
         for (i, r) in rows.iter().enumerate() {
             self.check_row(i, r)?;
-            out.push(gather_row(&terms, mix, r, r, |t| g.is_semantic(t)));
         }
+        self.embed_checked(rows)
+    }
+
+    /// [`Model::embed_rows`] of rows already checked (`check_row`).
+    fn embed_checked(&self, rows: &[Row]) -> Result<B::Buf> {
+        let g = &self.geometry;
+        let (terms, mix) = self.embed_terms();
+        let out: Vec<_> = rows
+            .iter()
+            .map(|r| gather_row(&terms, mix, r, r, |t| g.is_semantic(t)))
+            .collect();
         Ok(self
             .backend
             .gather_sum(&[&self.embed, &self.codebooks], &out)?)
@@ -913,7 +920,7 @@ impl<B: Backend> Model<B> {
     /// Feeds one lane's next rows (the prompt, or a continuation of it): backbone over `rows`,
     /// then the tower teacher-forced over every position whose label is now known.
     pub fn prefill(&self, lane: &mut LaneState<B>, rows: &[Row]) -> Result<()> {
-        self.prefill_traced(lane, rows, None, None)?;
+        self.prefill_one(lane, rows)?;
         // an error the prompt's kernels raised fails this prefill, not the next shared round
         self.backend.settle()?;
         Ok(())
@@ -928,7 +935,7 @@ impl<B: Backend> Model<B> {
         chunk: usize,
     ) -> Result<()> {
         for piece in rows.chunks(chunk.max(1)) {
-            self.prefill_traced(lane, piece, None, None)?;
+            self.prefill_one(lane, piece)?;
         }
         // one wait for the whole prompt, not one per piece
         self.backend.settle()?;
@@ -962,16 +969,34 @@ impl<B: Backend> Model<B> {
         let most = be.joined_rows();
         if lanes.len() < 2 || prompts.iter().any(|p| p.len() > most) {
             for (lane, rows) in lanes.iter_mut().zip(prompts) {
-                self.prefill_traced(lane, rows, None, None)?;
+                self.prefill_lanes(&mut [&mut **lane], &[rows])?;
             }
-            be.settle()?;
-            return Ok(());
+        } else {
+            self.prefill_lanes(lanes, prompts)?;
         }
+        // an error the prompts' kernels raised fails these prefills, not the next shared round
+        be.settle()?;
+        Ok(())
+    }
+
+    /// Checks a prompt, then prefills it (`prefill_lanes` of one lane).
+    fn prefill_one(&self, lane: &mut LaneState<B>, rows: &[Row]) -> Result<()> {
+        self.check_prompt(lane, rows)?;
+        self.prefill_lanes(&mut [lane], &[rows])
+    }
+
+    /// `prompts[i]` (checked by the caller: `check_prompt`) into `lanes[i]`: the backbone over every prompt's
+    /// rows (`Span::Prompts`: one lane `Rows::Bulk`, several `Rows::Joined`), then the tower
+    /// teacher-forced over each lane's positions whose label is now known (its previous last
+    /// row, if any, and all new rows but the last), then each lane's newest hidden and rows.
+    fn prefill_lanes(&self, lanes: &mut [&mut LaneState<B>], prompts: &[&[Row]]) -> Result<()> {
+        let be = &self.backend;
         let lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-        let all: Vec<Row> = prompts.concat();
-        let x = self.embed_rows(&all)?;
+        let x = match prompts {
+            [one] => self.embed_checked(one)?,
+            _ => self.embed_checked(&prompts.concat())?,
+        };
         let hn = self.backbone(lanes, x, Span::Prompts(&lens), None, None)?;
-        // the tower over each lane's positions whose label is now known, as prefill_traced
         let (mut inputs, mut labels, mut hidden, mut tlens) = (vec![], vec![], vec![], vec![]);
         let mut off = 0;
         for (lane, rows) in lanes.iter_mut().zip(prompts) {
@@ -1020,8 +1045,6 @@ impl<B: Backend> Model<B> {
             }
             off += t;
         }
-        // an error the prompts' kernels raised fails these prefills, not the next shared round
-        be.settle()?;
         Ok(())
     }
 
@@ -1039,47 +1062,6 @@ impl<B: Backend> Model<B> {
             self.check_row(i, r)?;
         }
         Ok(())
-    }
-
-    fn prefill_traced(
-        &self,
-        lane: &mut LaneState<B>,
-        rows: &[Row],
-        layer_trace: Option<&mut Vec<Vec<f32>>>,
-        tower_trace: Option<&mut TowerTrace>,
-    ) -> Result<B::Buf> {
-        let be = &self.backend;
-        self.check_prompt(lane, rows)?;
-        let x = self.embed_rows(rows)?;
-        let t = rows.len();
-        let hn = self.backbone(&mut [&mut *lane], x, Span::Prompts(&[t]), layer_trace, None)?;
-        // Tower positions: the lane's previous last row (if any) and all new rows but the last.
-        let (mut inputs, mut hidden) = (Vec::new(), Vec::new());
-        if let (Some(r), Some(h)) = (lane.last_row, lane.last_hidden.take()) {
-            inputs.push(r);
-            hidden.push(h);
-        }
-        inputs.extend_from_slice(&rows[..rows.len() - 1]);
-        let labels: Vec<Row> = if lane.last_row.is_some() {
-            rows.to_vec()
-        } else {
-            rows[1..].to_vec()
-        };
-        if t > 1 {
-            hidden.push(be.rows(&hn, 0, t - 1)?);
-        }
-        if !inputs.is_empty() && lane.has_tower() {
-            let refs: Vec<&B::Buf> = hidden.iter().collect();
-            let h = be.concat_rows(&refs)?;
-            let n = inputs.len();
-            self.tower_prompts(&mut [lane], &h, &inputs, &labels, &[n], tower_trace)?;
-        }
-        lane.set_hidden(be.rows(&hn, t - 1, 1)?);
-        lane.last_row = Some(rows[t - 1]);
-        for r in rows {
-            lane.push_main(r[0]);
-        }
-        Ok(hn)
     }
 
     /// Teacher-forced backbone over `rows` on a fresh lane (prefill path): every layer's output,
