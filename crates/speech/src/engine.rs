@@ -1897,7 +1897,7 @@ impl<B: Backend> Worker<B> {
             if results[*i].is_err() {
                 continue;
             }
-            if rows.len() > most || most == 0 {
+            if rows.len() > most {
                 if let Err(e) = self.prefill(lane, rows) {
                     results[*i] = Err(e);
                 }
