@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// `starts_per_round`).
     #[arg(long, default_value_t = 0)]
     pub starts_per_round: usize,
+    /// Decode audio on the host (the GPU runs the model alone): measures what the GPU codec
+    /// costs the frame rounds.
+    #[arg(long)]
+    pub codec_on_host: bool,
     /// Receipt path (JSON); without it the receipt goes to stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -360,6 +364,25 @@ fn backend_env() -> serde_json::Map<String, serde_json::Value> {
         .collect()
 }
 
+/// The codec thread over the measured runs: decoder calls, frames, seconds inside the calls and
+/// their share of the runs' wall time (near 1: the codec paces the audio, not the rounds).
+fn codec_field(
+    now: &speech::CodecCounts,
+    before: &speech::CodecCounts,
+    walls: f64,
+) -> serde_json::Value {
+    let calls = now.calls - before.calls;
+    let frames = now.frames - before.frames;
+    let busy = now.busy_seconds - before.busy_seconds;
+    json!({
+        "calls": calls,
+        "frames": frames,
+        "frames_per_call": (calls > 0).then(|| frames as f64 / calls as f64),
+        "busy_seconds": busy,
+        "busy_fraction_of_runs": (walls > 0.0).then(|| busy / walls),
+    })
+}
+
 /// The plan's device-side classes (empty on the CPU backend).
 fn planned_device_classes(eng: &Engine) -> Vec<(&'static str, u64)> {
     eng.memory_plan()
@@ -380,6 +403,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         },
         prompt_cache_gib: a.prompt_cache_gib,
         starts_per_round: a.starts_per_round,
+        codec_on_host: a.codec_on_host,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,
@@ -422,8 +446,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let rounds0 = eng.stats().rounds;
         let deferred0 = eng.stats().starts_deferred;
         let joined0 = eng.stats().prefills_joined;
+        let codec0 = eng.stats().codec;
+        let mut walls = 0.0;
         for r in 0..a.runs {
             let res = one_run(&eng, lanes, &a, r)?;
+            walls += res.wall;
             fps.push(res.frames as f64 / res.wall);
             // from the first audio of the run on: the prompt prefills before it are left out
             // (later lanes' prefills still interleave with decode rounds)
@@ -448,6 +475,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "rounds": rounds_field(&eng.stats().rounds.since(&rounds0)),
             "starts_deferred": eng.stats().starts_deferred - deferred0,
             "prefills_joined": eng.stats().prefills_joined - joined0,
+            "codec": codec_field(&eng.stats().codec, &codec0, walls),
         }));
         // the rate while the lanes are in kept rounds (no prefill between): lanes over the mean
         // kept round; an estimate, since a round can hold finished lanes' ghost slots
@@ -538,7 +566,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_seconds": load_s,
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
                       "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
-                      "starts_per_round": a.starts_per_round,
+                      "starts_per_round": a.starts_per_round, "codec_on_host": a.codec_on_host,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
@@ -557,8 +585,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
         None => println!("{text}"),
     }
-    println!("| lanes | frames/s (all lanes) | decode frames/s | frames/s per lane | first audio (s) | RTF | of floor | in rounds (est.) |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| lanes | frames/s (all lanes) | decode frames/s | frames/s per lane | first audio (s) | RTF | of floor | in rounds (est.) | codec busy |");
+    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &receipt["results"].as_array().cloned().unwrap_or_default() {
         let of_floor = r["decode_fraction_of_floor"]
             .as_f64()
@@ -573,8 +601,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let in_rounds = r["round_frames_per_s_estimate"]
             .as_f64()
             .map_or_else(|| "-".to_string(), |v| format!("{v:.0}"));
+        let codec = r["codec"]["busy_fraction_of_runs"].as_f64().map_or_else(
+            || "-".to_string(),
+            |f| {
+                format!(
+                    "{:.0}% ({:.1} frames a call)",
+                    100.0 * f,
+                    r["codec"]["frames_per_call"].as_f64().unwrap_or(0.0)
+                )
+            },
+        );
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {:.4} | {:.4} | {of_floor} | {in_rounds} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.4} | {:.4} | {of_floor} | {in_rounds} | {codec} |",
             r["lanes"],
             r["aggregate_frames_per_s_median"].as_f64().unwrap_or(0.0),
             r["decode_frames_per_s_median"].as_f64().unwrap_or(0.0),

@@ -86,6 +86,10 @@ struct EngineArgs {
     /// Accept per-request `cfg_gamma` in [0, 10].
     #[arg(long)]
     cfg_allow_request_gamma: bool,
+    /// Decode audio on the host even with --backend cuda (the GPU then runs the model alone;
+    /// the host codec is far slower at Drama 3 geometry).
+    #[arg(long)]
+    codec_on_host: bool,
 }
 
 #[derive(Subcommand)]
@@ -255,6 +259,7 @@ fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
         voices_dir: a.voices.clone(),
         host_gib: a.host_gib,
         device_gib: a.device_gib,
+        codec_on_host: a.codec_on_host,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,

@@ -7,7 +7,8 @@ use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Counter, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -16,6 +17,9 @@ pub struct Metrics {
     refusals: IntCounterVec,
     pub starts_deferred: IntCounter,
     pub prefills_joined: IntCounter,
+    codec_calls: IntCounter,
+    codec_frames: IntCounter,
+    codec_busy: Counter,
     pub frames: IntCounter,
     pub audio_samples: IntCounter,
     pub capped_segments: IntCounter,
@@ -115,6 +119,27 @@ impl Metrics {
                 "dramatis_prefills_joined_total",
                 "Lanes prefilled together with other lanes in one joined prefill",
             ),
+            codec_calls: counter(
+                &registry,
+                "dramatis_codec_calls_total",
+                "Streaming decoder calls of the codec thread (one job's waiting frames each)",
+            ),
+            codec_frames: counter(
+                &registry,
+                "dramatis_codec_frames_total",
+                "Frames the codec thread decoded to audio",
+            ),
+            codec_busy: {
+                let c = Counter::new(
+                    "dramatis_codec_busy_seconds_total",
+                    "Seconds the codec thread spent decoding (near the elapsed time: the codec paces the audio)",
+                )
+                .expect("valid metric");
+                registry
+                    .register(Box::new(c.clone()))
+                    .expect("unique metric");
+                c
+            },
             frames: counter(
                 &registry,
                 "dramatis_frames_generated_total",
@@ -190,6 +215,12 @@ impl Metrics {
         follow(&self.frames, stats.frames_total);
         follow(&self.starts_deferred, stats.starts_deferred);
         follow(&self.prefills_joined, stats.prefills_joined);
+        follow(&self.codec_calls, stats.codec.calls);
+        follow(&self.codec_frames, stats.codec.frames);
+        let seen = self.codec_busy.get();
+        if stats.codec.busy_seconds > seen {
+            self.codec_busy.inc_by(stats.codec.busy_seconds - seen);
+        }
         let r = stats.rounds;
         for (how, n) in [
             ("host", r.host),

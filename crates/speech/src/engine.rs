@@ -67,6 +67,10 @@ pub struct EngineOptions {
     /// a burst of prompts is still being prefilled; a lane's frames do not depend on the lanes
     /// beside it, so no output changes.
     pub starts_per_round: usize,
+    /// Decode audio on the host even when the model runs on CUDA. The GPU then runs the model
+    /// alone; the host codec is far slower at Drama 3 geometry, so this is for measuring what
+    /// the GPU codec costs the frame rounds, or for a device without room for the codec.
+    pub codec_on_host: bool,
 }
 
 /// Which compute backend runs the model.
@@ -94,6 +98,7 @@ impl Default for EngineOptions {
             max_unread_audio_seconds: DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
             max_pause_seconds: DEFAULT_MAX_PAUSE_SECONDS,
             starts_per_round: 0,
+            codec_on_host: false,
         }
     }
 }
@@ -122,6 +127,36 @@ pub struct EngineStats {
     pub prefills_joined: u64,
     /// How the frame rounds ran (host-drawn, kept: replayed, recorded or issued).
     pub rounds: model::RoundCounts,
+    /// The codec thread's decoder calls, the frames they decoded and the seconds spent in them.
+    pub codec: CodecCounts,
+}
+
+/// What the codec thread has done: decoder calls (one job's backlog each), frames decoded and
+/// the wall time inside the calls. Busy seconds near the elapsed time mean the codec, not the
+/// frame rounds, paces the audio.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct CodecCounts {
+    pub calls: u64,
+    pub frames: u64,
+    pub busy_seconds: f64,
+}
+
+/// The codec thread's counters, shared with `Engine::stats`.
+#[derive(Default)]
+struct CodecMeter {
+    calls: AtomicU64,
+    frames: AtomicU64,
+    busy_ns: AtomicU64,
+}
+
+impl CodecMeter {
+    fn counts(&self) -> CodecCounts {
+        CodecCounts {
+            calls: self.calls.load(Ordering::Relaxed),
+            frames: self.frames.load(Ordering::Relaxed),
+            busy_seconds: self.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
+    }
 }
 
 /// Sampling defaults from `generation_config.json`, else SPEC.md's.
@@ -267,6 +302,7 @@ pub struct Engine {
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
     prefills_joined: Arc<AtomicU64>,
+    codec_meter: Arc<CodecMeter>,
     /// The model's frame-round counters (shared with the worker's model).
     round_stats: Arc<model::RoundStats>,
     /// Device bytes the backend reserved at start-up for the plan's state (0 on the CPU).
@@ -463,11 +499,16 @@ impl Engine {
         let starts_deferred = Arc::new(AtomicU64::new(0));
         let starts_most = Arc::new(AtomicU64::new(0));
         let prefills_joined = Arc::new(AtomicU64::new(0));
+        let codec_meter = Arc::new(CodecMeter::default());
         let cache_hits = Arc::new(AtomicU64::new(0));
         let cache_misses = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
         let mut gpu_encoder = None;
         let decoders: DecoderFactory = match opts.backend {
+            _ if opts.codec_on_host => {
+                let c = codec.clone();
+                Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
+            }
             BackendChoice::Cpu => {
                 let c = codec.clone();
                 Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
@@ -518,6 +559,7 @@ impl Engine {
             starts_deferred: Arc::clone(&starts_deferred),
             starts_most: Arc::clone(&starts_most),
             prefills_joined: Arc::clone(&prefills_joined),
+            codec_meter: Arc::clone(&codec_meter),
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -566,6 +608,7 @@ impl Engine {
             starts_deferred,
             starts_most,
             prefills_joined,
+            codec_meter,
             round_stats,
             device_reserved,
             cache_hits,
@@ -651,6 +694,7 @@ impl Engine {
             starts_most: self.starts_most.load(Ordering::Relaxed),
             prefills_joined: self.prefills_joined.load(Ordering::Relaxed),
             rounds: self.round_stats.counts(),
+            codec: self.codec_meter.counts(),
         }
     }
 
@@ -1316,6 +1360,7 @@ fn codec_loop(
     rate: u32,
     max_chunk: usize,
     rx: std::sync::mpsc::Receiver<CodecMsg>,
+    meter: &CodecMeter,
 ) {
     let max_chunk = max_chunk.clamp(1, CODEC_MAX_CHUNK);
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
@@ -1337,7 +1382,7 @@ fn codec_loop(
                     Some((_, f)) if f.len() < max_chunk => f.push(codes),
                     Some((_, f)) => {
                         let full = std::mem::replace(f, vec![codes]);
-                        decode_frames(&mut jobs, key, full);
+                        decode_frames(&mut jobs, key, full, meter);
                     }
                     None => pending.push((key, vec![codes])),
                 }
@@ -1346,12 +1391,12 @@ fn codec_loop(
             // this job's earlier frames go first
             if let Some(i) = pending.iter().position(|(k, _)| *k == key) {
                 let (_, frames) = pending.remove(i);
-                decode_frames(&mut jobs, key, frames);
+                decode_frames(&mut jobs, key, frames, meter);
             }
-            codec_event(&mut jobs, &new_decoder, rate, msg);
+            codec_event(&mut jobs, &new_decoder, rate, msg, meter);
         }
         for (key, frames) in pending {
-            decode_frames(&mut jobs, key, frames);
+            decode_frames(&mut jobs, key, frames, meter);
         }
     }
 }
@@ -1361,6 +1406,7 @@ fn decode_frames(
     jobs: &mut std::collections::HashMap<u64, CodecJob>,
     key: u64,
     frames: Vec<Vec<u32>>,
+    meter: &CodecMeter,
 ) {
     let Some(j) = jobs.get_mut(&key) else {
         return;
@@ -1368,9 +1414,17 @@ fn decode_frames(
     if j.failed || frames.is_empty() {
         return;
     }
+    let t0 = Instant::now();
     let pcm = Codes::from_frames(frames[0].len(), &frames)
         .map_err(|e| e.to_string())
         .and_then(|c| j.decoder.push(&c));
+    meter.calls.fetch_add(1, Ordering::Relaxed);
+    meter
+        .frames
+        .fetch_add(frames.len() as u64, Ordering::Relaxed);
+    meter
+        .busy_ns
+        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
     match pcm {
         Ok(pcm) => {
             if j.first_audio.is_none() {
@@ -1393,6 +1447,7 @@ fn codec_event(
     new_decoder: &DecoderFactory,
     rate: f64,
     msg: CodecMsg,
+    meter: &CodecMeter,
 ) {
     match msg {
         CodecMsg::Start {
@@ -1420,7 +1475,7 @@ fn codec_event(
                 },
             );
         }
-        CodecMsg::Frame { key, codes } => decode_frames(jobs, key, vec![codes]),
+        CodecMsg::Frame { key, codes } => decode_frames(jobs, key, vec![codes], meter),
         CodecMsg::Finish { key, mut summary } => {
             let Some(j) = jobs.remove(&key) else { return };
             if j.failed {
@@ -1493,6 +1548,7 @@ struct WorkerCtx {
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
     prefills_joined: Arc<AtomicU64>,
+    codec_meter: Arc<CodecMeter>,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1534,9 +1590,10 @@ fn spawn_worker<B: Backend + 'static>(
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
     let lanes = ctx.lanes;
+    let meter = ctx.codec_meter;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(factory, rate, lanes, codec_rx))
+        .spawn(move || codec_loop(factory, rate, lanes, codec_rx, &meter))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -2218,7 +2275,7 @@ mod codec_thread_tests {
         drop(tx);
         // a cap below the backlog, as the engine's lane-count cap is
         let cap = 5;
-        codec_loop(factory, 44_100, cap, rx);
+        codec_loop(factory, 44_100, cap, rx, &CodecMeter::default());
         for (key, erx) in streams.iter_mut().enumerate() {
             let mut audio = Vec::new();
             let mut done = None;

@@ -19,7 +19,7 @@ pub use device_memory::{
     DevicePeakSampler,
 };
 pub use engine::{
-    BackendChoice, CfgOptions, Engine, EngineOptions, EngineStats, JobHandle,
+    BackendChoice, CfgOptions, CodecCounts, Engine, EngineOptions, EngineStats, JobHandle,
     DEFAULT_MAX_PAUSE_SECONDS, DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
 };
 
