@@ -1119,7 +1119,10 @@ unsafe fn launch_pdl(
 impl CudaBackend {
     /// Opens device 0 with options from the environment; a clear error without a driver.
     pub fn new() -> Result<Self, CudaError> {
-        let gpu = Arc::new(Gpu::new(0)?);
+        let gpu = Arc::new(Gpu::with_priority(
+            0,
+            crate::runtime::StreamPriority::Model,
+        )?);
         Ok(Self::with_gpu(gpu, Variant::Exact, CudaOptions::from_env()))
     }
 

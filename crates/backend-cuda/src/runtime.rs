@@ -326,9 +326,35 @@ pub struct Gpu {
     pub compile_stats: Mutex<(usize, usize)>,
 }
 
+/// The scheduling priority of a [`Gpu`]'s stream. The model's frame rounds take the device's
+/// greatest priority, so that when the codec's kernels (on their own stream, default priority)
+/// wait for room at the same time, the block scheduler starts the round's blocks first.
+/// `DRAMATIS_CUDA_STREAM_PRIORITY=0` gives the model's stream the default priority too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamPriority {
+    /// The device's least priority (the driver's default).
+    Default,
+    /// The device's greatest priority (unless `DRAMATIS_CUDA_STREAM_PRIORITY=0`).
+    Model,
+}
+
+/// Whether the model's stream takes the greatest priority: read once per process.
+pub fn model_priority_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("DRAMATIS_CUDA_STREAM_PRIORITY").map_or(true, |v| v.trim() != "0")
+    })
+}
+
 impl Gpu {
-    /// Opens device `ordinal`; a clear error, never a panic, without a driver or NVRTC.
+    /// Opens device `ordinal` with a stream of the default priority; a clear error, never a
+    /// panic, without a driver or NVRTC.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_priority(ordinal, StreamPriority::Default)
+    }
+
+    /// Opens device `ordinal` with a stream of priority `p`.
+    pub fn with_priority(ordinal: usize, p: StreamPriority) -> Result<Self> {
         use cudarc::driver::sys::CUdevice_attribute as A;
         if !driver_present() {
             return Err(CudaError::NoDriver);
@@ -370,7 +396,14 @@ impl Gpu {
         // per-buffer event tracking (several driver calls per launch argument) is not needed.
         unsafe { ctx.disable_event_tracking() };
         // a created stream, not the legacy default one, so that frame rounds can be captured
-        let stream = ctx.new_stream()?;
+        let stream = match p {
+            StreamPriority::Model if model_priority_on() => {
+                ctx.bind_to_thread()?;
+                let (_least, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+                ctx.new_stream_with_priority(greatest)?
+            }
+            _ => ctx.new_stream()?,
+        };
         Ok(Gpu {
             arch: arch_for(major, minor),
             ctx,
