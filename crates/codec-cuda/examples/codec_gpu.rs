@@ -343,14 +343,35 @@ fn main() -> R<()> {
         "sm_count": gpu.info.sm_count, "cuda_driver_version": gpu.info.cuda_driver_version,
         "cpu_threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
     });
-    drop(gpu);
+    // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
+    let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
+    println!(
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}; shapes {:?}",
+        if tc.pass() { "PASS" } else { "FAIL" },
+        tc.exact_worst,
+        codec_cuda::check::TOLERANCE,
+        tc.twin_worst,
+        if tc.twin_worst > codec_cuda::check::TOLERANCE { "red as planted" } else { "MISSED" },
+        tc.rows_bitwise,
+        tc.modes_bitwise,
+        tc.shapes
+    );
+    if !tc.pass() {
+        failures.push(format!("gemm_tc check: {tc:?}"));
+    }
+    let tc_field = json!({
+        "exact_worst": tc.exact_worst, "twin_worst": tc.twin_worst,
+        "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
+        "modes_bitwise": tc.modes_bitwise, "shapes": tc.shapes, "pass": tc.pass(),
+    });
     let tiny = tiny(&fixture, &mut failures)?;
     let real = real(&mut failures)?;
     let doc = json!({
         "kind": "cuda-codec",
         "date": std::env::var("RECEIPT_DATE").unwrap_or_default(),
         "commit": std::env::var("RECEIPT_COMMIT").unwrap_or_default(),
-        "device": device, "tiny": tiny, "real": real,
+        "device": device, "decoder_tc": codec_cuda::cuda::decoder_tc(), "gemm_tc_check": tc_field,
+        "tiny": tiny, "real": real,
         "failures": failures, "pass": failures.is_empty(),
     });
     std::fs::write(&receipt, serde_json::to_string_pretty(&doc)?)?;

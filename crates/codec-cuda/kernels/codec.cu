@@ -132,6 +132,151 @@ gemm_small(int M, int N, int K, const float* A, long long rsa, int cin, long lon
                                 act, ks, part);
 }
 
+// ---------------------------------------------------------------- tensor-core GEMM (3xTF32)
+// The decoder's GEMMs on tensor cores, with f32-class accuracy: each operand x is split into
+// two TF32 values x = hi + lo (hi = tf32(x), lo = tf32(x - hi)), and a k8 step of an output is
+// d = hi_a hi_b (one MMA from zero) + (lo_a hi_b + hi_a lo_b) (two chained MMAs from zero, the
+// small terms), added to the segment's f32 sum as acc + (d_big + d_small). Chaining MMAs over
+// K would truncate at every step (backend-cuda's gemv notes), so every step starts from zero.
+// An output's bits are fixed by K's split-K segments (split_len: K and N only) and the k8 steps
+// in order inside each; segments are summed in order, total = seg0 + seg1 + ..., then the
+// epilogue, inside the block (gridDim.z == 1, every segment) or by gemm_reduce (one segment a
+// block). Nothing depends on M, the row tile or the mode, so streamed decoding stays
+// bit-identical to whole decoding. A row's result never depends on another row's values.
+// Block: 4 warps, BM rows x 64 columns; warp w owns columns col0 + 16 w .. + 16 (two n8 tiles)
+// of all BM rows (BM / 16 m16 tiles). The A tile is split once into shared memory (shared by
+// the warps); each warp loads its B fragments straight from global memory into registers.
+// LOWP: drops the small terms (one TF32 MMA a step), the lower-precision twin a test must catch.
+__device__ __forceinline__ unsigned int tf32_of(float f) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32_acc(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                             unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#define TC_BK 32
+template <int BM>
+__device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A, long long rsa, int cin,
+                                             long long jstride, const float* B, float* C,
+                                             const float* bias, int bias_n, const float* gamma,
+                                             const float* res, int act, int ks, float* part) {
+    constexpr int MT = BM / 16;
+    __shared__ unsigned int Ah[TC_BK][BM + 4];
+    __shared__ unsigned int Al[TC_BK][BM + 4];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * BM;
+    const int colw = blockIdx.x * 64 + warp * 16;
+    const int nseg = (K + ks - 1) / ks;
+    const bool split = gridDim.z > 1;
+    const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
+    float tot[MT][2][4];
+    for (int z = z0; z < z1; ++z) {
+        const int kbeg = z * ks, kend = min(K, kbeg + ks);
+        float acc[MT][2][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+        for (int k0 = kbeg; k0 < kend; k0 += TC_BK) {
+            // this chunk's B fragments first (global loads in flight while A is staged)
+            float bv[4][2][2];
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int n = colw + 8 * j + g;
+                    const int ka = k0 + 8 * s + t, kb = ka + 4;
+                    bv[s][j][0] = (n < N && ka < kend) ? B[(long long)ka * N + n] : 0.0f;
+                    bv[s][j][1] = (n < N && kb < kend) ? B[(long long)kb * N + n] : 0.0f;
+                }
+            __syncthreads();
+            for (int i = tid; i < BM * TC_BK; i += 128) {
+                const int r = i / TC_BK, kk = i - r * TC_BK;
+                const int gr = row0 + r, gk = k0 + kk;
+                const float v = (gr < M && gk < kend) ? load_a(A, gr, gk, rsa, cin, jstride) : 0.0f;
+                const unsigned int h = tf32_of(v);
+                Ah[kk][r] = h;
+                Al[kk][r] = tf32_of(v - __uint_as_float(h));
+            }
+            __syncthreads();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                if (k0 + 8 * s >= kend) break;  // uniform: past the segment, only zeros remain
+                unsigned int bh[2][2], bl[2][2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        bh[j][q] = tf32_of(bv[s][j][q]);
+                        bl[j][q] = tf32_of(bv[s][j][q] - __uint_as_float(bh[j][q]));
+                    }
+                const int kk = 8 * s + t;
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = 16 * i + g;
+                    const unsigned int ah[4] = {Ah[kk][r], Ah[kk][r + 8], Ah[kk + 4][r], Ah[kk + 4][r + 8]};
+                    const unsigned int al[4] = {Al[kk][r], Al[kk][r + 8], Al[kk + 4][r], Al[kk + 4][r + 8]};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32_acc(big, ah, bh[j][0], bh[j][1]);
+                        float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifndef LOWP
+                        mma_tf32_acc(small, al, bh[j][0], bh[j][1]);
+                        mma_tf32_acc(small, ah, bl[j][0], bl[j][1]);
+#endif
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[i][j][e] = __fadd_rn(acc[i][j][e], __fadd_rn(big[e], small[e]));
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) tot[i][j][e] = z == z0 ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
+    }
+    // c0 = (g, 2t), c1 = (g, 2t + 1), c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1) of each 16 x 8 tile
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 16 * i + g + (e >= 2 ? 8 : 0);
+                const int c = colw + 8 * j + 2 * t + (e & 1);
+                if (r >= M || c >= N) continue;
+                if (split) part[((long long)z0 * M + r) * N + c] = tot[i][j][e];
+                else epilogue(tot[i][j][e], r, c, N, C, bias, bias_n, gamma, res, act);
+            }
+}
+
+// 16 rows a block (frame-rate layers: few rows) and 64 rows a block (many rows): the same bits.
+extern "C" __global__ void __launch_bounds__(128)
+gemm_tc16(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<16>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+extern "C" __global__ void __launch_bounds__(128)
+gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+
 // Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.
 extern "C" __global__ void gemm_reduce(const float* part, int nseg, int M, int N, float* C,
                                        const float* bias, int bias_n, const float* gamma,

@@ -15,7 +15,9 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 14] = [
+pub const KERNELS: [&str; 16] = [
+    "gemm_tc16",
+    "gemm_tc64",
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -37,7 +39,13 @@ const SMALL_M: usize = 32;
 
 /// Compiles [`SOURCE`] for `arch`, through the disk cache. Returns PTX and whether it was cached.
 pub fn compile(arch: &str) -> Result<(String, bool)> {
-    let options = compile_options(arch, Variant::Exact);
+    compile_variant(arch, Variant::Exact)
+}
+
+/// As [`compile`], for a kernel build (`LowPrecision`: the tensor-core GEMM without its small
+/// terms, a twin the checks must catch).
+pub fn compile_variant(arch: &str, variant: Variant) -> Result<(String, bool)> {
+    let options = compile_options(arch, variant);
     let key = cache_key(SOURCE, &options, arch, nvrtc_version()?);
     let path = cache_dir().map(|d| d.join(format!("codec-{key}.ptx")));
     if let Some(p) = &path {
@@ -76,6 +84,18 @@ pub struct CudaExec {
     bufs: RefCell<Vec<Option<DevBuf>>>,
     /// Split-K partial sums, grown on demand (used only between a GEMM and its combine).
     part: RefCell<Option<DevBuf>>,
+    /// GEMMs of two or more columns on tensor cores (3xTF32, `gemm_tc*`) instead of the FMA
+    /// tiles: the decoder's choice (`DRAMATIS_CODEC_TC=0` turns it off); the encoder keeps the
+    /// FMA tiles, whose codes match the encode goldens exactly.
+    tc: bool,
+    /// Tensor-core GEMMs with fewer tiles than this sum K's segments across blocks (partials
+    /// through memory, then `gemm_reduce`); others inside each block. The same bits either way.
+    split_below: std::cell::Cell<usize>,
+}
+
+/// Whether the decoder's GEMMs run on tensor cores (`DRAMATIS_CODEC_TC`, default on).
+pub fn decoder_tc() -> bool {
+    std::env::var("DRAMATIS_CODEC_TC").map_or(true, |v| v.trim() != "0")
 }
 
 fn cdiv(a: usize, b: usize) -> usize {
@@ -103,9 +123,15 @@ fn grid1(n: usize, block: usize) -> Result<LaunchConfig> {
 }
 
 impl CudaExec {
-    /// Compiles (or reads from the cache) and loads the kernels on `gpu`.
+    /// Compiles (or reads from the cache) and loads the kernels on `gpu` (FMA-tile GEMMs).
     pub fn new(gpu: Arc<Gpu>) -> Result<Self> {
-        let (ptx, _cached) = compile(&gpu.arch)?;
+        Self::with(gpu, Variant::Exact, false)
+    }
+
+    /// The kernels of build `variant` on `gpu`; `tc`: GEMMs of two or more columns on tensor
+    /// cores.
+    pub fn with(gpu: Arc<Gpu>, variant: Variant, tc: bool) -> Result<Self> {
+        let (ptx, _cached) = compile_variant(&gpu.arch, variant)?;
         let module = gpu
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
@@ -122,7 +148,20 @@ impl CudaExec {
             funcs,
             bufs: RefCell::new(Vec::new()),
             part: RefCell::new(None),
+            tc,
+            split_below: std::cell::Cell::new(0),
         })
+        .map(|e| {
+            e.set_split_below(None);
+            e
+        })
+    }
+
+    /// The tile count under which tensor-core GEMMs split K's segments across blocks; `None`:
+    /// twice the multiprocessors (the frame-rate layers split, the sample-rate ones do not).
+    pub fn set_split_below(&self, tiles: Option<usize>) {
+        let sms = usize::try_from(self.gpu.info.sm_count).unwrap_or(1);
+        self.split_below.set(tiles.unwrap_or(2 * sms));
     }
 
     /// Device address of `p` (element offset checked against the allocation for `n` elements).
@@ -290,25 +329,38 @@ impl Exec for CudaExec {
             );
             return Ok(());
         }
-        let (name, bm, bn) = if g.m <= SMALL_M {
-            ("gemm_small", 8, 128)
-        } else {
-            ("gemm_big", 64, 64)
-        };
         let ks = crate::exec::split_len(g.k, g.n);
         let nseg = cdiv(g.k, ks);
-        let part = if nseg > 1 {
-            self.part(nseg * g.m * g.n)?
+        // (kernel, rows and columns a block, threads, K segments across blocks: 1 = a block
+        // sums all of its segments itself). Either way an output is the same arithmetic.
+        let (name, bm, bn, threads, zs) = if self.tc {
+            let (name, bm) = if g.m <= 16 {
+                ("gemm_tc16", 16)
+            } else {
+                ("gemm_tc64", 64)
+            };
+            // segments across blocks only when the tiles alone would leave most of the
+            // device idle (frame-rate layers); otherwise no partial sums go through memory
+            let tiles = cdiv(g.n, 64) * cdiv(g.m, bm);
+            let zs = if tiles < self.split_below.get() {
+                nseg
+            } else {
+                1
+            };
+            (name, bm, 64, 128, zs)
+        } else if g.m <= SMALL_M {
+            ("gemm_small", 8, 128, 256, nseg)
+        } else {
+            ("gemm_big", 64, 64, 256, nseg)
+        };
+        let part = if zs > 1 {
+            self.part(zs * g.m * g.n)?
         } else {
             0
         };
         let cfg = LaunchConfig {
-            grid_dim: (
-                u32_of(cdiv(g.n, bn))?,
-                u32_of(cdiv(g.m, bm))?,
-                u32_of(nseg)?,
-            ),
-            block_dim: (256, 1, 1),
+            grid_dim: (u32_of(cdiv(g.n, bn))?, u32_of(cdiv(g.m, bm))?, u32_of(zs)?),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let ksi = i32_of(ks)?;
@@ -316,8 +368,8 @@ impl Exec for CudaExec {
             self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma, &res,
             &act, &ksi, &part
         );
-        if nseg > 1 {
-            let ns = i32_of(nseg)?;
+        if zs > 1 {
+            let ns = i32_of(zs)?;
             launch!(
                 self,
                 "gemm_reduce",

@@ -19,6 +19,7 @@
 //! Both are written once over [`exec::Exec`]; [`exec::HostExec`] runs the same operations on the
 //! CPU, which is how the bookkeeping is tested without a GPU.
 
+pub mod check;
 pub mod cuda;
 mod decoder;
 mod encoder;
@@ -141,7 +142,7 @@ impl CudaDecoder {
 
     /// From a read `codec.pth` state dict and the codec's config.
     pub fn from_state_dict(gpu: Arc<Gpu>, sd: &PthStateDict, cfg: &CodecConfig) -> Result<Self> {
-        let exec = CudaExec::new(gpu)?;
+        let exec = CudaExec::with(gpu, backend_cuda::Variant::Exact, cuda::decoder_tc())?;
         let core = Core::new(exec, sd, cfg)?;
         core.exec.sync()?;
         Ok(Self {

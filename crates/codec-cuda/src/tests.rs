@@ -250,22 +250,48 @@ fn kernels_compile_with_nvrtc() {
         eprintln!("skipped: NVRTC not present (set LD_LIBRARY_PATH to a libnvrtc.so.13)");
         return;
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: backend_cuda::runtime::compile_options(
-            "compute_90a",
-            backend_cuda::Variant::Exact,
-        ),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(cuda::SOURCE, opts)
-        .unwrap_or_else(|e| panic!("codec.cu: {e:?}"))
-        .to_src();
-    for k in cuda::KERNELS {
+    // the exact build and the tensor-core GEMM's lower-precision twin
+    for variant in [
+        backend_cuda::Variant::Exact,
+        backend_cuda::Variant::LowPrecision,
+    ] {
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: backend_cuda::runtime::compile_options("compute_90a", variant),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(cuda::SOURCE, opts)
+            .unwrap_or_else(|e| panic!("codec.cu ({variant:?}): {e:?}"))
+            .to_src();
+        for k in cuda::KERNELS {
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{k} missing from the PTX ({variant:?})"
+            );
+        }
         assert!(
-            ptx.contains(&format!(".entry {k}(")),
-            "{k} missing from the PTX"
+            ptx.contains("mma.sync.aligned.m16n8k8"),
+            "no MMA in gemm_tc"
         );
     }
+}
+
+/// On a machine with a GPU: the tensor-core GEMM against FP64, its twin caught, its bits
+/// independent of the row count and the segment mode.
+#[test]
+fn gpu_tc_gemm_when_present() {
+    if !backend_cuda::driver_present() || !backend_cuda::nvrtc_present() {
+        eprintln!("skipped: no CUDA driver/NVRTC here (examples/codec_gpu runs it on a GPU)");
+        return;
+    }
+    let gpu = match Gpu::new(0) {
+        Ok(g) => std::sync::Arc::new(g),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let c = check::tc_gemm(gpu).unwrap();
+    assert!(c.pass(), "{c:?}");
 }
 
 /// On a machine with a GPU: the CUDA decoder against the CPU codec and chunking.

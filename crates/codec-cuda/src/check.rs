@@ -1,0 +1,245 @@
+//! The decoder's tensor-core GEMM (`gemm_tc16` / `gemm_tc64`, 3xTF32) against an FP64
+//! reference on fresh random inputs, with its lower-precision twin (one TF32 MMA a step, the
+//! `LowPrecision` build) that the same tolerance must catch, and the bit-for-bit checks that
+//! streaming needs: a row's result is the same whatever the row count, the row tile and whether
+//! K's segments are summed across blocks or inside one. Run on a GPU by `examples/codec_gpu`
+//! and by the crate's GPU test.
+
+use std::sync::Arc;
+
+use backend_cuda::rng::Rng;
+use backend_cuda::{Gpu, Variant};
+
+use crate::cuda::CudaExec;
+use crate::exec::{Exec, Gemm, P};
+use crate::Result;
+
+/// Error bound, as a fraction of Σ|a·b| over an output's terms. A 3xTF32 step carries about 22
+/// bits of each operand (error ~2⁻²² of Σ|a·b|, f32 rounding of the sums about as much); one
+/// TF32 MMA a step carries 11 (~2⁻¹¹ a product). 1e-5 (~2⁻¹⁷) sits between them.
+pub const TOLERANCE: f64 = 1e-5;
+
+/// One shape: an im2col conv operand (`stride`, `dil`, `cin`, taps) or a plain linear.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    m: usize,
+    n: usize,
+    cin: usize,
+    taps: usize,
+    stride: usize,
+    dil: usize,
+}
+
+impl Shape {
+    fn k(&self) -> usize {
+        self.cin * self.taps
+    }
+    /// A elements the GEMM may read: rows `m` at `stride·cin`, taps at `dil·cin`.
+    fn a_len(&self) -> usize {
+        (self.m - 1) * self.stride * self.cin + (self.taps - 1) * self.dil * self.cin + self.cin
+    }
+    fn gemm(&self, a: P, b: P, c: P, bias: P, res: P) -> Gemm {
+        Gemm {
+            m: self.m,
+            n: self.n,
+            k: self.k(),
+            a,
+            rsa: self.stride * self.cin,
+            cin: self.cin,
+            jstride: self.dil * self.cin,
+            b,
+            c,
+            bias: Some(bias),
+            bias_n: self.n,
+            gamma: None,
+            res: Some(res),
+            tanh: false,
+        }
+    }
+}
+
+/// What one run found.
+#[derive(Debug, Clone)]
+pub struct TcCheck {
+    /// Shapes checked (m, n, k).
+    pub shapes: Vec<(usize, usize, usize)>,
+    /// Largest |got − ref| / Σ|a·b| (+|bias| + |res|) of the exact build over every output.
+    pub exact_worst: f64,
+    /// The same for the lower-precision twin (must exceed [`TOLERANCE`]).
+    pub twin_worst: f64,
+    /// Every row equal bit for bit to its own one-row launch, in both segment modes.
+    pub rows_bitwise: bool,
+    /// Segments summed across blocks equal segments summed in one block, bit for bit.
+    pub modes_bitwise: bool,
+}
+
+impl TcCheck {
+    /// The exact build within tolerance, the twin caught, and the bits independent of the batch.
+    pub fn pass(&self) -> bool {
+        self.exact_worst <= TOLERANCE
+            && self.twin_worst > TOLERANCE
+            && self.rows_bitwise
+            && self.modes_bitwise
+    }
+}
+
+struct Case {
+    s: Shape,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    bias: Vec<f32>,
+    res: Vec<f32>,
+}
+
+impl Case {
+    fn new(s: Shape, rng: &mut Rng) -> Case {
+        Case {
+            s,
+            a: rng.normals_f32(s.a_len(), 1.0),
+            b: rng.normals_f32(s.k() * s.n, 0.05),
+            bias: rng.normals_f32(s.n, 0.1),
+            res: rng.normals_f32(s.m * s.n, 0.5),
+        }
+    }
+
+    /// FP64 value and Σ|terms| of output (r, c).
+    fn reference(&self, r: usize, c: usize) -> (f64, f64) {
+        let s = &self.s;
+        let (mut v, mut mag) = (0.0f64, 0.0f64);
+        for j in 0..s.taps {
+            for ci in 0..s.cin {
+                let av = f64::from(self.a[r * s.stride * s.cin + j * s.dil * s.cin + ci]);
+                let bv = f64::from(self.b[(j * s.cin + ci) * s.n + c]);
+                v += av * bv;
+                mag += (av * bv).abs();
+            }
+        }
+        let bias = f64::from(self.bias[c]);
+        let res = f64::from(self.res[r * s.n + c]);
+        (res + (v + bias), mag + bias.abs() + res.abs())
+    }
+
+    /// The GEMM on `e` over rows `rows` (a sub-range of the case, as its own launch).
+    fn run(&self, e: &CudaExec, rows: std::ops::Range<usize>) -> Result<Vec<f32>> {
+        let s = Shape {
+            m: rows.len(),
+            ..self.s
+        };
+        let a0 = rows.start * self.s.stride * self.s.cin;
+        let pa = e.alloc(s.a_len())?;
+        let pb = e.alloc(self.b.len())?;
+        let pc = e.alloc(s.m * s.n)?;
+        let pbias = e.alloc(s.n)?;
+        let pres = e.alloc(s.m * s.n)?;
+        let at = |b: usize| P { buf: b, off: 0 };
+        e.write(at(pa), &self.a[a0..a0 + s.a_len()])?;
+        e.write(at(pb), &self.b)?;
+        e.write(at(pbias), &self.bias)?;
+        e.write(at(pres), &self.res[rows.start * s.n..rows.end * s.n])?;
+        e.gemm(&s.gemm(at(pa), at(pb), at(pc), at(pbias), at(pres)))?;
+        let out = e.read(at(pc), s.m * s.n);
+        for b in [pa, pb, pc, pbias, pres] {
+            e.free(b);
+        }
+        out
+    }
+
+    fn worst(&self, got: &[f32]) -> f64 {
+        let s = &self.s;
+        let mut w = 0.0f64;
+        for r in 0..s.m {
+            for c in 0..s.n {
+                let (v, mag) = self.reference(r, c);
+                let g = f64::from(got[r * s.n + c]);
+                let e = if g.is_finite() {
+                    (g - v).abs() / mag.max(f64::MIN_POSITIVE)
+                } else {
+                    f64::INFINITY
+                };
+                w = w.max(e);
+            }
+        }
+        w
+    }
+}
+
+fn bitwise(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Runs the check on `gpu` with fresh random inputs.
+pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
+    let mut rng = Rng::new(Rng::fresh_seed());
+    // K across segments (split_len: 256 keys past 512) and not a multiple of 32; N not a
+    // multiple of 64; M of one row, of the 16-row tile and of the 64-row tile.
+    let shapes = [
+        Shape {
+            m: 1,
+            n: 72,
+            cin: 96,
+            taps: 7,
+            stride: 1,
+            dil: 3,
+        },
+        Shape {
+            m: 13,
+            n: 40,
+            cin: 100,
+            taps: 7,
+            stride: 2,
+            dil: 1,
+        },
+        Shape {
+            m: 70,
+            n: 136,
+            cin: 520,
+            taps: 1,
+            stride: 1,
+            dil: 1,
+        },
+        Shape {
+            m: 37,
+            n: 64,
+            cin: 44,
+            taps: 3,
+            stride: 1,
+            dil: 9,
+        },
+    ];
+    let exact = CudaExec::with(gpu.clone(), Variant::Exact, true)?;
+    let twin = CudaExec::with(gpu, Variant::LowPrecision, true)?;
+    let mut out = TcCheck {
+        shapes: Vec::new(),
+        exact_worst: 0.0,
+        twin_worst: 0.0,
+        rows_bitwise: true,
+        modes_bitwise: true,
+    };
+    for s in shapes {
+        let case = Case::new(s, &mut rng);
+        out.shapes.push((s.m, s.n, s.k()));
+        // segments across blocks (the default for so few tiles), then inside one block
+        exact.set_split_below(Some(usize::MAX));
+        let split = case.run(&exact, 0..s.m)?;
+        exact.set_split_below(Some(0));
+        let inblock = case.run(&exact, 0..s.m)?;
+        out.modes_bitwise &= bitwise(&split, &inblock);
+        out.exact_worst = out.exact_worst.max(case.worst(&split));
+        for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
+            exact.set_split_below(Some(mode));
+            for r in [0, s.m / 2, s.m - 1] {
+                let one = case.run(&exact, r..r + 1)?;
+                out.rows_bitwise &= bitwise(&one, &whole[r * s.n..(r + 1) * s.n]);
+            }
+        }
+        exact.set_split_below(None);
+        out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
+    }
+    Ok(out)
+}
+
+impl CudaExec {
+    fn run_case(&self, case: &Case) -> Result<Vec<f32>> {
+        case.run(self, 0..case.s.m)
+    }
+}
