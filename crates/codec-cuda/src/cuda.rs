@@ -151,10 +151,7 @@ impl CudaExec {
             tc,
             split_below: std::cell::Cell::new(0),
         })
-        .map(|e| {
-            e.set_split_below(None);
-            e
-        })
+        .inspect(|e| e.set_split_below(None))
     }
 
     /// The tile count under which tensor-core GEMMs split K's segments across blocks; `None`:
