@@ -1,4 +1,4 @@
-//! `gemvbench [--out FILE.json] [VARIANT ...]`: the BF16 decode linears with cold weights, as a
+//! `gemvbench [--out FILE.json] [--rows 1,8,32] [VARIANT ...]`: the BF16 decode linears with cold weights, as a
 //! frame reads them. Each shape is uploaded in enough copies to pass 400 MB (far over the 50 MB
 //! L2), and consecutive calls walk the copies, so every call reads its weight from HBM; `opbench`
 //! repeats one weight and so measures L2 for the smaller ones. A variant is `old` (session 7's
@@ -19,10 +19,21 @@ fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut out = None;
     let mut variants = Vec::new();
+    let mut row_counts = vec![1usize, 8, 32];
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--out" {
             out = it.next().cloned();
+        } else if a == "--rows" {
+            let list = it.next().ok_or("--rows needs a list, e.g. 1,8,32")?;
+            row_counts = list
+                .split(',')
+                .map(|r| {
+                    r.trim()
+                        .parse::<usize>()
+                        .map_err(|e| format!("--rows {list}: {e}"))
+                })
+                .collect::<Result<_, _>>()?;
         } else {
             variants.push(a.clone());
         }
@@ -69,7 +80,7 @@ fn main() -> Result<(), String> {
                 .map_err(s)?;
             sets.push(ws);
         }
-        for rows in [1usize, 8, 32] {
+        for &rows in &row_counts {
             let x = base
                 .upload(&rng.normals_f32(rows * k, 1.0), rows, *k)
                 .map_err(s)?;

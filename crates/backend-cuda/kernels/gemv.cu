@@ -309,3 +309,192 @@ GEMV_TC2_SILU(4, 1)
 GEMV_TC2_SILU(1, 2)
 GEMV_TC2_SILU(4, 2)
 
+
+// ---------------------------------------------------------------- many rows: gemv_tc2 bits, tiled
+// gemv_tc2_body<G, 2, ACT>'s arithmetic for many rows, with the data moved once per block: a
+// block takes 64 outputs x 64 rows and walks K in 64-key steps; each step's weight tile (BF16,
+// 64 x 64) and activation tile (f32, made with the elementwise op as gemv_tc2 makes it, then
+// split hi + lo once) go to shared memory in fragment order, and the next step's tiles are
+// loaded into registers while this one computes. Every output is the same sequence of
+// operations as gemv_tc2 (V = 2): in chunk c of kc keys, for each 64-key step kb and each
+// s = 0..7, the MMA over keys {kb + 16 t + 2 s, + 1 : t = 0..3} from zero, added to the
+// chunk's hi (activations' hi) and lo (their lo) sums; the chunk's hi + lo then added to the
+// running total in chunk order (gemv_tc2's red[0] + red[1] + ...). So a row's result equals
+// its one-row gemv_tc2 launch bit for bit, whatever the other rows and the tiling.
+// Warp w: outputs 32 (w & 1) .. + 32 (two 16-output MMA tiles), rows 16 (w >> 1) .. + 16 (two
+// 8-row tiles). Shared layout: weight word (keys 16 t + 2 s, + 1) of output o at Ws[o][4 s + t]
+// (row stride 36 words), activation key 16 t + 2 s + b of row r at X[r][4 (2 s + b) + t] (row
+// stride 68): a warp's fragment reads hit 32 distinct banks.
+// PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
+#define TT_WS 36
+#define TT_XS 68
+template <int ACT>
+__device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_out, int K, int rows, int o0,
+                                             int kc, const float* __restrict__ u) {
+    __shared__ unsigned int Ws[64][TT_WS];
+    __shared__ unsigned int Xh[64][TT_XS];
+    __shared__ unsigned int Xl[64][TT_XS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wo = warp & 1, wr = warp >> 1;
+    const int r0 = blockIdx.y * 64;
+    // this thread's loads: weight uint4 q = tid, tid + 256 (row q >> 3, keys 8 (q & 7) ..);
+    // activation float4 q = tid + 256 i (row q >> 4, keys 4 (q & 15) ..)
+    uint4 wreg[2];
+    float4 xreg[4];
+    auto load = [&](int kb) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int q = tid + 256 * i, o = o0 + (q >> 3);
+            wreg[i] = o < n_out ? ld_stream(W + (long long)o * K + kb + 8 * (q & 7)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = tid + 256 * i, r = r0 + (q >> 4), off = kb + 4 * (q & 15);
+            float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < rows) {
+                xv = __ldg((const float4*)(x + (long long)r * K + off));
+                if (ACT == 1) {
+                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                    xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+                    xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+                    xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+                    xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
+                } else if (ACT == 2) {
+                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                    xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+                    xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+                    xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+                    xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
+                }
+            }
+            xreg[i] = xv;
+        }
+    };
+    auto store = [&]() {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int q = tid + 256 * i, o = q >> 3, c = q & 7;
+            const unsigned int wv[4] = {wreg[i].x, wreg[i].y, wreg[i].z, wreg[i].w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int wd = 4 * c + m;  // word of keys 2 wd, 2 wd + 1 = 16 t + 2 s
+                Ws[o][4 * (wd & 7) + (wd >> 3)] = wv[m];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int q = tid + 256 * i, r = q >> 4, c = q & 15;
+            const float xs[4] = {xreg[i].x, xreg[i].y, xreg[i].z, xreg[i].w};
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                const int kk = 4 * c + m, tt = kk >> 4, s = (kk >> 1) & 7, b = kk & 1;
+                const unsigned int h = to_tf32(xs[m]);
+                Xh[r][4 * (2 * s + b) + tt] = h;
+                Xl[r][4 * (2 * s + b) + tt] = to_tf32(xs[m] - __uint_as_float(h));
+            }
+        }
+    };
+    float hi[2][2][4], lo[2][2][4], tot[2][2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = tot[i][j][e] = 0.0f;
+    load(0);
+    bool first = true;
+    for (int kb = 0; kb < K; kb += 64) {
+        __syncthreads();
+        store();
+        __syncthreads();
+        if (kb + 64 < K) load(kb + 64);
+        const bool last = (kb + 64) % kc == 0 || kb + 64 >= K;  // this step ends its chunk
+#if PLANT == 1
+        const bool skip = last;
+#else
+        const bool skip = false;
+#endif
+        if (!skip) {
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                unsigned int bh[2][2], bl[2][2];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int r = 16 * wr + 8 * j + g;
+                    bh[j][0] = Xh[r][4 * (2 * s) + t];
+                    bh[j][1] = Xh[r][4 * (2 * s + 1) + t];
+                    bl[j][0] = Xl[r][4 * (2 * s) + t];
+                    bl[j][1] = Xl[r][4 * (2 * s + 1) + t];
+                }
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int o = 32 * wo + 16 * i + g;
+                    const unsigned int wa = Ws[o][4 * s + t], wb = Ws[o + 8][4 * s + t];
+                    const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(d, a, bh[j][0], bh[j][1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
+#ifndef LOWP
+                        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                        mma_tf32(dl, a, bl[j][0], bl[j][1]);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
+#endif
+                    }
+                }
+            }
+        }
+        if (last) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float part = hi[i][j][e] + lo[i][j][e];
+                        tot[i][j][e] = first ? part : tot[i][j][e] + part;
+                        hi[i][j][e] = lo[i][j][e] = 0.0f;
+                    }
+            first = false;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
+                const int r = r0 + 16 * wr + 8 * j + 2 * t + (e & 1);
+                if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
+            }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                                          float* __restrict__ y, int n_out, int K, int rows, int kc) {
+    gemv_tt_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows,
+                                                                int kc) {
+    int j = 0;
+    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
+    gemv_tt_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
+                    kc, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_tt_silu(const bf16_t* __restrict__ W,
+                                                               const float* __restrict__ x,
+                                                               const float* __restrict__ u, float* __restrict__ y,
+                                                               int n_out, int K, int rows, int kc) {
+    gemv_tt_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_tt_sigm(const bf16_t* __restrict__ W,
+                                                               const float* __restrict__ x,
+                                                               const float* __restrict__ u, float* __restrict__ y,
+                                                               int n_out, int K, int rows, int kc) {
+    gemv_tt_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
+}

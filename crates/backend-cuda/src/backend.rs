@@ -616,6 +616,10 @@ pub struct CudaOptions {
     /// to 0.
     pub gemv_warps: usize,
     pub gemv_warps_many: usize,
+    /// Rows from which BF16 linears with layout 2 take `gemv_tt*` (the same bits as
+    /// `gemv_tc2_*`, the data moved once per 64 x 64 tile: prompts and joined prefills;
+    /// `DRAMATIS_CUDA_GEMV_TILE_MIN`, default 64; 0 is never).
+    pub gemv_tile_min: usize,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -694,6 +698,10 @@ impl CudaOptions {
             gemv_v: num("DRAMATIS_CUDA_GEMV_V", 2).clamp(1, 2),
             gemv_warps: num("DRAMATIS_CUDA_GEMV_WARPS", 0).min(16),
             gemv_warps_many: num("DRAMATIS_CUDA_GEMV_WARPS_MANY", 0).min(16),
+            gemv_tile_min: match num("DRAMATIS_CUDA_GEMV_TILE_MIN", 64) {
+                0 => usize::MAX,
+                n => n,
+            },
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -936,6 +944,16 @@ struct Bf16Gemv {
     /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
     /// the input loads (`Act`).
     act: Option<(&'static str, &'static str)>,
+    /// `gemv_tt*`: rows a block (grid y walks the row tiles); otherwise every block takes all rows.
+    row_tile: Option<usize>,
+}
+
+impl Bf16Gemv {
+    /// The launch grid for `blocks` output blocks over `rows` rows.
+    fn grid(&self, op: &'static str, blocks: usize, rows: usize) -> BResult<(u32, u32, u32)> {
+        let y = self.row_tile.map_or(1, |t| rows.div_ceil(t).max(1));
+        Ok((u32v(op, blocks)?, u32v(op, y)?, 1))
+    }
 }
 
 /// The elementwise op a `gemv_tc2_*` input load makes: `silu(x) * u` or `x * sigmoid(u)`.
@@ -1005,6 +1023,18 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                 "gemv_tc2_sigm_g4_v2",
             ),
         };
+        if v == 2 && rows >= o.gemv_tile_min {
+            // gemv_tc2 (V = 2)'s bits from 64 x 64 tiles
+            return Bf16Gemv {
+                single: "gemv_tt",
+                multi: "gemv_tt_multi",
+                per_block: 64,
+                block: 256,
+                kc: Some(kc as i32),
+                act: Some(("gemv_tt_silu", "gemv_tt_sigm")),
+                row_tile: Some(64),
+            };
+        }
         let chunks = k.div_ceil(kc);
         let warps = match if rows <= 8 {
             o.gemv_warps
@@ -1021,6 +1051,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: (32 * warps) as u32,
             kc: Some(kc as i32),
             act: Some((silu, sigm)),
+            row_tile: None,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1030,6 +1061,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             kc: None,
             act: None,
+            row_tile: None,
         }
     } else {
         Bf16Gemv {
@@ -1039,6 +1071,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
             block: 256,
             kc: None,
             act: None,
+            row_tile: None,
         }
     }
 }
@@ -2274,7 +2307,7 @@ impl CudaBackend {
             Act::Sigmoid => sigm,
         };
         let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, x.rows)?);
-        let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
+        let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
         go!(self, Source::Gemv, name, g, gv.block, 0;
             &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
         Ok(Some(out))
@@ -3014,7 +3047,7 @@ impl Backend for CudaBackend {
                     ));
                 }
                 let gv = bf16_gemv(&self.opts, x.rows, k);
-                let g = (u32v(op, n_out.div_ceil(gv.per_block))?, 1, 1);
+                let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
                 if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
@@ -3086,13 +3119,14 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
+        let gv = bf16_gemv(&self.opts, x.rows, k);
         let Bf16Gemv {
             multi: name,
             per_block,
             block,
             kc,
             ..
-        } = bf16_gemv(&self.opts, x.rows, k);
+        } = gv;
         let mut blocks = 0usize;
         for (j, w) in ws.iter().enumerate() {
             let CudaWeight::Bf16 { mem, rows: n, .. } = w else {
@@ -3114,11 +3148,12 @@ impl Backend for CudaBackend {
             return Ok(outs);
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
+        let g = gv.grid(op, blocks, x.rows)?;
         if let Some(kc) = kc {
-            go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
+            go!(self, Source::Gemv, name, g, block, 0;
                 &m, &x.ptr(), &k32, &r32, &kc);
         } else {
-            go!(self, Source::Gemv, name, (u32v(op, blocks)?, 1, 1), block, 0;
+            go!(self, Source::Gemv, name, g, block, 0;
                 &m, &x.ptr(), &k32, &r32);
         }
         Ok(outs)

@@ -250,6 +250,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("rms_norm_silu_fused", ops::rms_norm_silu),
     ("rms_norm_concat_fused", ops::rms_norm_concat),
     ("gemv_tc2", ops::gemv_tc2),
+    ("gemv_tt", ops::gemv_tt),
     ("gemm_bf16_tiled", ops::gemm_tiled),
     ("gemm_bf16_cublaslt", ops::gemm_lt),
     ("moe_experts_grouped_fp8", ops::experts_grouped),

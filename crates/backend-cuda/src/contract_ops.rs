@@ -26,6 +26,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_v: CudaOptions::from_lookup(|_| None).gemv_v,
         gemv_warps: CudaOptions::from_lookup(|_| None).gemv_warps,
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
+        gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -702,6 +703,121 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// `gemv_tt*` (many rows in 64 x 64 tiles): against FP64 with its twins, and bit for bit the
+/// `gemv_tc2_*` kernels it stands in for (plain, silu- and sigmoid-gated input, several weights
+/// in one launch), every row equal to its one-row launch. Rows past one tile and not a multiple
+/// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
+/// chunks (6144).
+pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
+    let opts = |tile: usize| CudaOptions {
+        gemv_v: 2,
+        gemv_tile_min: tile,
+        ..base_opts(false)
+    };
+    for (n, k, rows) in [
+        (2050usize, 4096usize, 70usize),
+        (300, 2048, 130),
+        (96, 6144, 65),
+        (2048, 512, 64),
+        (70, 1088, 100),
+        (40, 8192, 67),
+    ] {
+        let w = c.rng.normals_bf16(n * k, 0.05);
+        let x = c.rng.normals_f32(rows * k, 1.0);
+        let u = c.rng.normals_f32(rows * k, 1.0);
+        let xs: Vec<f32> = x
+            .iter()
+            .zip(&u)
+            .map(|(&a, &b)| (silu(f64::from(a)) * f64::from(b)) as f32)
+            .collect();
+        let xg: Vec<f32> = x
+            .iter()
+            .zip(&u)
+            .map(|(&a, &b)| (f64::from(a) * sigmoid(f64::from(b))) as f32)
+            .collect();
+        let mut reference = gemv_ref(&w, &x, k, rows, n);
+        reference.extend(gemv_ref(&w, &xs, k, rows, n));
+        reference.extend(gemv_ref(&w, &xg, k, rows, n));
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let wd = be.weight_bf16(n, k, &w)?;
+            let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
+            let mut out = be.download(&be.linear(&xd, &wd, Rows::Exact)?)?;
+            out.extend(be.download(&be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?)?);
+            out.extend(be.download(&be.linear_sigmoid_mul(&xd, &ud, &wd, Rows::Exact)?)?);
+            Ok(out)
+        };
+        let case = format!(
+            "{rows} rows x {k} into {n} in 64 x 64 tiles, plain, silu- and sigmoid-gated input"
+        );
+        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
+        let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
+        // the same three on gemv_tc2 (no tiles), then rows one at a time
+        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
+        let tc2 = run(&plain)?;
+        same_bits(c, format!("{case}: bitwise = gemv_tc2"), &tiled, &tc2);
+        let wd = plain.weight_bf16(n, k, &w)?;
+        let mut one = Vec::new();
+        let mut want = Vec::new();
+        for r in [0, rows / 2, rows - 1] {
+            let xr = plain.upload(&x[r * k..(r + 1) * k], 1, k)?;
+            one.extend(plain.download(&plain.linear(&xr, &wd, Rows::Exact)?)?);
+            want.extend_from_slice(&tiled[r * n..(r + 1) * n]);
+        }
+        same_bits(
+            c,
+            format!("{case}: rows 0, mid, last bitwise = one-row launches"),
+            &want,
+            &one,
+        );
+    }
+    // several weights of one input (the GDN projections' shape, with outputs that do not fill a
+    // tile): one tiled launch against separate gemv_tc2 launches
+    let (k, rows) = (2048usize, 77usize);
+    let outs = [300usize, 64, 33, 128];
+    let ws: Vec<Vec<u16>> = outs
+        .iter()
+        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
+        .collect();
+    let x = c.rng.normals_f32(rows * k, 1.0);
+    let mut reference = Vec::new();
+    for (w, &n) in ws.iter().zip(&outs) {
+        reference.extend(gemv_ref(w, &x, k, rows, n));
+    }
+    let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let wd = ws
+            .iter()
+            .zip(&outs)
+            .map(|(w, &n)| be.weight_bf16(n, k, w))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let xd = be.upload(&x, rows, k)?;
+        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+        let mut out = Vec::new();
+        for y in be.linear_many(&xd, &refs, Rows::Exact)? {
+            out.extend(be.download(&y)?);
+        }
+        Ok(out)
+    };
+    let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
+    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
+    let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
+    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
+    let tc2 = run_many(&plain)?;
+    same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &tiled, &tc2);
+    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
+    let wd = ws
+        .iter()
+        .zip(&outs)
+        .map(|(w, &n)| be.weight_bf16(n, k, w))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let xd = be.upload(&x, rows, k)?;
+    let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+    one_launch(c, format!("{case}: one launch"), &be, || {
+        be.linear_many(&xd, &refs, Rows::Exact)?;
+        Ok(())
+    })?;
     Ok(())
 }
 
