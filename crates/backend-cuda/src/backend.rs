@@ -620,6 +620,10 @@ pub struct CudaOptions {
     /// `gemv_tc2_*`, the data moved once per 64 x 64 tile: prompts and joined prefills;
     /// `DRAMATIS_CUDA_GEMV_TILE_MIN`, default 64; 0 is never).
     pub gemv_tile_min: usize,
+    /// Fewest `gemv_tt` blocks (64 x 64 tiles) for it to run (`DRAMATIS_CUDA_GEMV_TILE_BLOCKS`,
+    /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
+    /// the device idle, and `gemv_tc2` (the same bits) runs instead.
+    pub gemv_tile_blocks: usize,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -702,6 +706,7 @@ impl CudaOptions {
                 0 => usize::MAX,
                 n => n,
             },
+            gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -982,7 +987,14 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
     base.max(k.div_ceil(16)).div_ceil(step) * step
 }
 
-fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
+/// The default of `CudaOptions::gemv_tile_blocks` (`gemvbench`, session 12: 64 rows of the
+/// 2048 x 4096 out-projection, 32 tiles, took 103 us tiled against 44 us on `gemv_tc2`; 256
+/// rows of the MoE group, 84 tiles, 49 against 117).
+pub const TT_MIN_BLOCKS: usize = 64;
+
+/// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
+/// launch together).
+fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
     if o.tc_gemv && k >= 32 && k.is_multiple_of(32) && k <= 8192 {
         // DRAMATIS_CUDA_GEMV_KC=0: session 7's gemv_tc arithmetic, 512 keys per warp in 32-key
         // steps (the kernel it was is this one with those settings, the same bits)
@@ -1023,7 +1035,10 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize) -> Bf16Gemv {
                 "gemv_tc2_sigm_g4_v2",
             ),
         };
-        if v == 2 && rows >= o.gemv_tile_min {
+        if v == 2
+            && rows >= o.gemv_tile_min
+            && outs.div_ceil(64) * rows.div_ceil(64) >= o.gemv_tile_blocks
+        {
             // gemv_tc2 (V = 2)'s bits from 64 x 64 tiles
             return Bf16Gemv {
                 single: "gemv_tt",
@@ -2288,7 +2303,7 @@ impl CudaBackend {
             return Ok(None);
         }
         let k = x.cols;
-        let gv = bf16_gemv(&self.opts, x.rows, k);
+        let gv = bf16_gemv(&self.opts, x.rows, k, w.rows());
         let bulk = self.bulk_rows(rows, x.rows);
         let (CudaWeight::Bf16 { mem, .. }, Some(kc), Some((silu, sigm)), false) =
             (w, gv.kc, gv.act, bulk)
@@ -3046,7 +3061,7 @@ impl Backend for CudaBackend {
                         format!("BF16 GEMV needs K a multiple of 8, got {k}"),
                     ));
                 }
-                let gv = bf16_gemv(&self.opts, x.rows, k);
+                let gv = bf16_gemv(&self.opts, x.rows, k, n_out);
                 let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
                 if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
@@ -3119,7 +3134,8 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
-        let gv = bf16_gemv(&self.opts, x.rows, k);
+        let total: usize = ws.iter().map(|w| w.rows()).sum();
+        let gv = bf16_gemv(&self.opts, x.rows, k, total);
         let Bf16Gemv {
             multi: name,
             per_block,

@@ -27,6 +27,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_warps: CudaOptions::from_lookup(|_| None).gemv_warps,
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
         gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
+        gemv_tile_blocks: CudaOptions::from_lookup(|_| None).gemv_tile_blocks,
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -712,9 +713,12 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
 /// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
 /// chunks (6144).
 pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
+    // tile: rows from which the tiles run, whatever the tile count (the engine's default also
+    // asks for TT_MIN_BLOCKS tiles)
     let opts = |tile: usize| CudaOptions {
         gemv_v: 2,
         gemv_tile_min: tile,
+        gemv_tile_blocks: 0,
         ..base_opts(false)
     };
     for (n, k, rows) in [
