@@ -10,6 +10,12 @@
 struct PtrTab {
     unsigned long long p[MAX_LANES];
 };
+// Lane i's rows of a call: rows start[i] .. start[i] + len[i] of its buffers (prompts of several
+// lengths in one launch; a uniform call has start[i] = i t, len[i] = t).
+struct RowTab {
+    int start[MAX_LANES];
+    int len[MAX_LANES];
+};
 struct KvTab {
     unsigned long long k[MAX_LANES];
     unsigned long long v[MAX_LANES];
@@ -937,18 +943,19 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_bf16(KvTab tab, co
 
 // ---------------------------------------------------------------- Gated DeltaNet
 
-// Causal depthwise conv + SiLU over t rows per lane (x [lanes * t, C]); the lane's history
-// [(K-1), C] (oldest first) precedes its rows. w [C, K], tap K-1 on the current row.
-// Grid (t * cblocks, lanes), block 128. PLANT 1: taps reversed. LOWP: output rounded to bf16.
-extern "C" __global__ void gdn_conv_rows(PtrTab st, const float* __restrict__ x, const float* __restrict__ w,
-                                         float* __restrict__ u, int t, int C, int K) {
+// Causal depthwise conv + SiLU over each lane's rows (rt: lane i's rows of x and u); the lane's
+// history [(K-1), C] (oldest first) precedes its rows. w [C, K], tap K-1 on the current row.
+// Grid (tmax * cblocks, lanes), block 128, tmax the most rows of a lane. PLANT 1: taps reversed.
+// LOWP: output rounded to bf16.
+extern "C" __global__ void gdn_conv_rows(PtrTab st, RowTab rt, const float* __restrict__ x,
+                                         const float* __restrict__ w, float* __restrict__ u, int C, int K) {
     int cblocks = (C + blockDim.x - 1) / blockDim.x;
     int r = blockIdx.x / cblocks;
     int c = (blockIdx.x % cblocks) * blockDim.x + threadIdx.x;
     int lane = blockIdx.y;
-    if (c >= C) return;
+    if (c >= C || r >= rt.len[lane]) return;
     const float* hist = (const float*)st.p[lane];
-    long long base = (long long)lane * t;
+    long long base = rt.start[lane];
     float acc = 0.0f;
     for (int j = 0; j < K; ++j) {
         int idx = r + j - (K - 1);
@@ -988,14 +995,15 @@ extern "C" __global__ void gdn_conv_one(PtrTab st, const float* __restrict__ x, 
     for (int i = 0; i < K - 1; ++i) hist[(long long)i * C + c] = i + 1 < K - 1 ? hist[(long long)(i + 1) * C + c] : xv;
 }
 
-// History after the t rows: the last K-1 rows of [history; x]. Grid (cblocks, lanes).
+// History after each lane's rows: the last K-1 rows of [history; x]. Grid (cblocks, lanes).
 // PLANT 1: keeps the history one row short of the newest.
-extern "C" __global__ void gdn_conv_shift(PtrTab st, const float* __restrict__ x, int t, int C, int K) {
+extern "C" __global__ void gdn_conv_shift(PtrTab st, RowTab rt, const float* __restrict__ x, int C, int K) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int lane = blockIdx.y;
     if (c >= C) return;
     float* hist = (float*)st.p[lane];
-    long long base = (long long)lane * t;
+    const int t = rt.len[lane];
+    long long base = rt.start[lane];
     int shift = t;
 #if PLANT == 1
     shift = t - 1;
@@ -1057,10 +1065,11 @@ extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __
 // State [nv, dk, dv] f32 per lane (table); thread j owns column j. Grid (nv, lanes), block >= dv
 // (multiple of 32), dynamic shared memory 2 * dk floats. o [lanes * t, nv * dv].
 // PLANT 1: decay applied after the update. LOWP: state stored rounded to bf16.
-extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, const float* __restrict__ kn,
-                                     const float* __restrict__ kq, const float* __restrict__ u,
-                                     const float* __restrict__ beta, const float* __restrict__ gate,
-                                     float* __restrict__ o, int t, int C, int nk, int dk, int nv, int dv) {
+extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restrict__ qn,
+                                     const float* __restrict__ kn, const float* __restrict__ kq,
+                                     const float* __restrict__ u, const float* __restrict__ beta,
+                                     const float* __restrict__ gate, float* __restrict__ o, int C, int nk, int dk,
+                                     int nv, int dv) {
     extern __shared__ float sm[];
     float* sk = sm;
     float* sq = sm + dk;
@@ -1068,8 +1077,9 @@ extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, co
     int kh = h / (nv / nk);
     int j = threadIdx.x;
     float* S = (float*)st.p[lane] + (long long)h * dk * dv;
+    const int t = rt.len[lane];
     for (int r = 0; r < t; ++r) {
-        long long R = (long long)lane * t + r;
+        long long R = (long long)rt.start[lane] + r;
         for (int i = threadIdx.x; i < dk; i += blockDim.x) {
             sk[i] = kn[(R * nk + kh) * dk + i];
             sq[i] = qn[(R * nk + kh) * dk + i];
@@ -1116,9 +1126,9 @@ extern "C" __global__ void gdn_recur(PtrTab st, const float* __restrict__ qn, co
 // the other shared buffer, the scalars into registers), so a row waits on no global load. Each
 // thread runs the same operations in the same order as gdn_recur, so the same bits.
 extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
-    PtrTab st, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
+    PtrTab st, RowTab rt, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
     const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,
-    float* __restrict__ o, int t, int C, int nk, int dk, int nv, int dv) {
+    float* __restrict__ o, int C, int nk, int dk, int nv, int dv) {
     constexpr int DK = 128;
     __shared__ __align__(16) float sk[2][DK], sq[2][DK];
     const int parts = (dv + 31) >> 5;
@@ -1143,12 +1153,14 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
         p_kq = kq[R * nk + kh];
         if (live) p_v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
     };
-    if (t > 0) fetch((long long)lane * t);
+    const int t = rt.len[lane];
+    const long long R0 = rt.start[lane];
+    if (t > 0) fetch(R0);
     ((float4*)sk[0])[threadIdx.x] = pk;
     ((float4*)sq[0])[threadIdx.x] = pq;
     __syncthreads();
     for (int r = 0; r < t; ++r) {
-        const long long R = (long long)lane * t + r;
+        const long long R = R0 + r;
         const int cur = r & 1;
         const float g_r = p_gate, b_r = p_beta, v_r = p_v, kq_r = p_kq;
         if (r + 1 < t) fetch(R + 1);

@@ -48,6 +48,38 @@ struct PtrTab {
     p: [u64; MAX_LANES],
 }
 
+/// Lane i's rows of a GDN call: `start[i] .. start[i] + len[i]` (ops.cu `RowTab`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RowTab {
+    start: [i32; MAX_LANES],
+    len: [i32; MAX_LANES],
+}
+
+impl RowTab {
+    /// Lanes' rows one after another, `lens[i]` each (at most `MAX_LANES` lanes).
+    fn of(op: &'static str, lens: &[usize]) -> BResult<RowTab> {
+        if lens.len() > MAX_LANES {
+            return Err(shape_err(
+                op,
+                format!("{} lanes in one launch (at most {MAX_LANES})", lens.len()),
+            ));
+        }
+        let mut t = RowTab {
+            start: [0; MAX_LANES],
+            len: [0; MAX_LANES],
+        };
+        let mut at = 0usize;
+        for (i, &n) in lens.iter().enumerate() {
+            t.start[i] = i32v(op, at)?;
+            t.len[i] = i32v(op, n)?;
+            at += n;
+        }
+        i32v(op, at)?;
+        Ok(t)
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct KvTab {
@@ -141,6 +173,8 @@ struct Multi {
 // SAFETY: plain integers in #[repr(C)] structs whose layout matches `PtrTab`, `KvTab` and
 // `Tables` in kernels/ops.cu (u64 and i64 arrays, no padding); they are passed by value.
 unsafe impl DeviceRepr for PtrTab {}
+// SAFETY: as PtrTab: plain old data in ops.cu's layout.
+unsafe impl DeviceRepr for RowTab {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for KvTab {}
 // SAFETY: as above.
@@ -624,6 +658,9 @@ pub struct CudaOptions {
     /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
     /// the device idle, and `gemv_tc2` (the same bits) runs instead.
     pub gemv_tile_blocks: usize,
+    /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
+    /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
+    pub gdn_lanes: bool,
     /// The GDN recurrence always on the generic kernel (`gdn_recur`), never the `dk` 128 one
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
@@ -707,6 +744,7 @@ impl CudaOptions {
                 n => n,
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
+            gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
@@ -2391,7 +2429,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Conv over `t` rows per lane of `x` from row `row0` into `u` (same rows).
+    /// Conv over lane i's `lens[i]` rows of `x` (one lane after another from row `row0`) into
+    /// `u` (same rows).
     #[allow(clippy::too_many_arguments)]
     fn conv(
         &self,
@@ -2399,7 +2438,7 @@ impl CudaBackend {
         w: &CudaVector,
         d: &GdnDims,
         states: &mut [&mut CudaGdn],
-        t: usize,
+        lens: &[usize],
         row0: usize,
         u: &CudaBuf,
     ) -> BResult<()> {
@@ -2412,27 +2451,28 @@ impl CudaBackend {
             tab.p[i] = s.conv.ptr;
         }
         let cblocks = c.div_ceil(128);
-        let (t32, c32, k32) = (
-            i32v("gdn_conv", t)?,
-            i32v("gdn_conv", c)?,
-            i32v("gdn_conv", k)?,
-        );
+        let (c32, k32) = (i32v("gdn_conv", c)?, i32v("gdn_conv", k)?);
         let (xp, up) = (x.row_ptr(row0)?, u.row_ptr(row0)?);
         let lanes = u32v("gdn_conv", states.len())?;
-        if t == 1 && !self.opts.gdn_generic {
+        let rt = RowTab::of("gdn_conv", lens)?;
+        let tmax = lens.iter().copied().max().unwrap_or(0);
+        if tmax == 0 {
+            return Ok(());
+        }
+        if lens.iter().all(|&t| t == 1) && !self.opts.gdn_generic {
             // one row per lane: output and history shift in one launch (the same bits)
             go!(self, Source::Ops, "gdn_conv_one", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
                 &tab, &xp, &w.mem.ptr, &up, &c32, &k32);
             return Ok(());
         }
-        go!(self, Source::Ops, "gdn_conv_rows", (u32v("gdn_conv", t * cblocks)?, lanes, 1), 128, 0;
-            &tab, &xp, &w.mem.ptr, &up, &t32, &c32, &k32);
+        go!(self, Source::Ops, "gdn_conv_rows", (u32v("gdn_conv", tmax * cblocks)?, lanes, 1), 128, 0;
+            &tab, &rt, &xp, &w.mem.ptr, &up, &c32, &k32);
         go!(self, Source::Ops, "gdn_conv_shift", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
-            &tab, &xp, &t32, &c32, &k32);
+            &tab, &rt, &xp, &c32, &k32);
         Ok(())
     }
 
-    /// The delta rule over `t` rows per lane (lanes = `states.len()`), rows from `row0`.
+    /// The delta rule over lane i's `lens[i]` rows (one lane after another from row `row0`).
     #[allow(clippy::too_many_arguments)]
     fn delta(
         &self,
@@ -2443,12 +2483,13 @@ impl CudaBackend {
         dt_bias: &CudaVector,
         d: &GdnDims,
         states: &mut [&mut CudaGdn],
-        t: usize,
+        lens: &[usize],
         row0: usize,
         o: &CudaBuf,
     ) -> BResult<()> {
         let (nk, nv, dk, dv, c) = (d.k_heads, d.v_heads, d.k_dim, d.v_dim, d.channels());
-        let rows = t * states.len();
+        let rows: usize = lens.iter().sum();
+        let rt = RowTab::of("gdn", lens)?;
         if rows == 0 {
             return Ok(());
         }
@@ -2464,13 +2505,12 @@ impl CudaBackend {
         let kq = kn + 4 * qk_n as u64;
         let beta = kq + 4 * kq_n as u64;
         let gate = beta + 4 * g_n as u64;
-        let (c32, nk32, dk32, nv32, dv32, t32) = (
+        let (c32, nk32, dk32, nv32, dv32) = (
             i32v("gdn", c)?,
             i32v("gdn", nk)?,
             i32v("gdn", dk)?,
             i32v("gdn", nv)?,
             i32v("gdn", dv)?,
-            i32v("gdn", t)?,
         );
         let q_scale = 1.0f32 / (dk as f32).sqrt();
         let (up, bp, ap) = (qkv.row_ptr(row0)?, b.row_ptr(row0)?, a.row_ptr(row0)?);
@@ -2491,11 +2531,11 @@ impl CudaBackend {
             // the next row's inputs loaded while a row computes (the same bits)
             let grid = (u32v("gdn", nv * dv.div_ceil(32))?, grid.1, 1);
             go!(self, Source::Ops, "gdn_recur_k128", grid, 32, 0;
-                &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
+                &tab, &rt, &qn, &kn, &kq, &up, &beta, &gate, &op, &c32, &nk32, &dk32, &nv32, &dv32);
         } else {
             let (block, smem) = (u32v("gdn", dv.div_ceil(32) * 32)?, u32v("gdn", 2 * dk * 4)?);
             go!(self, Source::Ops, "gdn_recur", grid, block, smem;
-                &tab, &qn, &kn, &kq, &up, &beta, &gate, &op, &t32, &c32, &nk32, &dk32, &nv32, &dv32);
+                &tab, &rt, &qn, &kn, &kq, &up, &beta, &gate, &op, &c32, &nk32, &dk32, &nv32, &dv32);
         }
         Ok(())
     }
@@ -3282,7 +3322,7 @@ impl Backend for CudaBackend {
         check_conv(x, w, d)?;
         let u = self.buf(x.rows, x.cols)?;
         if x.rows > 0 {
-            self.conv(x, w, d, &mut [state], x.rows, 0, &u)?;
+            self.conv(x, w, d, &mut [state], &[x.rows], 0, &u)?;
         }
         Ok(u)
     }
@@ -3299,7 +3339,8 @@ impl Backend for CudaBackend {
         check::lanes("gdn_conv_step", x.rows, states.len())?;
         let u = self.buf(x.rows, x.cols)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
-            self.conv(x, w, d, chunk, 1, ci * MAX_LANES, &u)?;
+            let ones = vec![1; chunk.len()];
+            self.conv(x, w, d, chunk, &ones, ci * MAX_LANES, &u)?;
         }
         Ok(u)
     }
@@ -3318,7 +3359,80 @@ impl Backend for CudaBackend {
         let _p = self.prof.guard("gdn_prefill");
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
-        self.delta(qkv, b, a, a_log, dt_bias, d, &mut [state], qkv.rows, 0, &o)?;
+        self.delta(
+            qkv,
+            b,
+            a,
+            a_log,
+            dt_bias,
+            d,
+            &mut [state],
+            &[qkv.rows],
+            0,
+            &o,
+        )?;
+        Ok(o)
+    }
+
+    /// Up to `MAX_LANES` lanes a launch, each lane's rows at their own offset and count
+    /// (`RowTab`): the same kernels, and so the same bits, as each lane's own `gdn_conv` and
+    /// `gdn_prefill` (a one-row lane takes `gdn_conv_rows` + `gdn_conv_shift` here and
+    /// `gdn_conv_one` alone, bitwise equal in the contract).
+    fn gdn_prefill_lanes(
+        &self,
+        qkv: &CudaBuf,
+        b: &CudaBuf,
+        a: &CudaBuf,
+        conv: &CudaVector,
+        a_log: &CudaVector,
+        dt_bias: &CudaVector,
+        d: &GdnDims,
+        lens: &[usize],
+        states: &mut [&mut CudaGdn],
+    ) -> BResult<CudaBuf> {
+        let _p = self.prof.guard("gdn_prefill_lanes");
+        let op = "gdn_prefill_lanes";
+        if lens.len() != states.len() {
+            return Err(shape_err(
+                op,
+                format!("{} row counts for {} lane states", lens.len(), states.len()),
+            ));
+        }
+        let total: usize = lens.iter().sum();
+        if total != qkv.rows {
+            return Err(shape_err(
+                op,
+                format!("lanes of {total} rows in all, input of {}", qkv.rows),
+            ));
+        }
+        check_conv(qkv, conv, d)?;
+        if !self.opts.gdn_lanes {
+            // lane by lane, for comparison
+            let mut outs = Vec::with_capacity(lens.len());
+            let mut off = 0;
+            for (&n, state) in lens.iter().zip(states.iter_mut()) {
+                let x = self.rows(qkv, off, n)?;
+                let (bl, al) = (self.rows(b, off, n)?, self.rows(a, off, n)?);
+                let u = self.gdn_conv(&x, conv, d, state)?;
+                outs.push(self.gdn_prefill(&u, &bl, &al, a_log, dt_bias, d, state, true)?);
+                off += n;
+            }
+            let refs: Vec<&CudaBuf> = outs.iter().collect();
+            return self.concat_rows(&refs);
+        }
+        let u = self.buf(qkv.rows, qkv.cols)?;
+        let mut row0 = 0;
+        for (lc, sc) in lens.chunks(MAX_LANES).zip(states.chunks_mut(MAX_LANES)) {
+            self.conv(qkv, conv, d, sc, lc, row0, &u)?;
+            row0 += lc.iter().sum::<usize>();
+        }
+        check_gdn(&u, b, a, a_log, dt_bias, d)?;
+        let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
+        let mut row0 = 0;
+        for (lc, sc) in lens.chunks(MAX_LANES).zip(states.chunks_mut(MAX_LANES)) {
+            self.delta(&u, b, a, a_log, dt_bias, d, sc, lc, row0, &o)?;
+            row0 += lc.iter().sum::<usize>();
+        }
         Ok(o)
     }
 
@@ -3337,7 +3451,19 @@ impl Backend for CudaBackend {
         check::lanes("gdn_step", qkv.rows, states.len())?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
-            self.delta(qkv, b, a, a_log, dt_bias, d, chunk, 1, ci * MAX_LANES, &o)?;
+            let ones = vec![1; chunk.len()];
+            self.delta(
+                qkv,
+                b,
+                a,
+                a_log,
+                dt_bias,
+                d,
+                chunk,
+                &ones,
+                ci * MAX_LANES,
+                &o,
+            )?;
         }
         Ok(o)
     }

@@ -266,6 +266,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("attn_decode_split_f32_bf16", ops::attn_decode_split),
     ("gdn_conv_rows", ops::conv_rows),
     ("gdn_delta_rule_rows", ops::delta_rule),
+    ("gdn_prefill_lanes", ops::gdn_prefill_lanes),
     ("moe_router_keep", ops::router_keep),
     ("moe_experts_rows_fp8", ops::experts_rows),
     ("gemv_fp8", ops::gemv_fp8),

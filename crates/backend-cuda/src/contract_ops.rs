@@ -28,6 +28,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
         gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
         gemv_tile_blocks: CudaOptions::from_lookup(|_| None).gemv_tile_blocks,
+        gdn_lanes: true,
         gdn_generic: false,
         kept_rounds: true,
         graphs: true,
@@ -1793,6 +1794,94 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
                 &generic,
             );
             delta_rule_k128_lanes(c, &gd)?;
+        }
+    }
+    Ok(())
+}
+
+/// Several lanes' prompt rows through the GDN conv and recurrence in one call
+/// (`gdn_prefill_lanes`, rows at their own offsets and counts): outputs, conv histories and
+/// states bit for bit each lane's own `gdn_conv` then `gdn_prefill`, from states a first
+/// prompt left (never zeros). Four ragged lanes (one of a single row, whose solo conv takes
+/// `gdn_conv_one`) and 34 lanes (two launches of at most 32), on the generic kernel (16-dim
+/// heads) and the dk 128 one. The arithmetic is the per-lane kernels' (FP64 in `conv_rows` and
+/// `delta_rule`).
+pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
+    for (nk, nv, d) in [(2usize, 4usize, 16usize), (4, 8, 128)] {
+        let gd = gdn_dims(nk, nv, d);
+        let (ch, k) = (gd.channels(), gd.conv_kernel);
+        let many: Vec<usize> = (0..34).map(|i| 1 + (i * 7) % 6).collect();
+        for lens in [vec![1usize, 17, 40, 3], many] {
+            let warm = 3;
+            let total: usize = lens.iter().sum();
+            let lanes = lens.len();
+            let w = c.rng.normals_f32(ch * k, 0.5);
+            let (a_log, dt) = (c.rng.normals_f32(nv, 0.5), c.rng.normals_f32(nv, 0.5));
+            let pre: Vec<Vec<f32>> = (0..3)
+                .map(|i| {
+                    let cols = if i == 0 { ch } else { nv };
+                    c.rng.normals_f32(lanes * warm * cols, 1.0)
+                })
+                .collect();
+            let x = c.rng.normals_f32(total * ch, 1.0);
+            let b = c.rng.normals_f32(total * nv, 1.0);
+            let a = c.rng.normals_f32(total * nv, 1.0);
+            let run = |joined: bool| -> Result<Vec<f32>> {
+                let be = backend(c, Variant::Exact, false);
+                let wv = be.vector_f32(&w)?;
+                let (al, dtv) = (be.vector_f32(&a_log)?, be.vector_f32(&dt)?);
+                let mut sts = (0..lanes)
+                    .map(|_| be.gdn_new(&gd))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                // a first prompt of `warm` rows per lane: histories and states not zero
+                for (i, st) in sts.iter_mut().enumerate() {
+                    let xr = be.upload(&pre[0][i * warm * ch..(i + 1) * warm * ch], warm, ch)?;
+                    let br = be.upload(&pre[1][i * warm * nv..(i + 1) * warm * nv], warm, nv)?;
+                    let ar = be.upload(&pre[2][i * warm * nv..(i + 1) * warm * nv], warm, nv)?;
+                    let u = be.gdn_conv(&xr, &wv, &gd, st)?;
+                    be.gdn_prefill(&u, &br, &ar, &al, &dtv, &gd, st, true)?;
+                }
+                let mut out = Vec::new();
+                if joined {
+                    let (xd, bd, ad) = (
+                        be.upload(&x, total, ch)?,
+                        be.upload(&b, total, nv)?,
+                        be.upload(&a, total, nv)?,
+                    );
+                    let mut refs: Vec<&mut _> = sts.iter_mut().collect();
+                    let o =
+                        be.gdn_prefill_lanes(&xd, &bd, &ad, &wv, &al, &dtv, &gd, &lens, &mut refs)?;
+                    out.extend(be.download(&o)?);
+                } else {
+                    let mut off = 0;
+                    for (&n, st) in lens.iter().zip(sts.iter_mut()) {
+                        let xr = be.upload(&x[off * ch..(off + n) * ch], n, ch)?;
+                        let br = be.upload(&b[off * nv..(off + n) * nv], n, nv)?;
+                        let ar = be.upload(&a[off * nv..(off + n) * nv], n, nv)?;
+                        let u = be.gdn_conv(&xr, &wv, &gd, st)?;
+                        out.extend(
+                            be.download(&be.gdn_prefill(&u, &br, &ar, &al, &dtv, &gd, st, true)?)?,
+                        );
+                        off += n;
+                    }
+                }
+                for st in &sts {
+                    let (hist, s) = be.gdn_download(st)?;
+                    out.extend(hist);
+                    out.extend(s);
+                }
+                Ok(out)
+            };
+            let (joined, solo) = (run(true)?, run(false)?);
+            let shown: Vec<usize> = lens.iter().take(6).copied().collect();
+            same_bits(
+                c,
+                format!(
+                    "{nk}/{nv} heads x {d}, {lanes} lanes of {shown:?}.. rows after 3: one call bitwise = each lane's conv then prefill (o, history, S)"
+                ),
+                &joined,
+                &solo,
+            );
         }
     }
     Ok(())

@@ -591,6 +591,41 @@ pub trait Backend: Send + Sync + Sized {
         state: &mut Self::Gdn,
         chunked: bool,
     ) -> BResult<Self::Buf>;
+    /// `gdn_conv` then `gdn_prefill` (chunked) for several lanes' prompt rows at once: `qkv`,
+    /// `b` and `a` hold lane i's `lens[i]` rows after the lanes before it, and so does the
+    /// result. Each lane's rows and state come out bit for bit as its own two calls make them;
+    /// this default makes those calls lane by lane (a backend may run the lanes in one launch).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_prefill_lanes(
+        &self,
+        qkv: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        conv: &Self::Vector,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        dims: &GdnDims,
+        lens: &[usize],
+        states: &mut [&mut Self::Gdn],
+    ) -> BResult<Self::Buf> {
+        if lens.len() != states.len() {
+            return Err(BackendError::Shape {
+                op: "gdn_prefill_lanes",
+                why: format!("{} row counts for {} lane states", lens.len(), states.len()),
+            });
+        }
+        let mut outs = Vec::with_capacity(lens.len());
+        let mut off = 0;
+        for (&n, state) in lens.iter().zip(states.iter_mut()) {
+            let x = self.rows(qkv, off, n)?;
+            let (bl, al) = (self.rows(b, off, n)?, self.rows(a, off, n)?);
+            let u = self.gdn_conv(&x, conv, dims, state)?;
+            outs.push(self.gdn_prefill(&u, &bl, &al, a_log, dt_bias, dims, state, true)?);
+            off += n;
+        }
+        let refs: Vec<&Self::Buf> = outs.iter().collect();
+        self.concat_rows(&refs)
+    }
     /// The recurrence for one row per lane.
     #[allow(clippy::too_many_arguments)]
     fn gdn_step(

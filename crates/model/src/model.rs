@@ -669,10 +669,21 @@ impl<B: Backend> Model<B> {
         let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
         let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
         let o = match span {
-            Span::Prompts(lens) => self.per_lane(lens, &[&qkv, &b, &a], |i, p| {
-                let u = be.gdn_conv(p[0], &w.conv, d, states[i])?;
-                Ok(be.gdn_prefill(&u, p[1], p[2], &w.a_log, &w.dt_bias, d, states[i], true)?)
-            })?,
+            Span::Prompts([_]) => {
+                let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
+                be.gdn_prefill(&u, &b, &a, &w.a_log, &w.dt_bias, d, states[0], true)?
+            }
+            Span::Prompts(lens) => be.gdn_prefill_lanes(
+                &qkv,
+                &b,
+                &a,
+                &w.conv,
+                &w.a_log,
+                &w.dt_bias,
+                d,
+                lens,
+                &mut states,
+            )?,
             Span::Step => {
                 let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
                 be.gdn_step(&u, &b, &a, &w.a_log, &w.dt_bias, d, &mut states)?
