@@ -3408,17 +3408,9 @@ impl Backend for CudaBackend {
         check_conv(qkv, conv, d)?;
         if !self.opts.gdn_lanes {
             // lane by lane, for comparison
-            let mut outs = Vec::with_capacity(lens.len());
-            let mut off = 0;
-            for (&n, state) in lens.iter().zip(states.iter_mut()) {
-                let x = self.rows(qkv, off, n)?;
-                let (bl, al) = (self.rows(b, off, n)?, self.rows(a, off, n)?);
-                let u = self.gdn_conv(&x, conv, d, state)?;
-                outs.push(self.gdn_prefill(&u, &bl, &al, a_log, dt_bias, d, state, true)?);
-                off += n;
-            }
-            let refs: Vec<&CudaBuf> = outs.iter().collect();
-            return self.concat_rows(&refs);
+            return model::backend::gdn_prefill_each(
+                self, qkv, b, a, conv, a_log, dt_bias, d, lens, states,
+            );
         }
         let u = self.buf(qkv.rows, qkv.cols)?;
         let mut row0 = 0;

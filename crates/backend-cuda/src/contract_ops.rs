@@ -578,6 +578,22 @@ pub(super) fn rms_norm_silu(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// FP64 references of `W x`, `W (silu(x) * u)` and `W (x * sigmoid(u))`, one after another; the
+/// gated inputs from their f32 products (the product's own rounding is below the GEMV's
+/// tolerance).
+fn gated_gemv_refs(w: &[u16], x: &[f32], u: &[f32], k: usize, rows: usize, n: usize) -> Vec<f64> {
+    let gated = |f: fn(f64, f64) -> f64| -> Vec<f32> {
+        x.iter()
+            .zip(u)
+            .map(|(&a, &b)| f(f64::from(a), f64::from(b)) as f32)
+            .collect()
+    };
+    let mut reference = gemv_ref(w, x, k, rows, n);
+    reference.extend(gemv_ref(w, &gated(|a, b| silu(a) * b), k, rows, n));
+    reference.extend(gemv_ref(w, &gated(|a, b| a * sigmoid(b)), k, rows, n));
+    reference
+}
+
 /// The tensor-core GEMV with short key ranges per warp (`gemv_tc2_*`, both load layouts), and
 /// with `silu_mul` made as it loads its input (`gemv_tc2_silu_*`): against FP64 at edge shapes,
 /// each row bitwise equal to its one-row launch, and the fused input bitwise equal to
@@ -596,21 +612,7 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             let w = c.rng.normals_bf16(n * k, 0.05);
             let x = c.rng.normals_f32(rows * k, 1.0);
             let u = c.rng.normals_f32(rows * k, 1.0);
-            let xs: Vec<f32> = x
-                .iter()
-                .zip(&u)
-                .map(|(&a, &b)| (silu(f64::from(a)) * f64::from(b)) as f32)
-                .collect();
-            let xg: Vec<f32> = x
-                .iter()
-                .zip(&u)
-                .map(|(&a, &b)| (f64::from(a) * sigmoid(f64::from(b))) as f32)
-                .collect();
-            let mut reference = gemv_ref(&w, &x, k, rows, n);
-            // the gated inputs' references from the f32 products (the product's own rounding is
-            // below the GEMV's tolerance)
-            reference.extend(gemv_ref(&w, &xs, k, rows, n));
-            reference.extend(gemv_ref(&w, &xg, k, rows, n));
+            let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
             let make = |c: &Ctx, var| {
                 // the default keys per warp (256; 128 where K <= 1024)
                 let o = CudaOptions {
@@ -733,19 +735,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         let w = c.rng.normals_bf16(n * k, 0.05);
         let x = c.rng.normals_f32(rows * k, 1.0);
         let u = c.rng.normals_f32(rows * k, 1.0);
-        let xs: Vec<f32> = x
-            .iter()
-            .zip(&u)
-            .map(|(&a, &b)| (silu(f64::from(a)) * f64::from(b)) as f32)
-            .collect();
-        let xg: Vec<f32> = x
-            .iter()
-            .zip(&u)
-            .map(|(&a, &b)| (f64::from(a) * sigmoid(f64::from(b))) as f32)
-            .collect();
-        let mut reference = gemv_ref(&w, &x, k, rows, n);
-        reference.extend(gemv_ref(&w, &xs, k, rows, n));
-        reference.extend(gemv_ref(&w, &xg, k, rows, n));
+        let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
             let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);

@@ -315,6 +315,40 @@ pub fn gather_row(
     }
 }
 
+/// `gdn_conv` then `gdn_prefill` (chunked) lane by lane over lanes' rows laid one after
+/// another: `Backend::gdn_prefill_lanes`'s default, and a backend's fallback to it.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_prefill_each<B: Backend>(
+    be: &B,
+    qkv: &B::Buf,
+    b: &B::Buf,
+    a: &B::Buf,
+    conv: &B::Vector,
+    a_log: &B::Vector,
+    dt_bias: &B::Vector,
+    dims: &GdnDims,
+    lens: &[usize],
+    states: &mut [&mut B::Gdn],
+) -> BResult<B::Buf> {
+    if lens.len() != states.len() {
+        return Err(BackendError::Shape {
+            op: "gdn_prefill_lanes",
+            why: format!("{} row counts for {} lane states", lens.len(), states.len()),
+        });
+    }
+    let mut outs = Vec::with_capacity(lens.len());
+    let mut off = 0;
+    for (&n, state) in lens.iter().zip(states.iter_mut()) {
+        let x = be.rows(qkv, off, n)?;
+        let (bl, al) = (be.rows(b, off, n)?, be.rows(a, off, n)?);
+        let u = be.gdn_conv(&x, conv, dims, state)?;
+        outs.push(be.gdn_prefill(&u, &bl, &al, a_log, dt_bias, dims, state, true)?);
+        off += n;
+    }
+    let refs: Vec<&B::Buf> = outs.iter().collect();
+    be.concat_rows(&refs)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("KV cache holds {len} rows and {add} more would need {need}, beyond its capacity of {capacity} rows")]
@@ -608,23 +642,7 @@ pub trait Backend: Send + Sync + Sized {
         lens: &[usize],
         states: &mut [&mut Self::Gdn],
     ) -> BResult<Self::Buf> {
-        if lens.len() != states.len() {
-            return Err(BackendError::Shape {
-                op: "gdn_prefill_lanes",
-                why: format!("{} row counts for {} lane states", lens.len(), states.len()),
-            });
-        }
-        let mut outs = Vec::with_capacity(lens.len());
-        let mut off = 0;
-        for (&n, state) in lens.iter().zip(states.iter_mut()) {
-            let x = self.rows(qkv, off, n)?;
-            let (bl, al) = (self.rows(b, off, n)?, self.rows(a, off, n)?);
-            let u = self.gdn_conv(&x, conv, dims, state)?;
-            outs.push(self.gdn_prefill(&u, &bl, &al, a_log, dt_bias, dims, state, true)?);
-            off += n;
-        }
-        let refs: Vec<&Self::Buf> = outs.iter().collect();
-        self.concat_rows(&refs)
+        gdn_prefill_each(self, qkv, b, a, conv, a_log, dt_bias, dims, lens, states)
     }
     /// The recurrence for one row per lane.
     #[allow(clippy::too_many_arguments)]
