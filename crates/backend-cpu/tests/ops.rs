@@ -578,3 +578,121 @@ fn gather_sum_mixes_tables() {
         )
         .is_err());
 }
+
+/// `gdn_prefill_lanes` (the lane-by-lane default) equals each lane's own conv and prefill bit
+/// for bit, and refuses row counts that do not match its inputs before any lane's history or
+/// state moves.
+#[test]
+fn gdn_prefill_lanes_equals_each_lane_and_checks_first() {
+    let be = CpuBackend::new();
+    let d = GdnDims {
+        k_heads: 2,
+        v_heads: 4,
+        k_dim: 8,
+        v_dim: 8,
+        conv_kernel: 4,
+    };
+    let (ch, nv) = (d.channels(), d.v_heads);
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rnd = |n: usize| rng.vec(n, 1.0);
+    let lens = [3usize, 1, 5];
+    let total: usize = lens.iter().sum();
+    let (conv, a_log, dt) = (
+        CpuVector(rnd(ch * d.conv_kernel)),
+        CpuVector(rnd(nv)),
+        CpuVector(rnd(nv)),
+    );
+    let (x, b, a) = (rnd(total * ch), rnd(total * nv), rnd(total * nv));
+    // states after a first 2-row prompt each, so nothing starts from zeros
+    let warm = |be: &CpuBackend| {
+        let mut sts = Vec::new();
+        for _ in &lens {
+            let mut st = be.gdn_new(&d).unwrap();
+            let (wx, wb, wa) = (
+                Rng(3).vec(2 * ch, 1.0),
+                Rng(5).vec(2 * nv, 1.0),
+                Rng(7).vec(2 * nv, 1.0),
+            );
+            let u = be
+                .gdn_conv(&be.upload(&wx, 2, ch).unwrap(), &conv, &d, &mut st)
+                .unwrap();
+            be.gdn_prefill(
+                &u,
+                &be.upload(&wb, 2, nv).unwrap(),
+                &be.upload(&wa, 2, nv).unwrap(),
+                &a_log,
+                &dt,
+                &d,
+                &mut st,
+                true,
+            )
+            .unwrap();
+            sts.push(st);
+        }
+        sts
+    };
+    let mut joined = warm(&be);
+    let mut refs: Vec<&mut _> = joined.iter_mut().collect();
+    let (xd, bd, ad) = (
+        be.upload(&x, total, ch).unwrap(),
+        be.upload(&b, total, nv).unwrap(),
+        be.upload(&a, total, nv).unwrap(),
+    );
+    let o = be
+        .gdn_prefill_lanes(&xd, &bd, &ad, &conv, &a_log, &dt, &d, &lens, &mut refs)
+        .unwrap();
+    let got = be.download(&o).unwrap();
+    let mut solo = warm(&be);
+    let mut want = Vec::new();
+    let mut off = 0;
+    for (&n, st) in lens.iter().zip(solo.iter_mut()) {
+        let u = be
+            .gdn_conv(
+                &be.upload(&x[off * ch..(off + n) * ch], n, ch).unwrap(),
+                &conv,
+                &d,
+                st,
+            )
+            .unwrap();
+        let o = be
+            .gdn_prefill(
+                &u,
+                &be.upload(&b[off * nv..(off + n) * nv], n, nv).unwrap(),
+                &be.upload(&a[off * nv..(off + n) * nv], n, nv).unwrap(),
+                &a_log,
+                &dt,
+                &d,
+                st,
+                true,
+            )
+            .unwrap();
+        want.extend(be.download(&o).unwrap());
+        off += n;
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got), bits(&want));
+    for (j, s) in joined.iter().zip(&solo) {
+        assert_eq!(bits(&j.conv), bits(&s.conv));
+        assert_eq!(bits(&j.s), bits(&s.s));
+    }
+    // b one row short: refused with the figures, and no lane moved
+    let mut fresh = warm(&be);
+    let before: Vec<(Vec<f32>, Vec<f32>)> = fresh
+        .iter()
+        .map(|s| (s.conv.clone(), s.s.clone()))
+        .collect();
+    let short = be.upload(&b[..(total - 1) * nv], total - 1, nv).unwrap();
+    let mut refs: Vec<&mut _> = fresh.iter_mut().collect();
+    let err = be
+        .gdn_prefill_lanes(&xd, &short, &ad, &conv, &a_log, &dt, &d, &lens, &mut refs)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("9 rows in all") && err.contains("b of 8 rows"),
+        "{err}"
+    );
+    for (s, (c, m)) in fresh.iter().zip(&before) {
+        assert_eq!(bits(&s.conv), bits(c));
+        assert_eq!(bits(&s.s), bits(m));
+    }
+}

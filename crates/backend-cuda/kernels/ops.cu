@@ -1059,11 +1059,12 @@ extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __
     }
 }
 
-// The delta rule over t rows per lane, value head h (key head h / (nv / nk)): per row
+// The delta rule over each lane's rows (rt: lane i's rows start[i] .. start[i] + len[i] of qn,
+// kn, kq, u, beta, gate and o), value head h (key head h / (nv / nk)): per row
 // S <- alpha S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q, computed as
 // delta = beta (v - alpha S_old^T k), o = alpha S_old^T q + delta (k . q), S = alpha S_old + k delta^T.
 // State [nv, dk, dv] f32 per lane (table); thread j owns column j. Grid (nv, lanes), block >= dv
-// (multiple of 32), dynamic shared memory 2 * dk floats. o [lanes * t, nv * dv].
+// (multiple of 32), dynamic shared memory 2 * dk floats. o [rows, nv * dv].
 // PLANT 1: decay applied after the update. LOWP: state stored rounded to bf16.
 extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restrict__ qn,
                                      const float* __restrict__ kn, const float* __restrict__ kq,
@@ -1124,7 +1125,8 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
 // q from shared memory cost each SM one warp's worth, not a whole head's, and four times the
 // SMs share a prompt. Row r + 1's k, q and scalars are loaded while row r computes (k and q into
 // the other shared buffer, the scalars into registers), so a row waits on no global load. Each
-// thread runs the same operations in the same order as gdn_recur, so the same bits.
+// thread runs the same operations in the same order as gdn_recur, so the same bits. Rows per
+// lane from rt, as gdn_recur's (at least one: the host never builds an empty lane's table).
 extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
     PtrTab st, RowTab rt, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
     const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,

@@ -57,7 +57,7 @@ struct RowTab {
 }
 
 impl RowTab {
-    /// Lanes' rows one after another, `lens[i]` each (at most `MAX_LANES` lanes).
+    /// Lanes' rows one after another, `lens[i]` (at least 1) each, at most `MAX_LANES` lanes.
     fn of(op: &'static str, lens: &[usize]) -> BResult<RowTab> {
         if lens.len() > MAX_LANES {
             return Err(shape_err(
@@ -71,6 +71,10 @@ impl RowTab {
         };
         let mut at = 0usize;
         for (i, &n) in lens.iter().enumerate() {
+            if n == 0 {
+                // the kernels take a lane's rows from 1 (callers skip empty calls first)
+                return Err(shape_err(op, format!("lane {i} of 0 rows in a row table")));
+            }
             t.start[i] = i32v(op, at)?;
             t.len[i] = i32v(op, n)?;
             at += n;
@@ -2454,11 +2458,11 @@ impl CudaBackend {
         let (c32, k32) = (i32v("gdn_conv", c)?, i32v("gdn_conv", k)?);
         let (xp, up) = (x.row_ptr(row0)?, u.row_ptr(row0)?);
         let lanes = u32v("gdn_conv", states.len())?;
-        let rt = RowTab::of("gdn_conv", lens)?;
         let tmax = lens.iter().copied().max().unwrap_or(0);
         if tmax == 0 {
             return Ok(());
         }
+        let rt = RowTab::of("gdn_conv", lens)?;
         if lens.iter().all(|&t| t == 1) && !self.opts.gdn_generic {
             // one row per lane: output and history shift in one launch (the same bits)
             go!(self, Source::Ops, "gdn_conv_one", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
@@ -2489,10 +2493,10 @@ impl CudaBackend {
     ) -> BResult<()> {
         let (nk, nv, dk, dv, c) = (d.k_heads, d.v_heads, d.k_dim, d.v_dim, d.channels());
         let rows: usize = lens.iter().sum();
-        let rt = RowTab::of("gdn", lens)?;
         if rows == 0 {
             return Ok(());
         }
+        let rt = RowTab::of("gdn", lens)?;
         // workspace: qn, kn [rows, nk, dk]; kq [rows, nk]; beta, gate [rows, nv]
         let (qk_n, kq_n, g_n) = (
             cmul("gdn", &[rows, nk, dk])?,
@@ -3174,7 +3178,8 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
-        let total: usize = ws.iter().map(|w| w.rows()).sum();
+        // outputs in 64-wide tiles as the launch counts them, weight by weight
+        let total: usize = ws.iter().map(|w| w.rows().div_ceil(64) * 64).sum();
         let gv = bf16_gemv(&self.opts, x.rows, k, total);
         let Bf16Gemv {
             multi: name,
@@ -3405,9 +3410,15 @@ impl Backend for CudaBackend {
                 format!("lanes of {total} rows in all, input of {}", qkv.rows),
             ));
         }
+        // every check before any lane's history or state moves (the conv output has qkv's shape)
         check_conv(qkv, conv, d)?;
-        if !self.opts.gdn_lanes {
-            // lane by lane, for comparison
+        check_gdn(qkv, b, a, a_log, dt_bias, d)?;
+        if let Some(i) = states.iter().position(|s| s.dims != *d) {
+            return Err(shape_err(op, format!("lane {i}'s state has other dims")));
+        }
+        if !self.opts.gdn_lanes || lens.contains(&0) {
+            // lane by lane: for comparison, or where a lane brings no rows (its solo calls
+            // return at once; the row tables take lanes of at least one row)
             return model::backend::gdn_prefill_each(
                 self, qkv, b, a, conv, a_log, dt_bias, d, lens, states,
             );
@@ -3418,7 +3429,6 @@ impl Backend for CudaBackend {
             self.conv(qkv, conv, d, sc, lc, row0, &u)?;
             row0 += lc.iter().sum::<usize>();
         }
-        check_gdn(&u, b, a, a_log, dt_bias, d)?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
         let mut row0 = 0;
         for (lc, sc) in lens.chunks(MAX_LANES).zip(states.chunks_mut(MAX_LANES)) {

@@ -67,7 +67,8 @@ pub struct TcCheck {
     pub exact_worst: f64,
     /// The same for the lower-precision twin (must exceed [`TOLERANCE`]).
     pub twin_worst: f64,
-    /// Every row equal bit for bit to its own one-row launch, in both segment modes.
+    /// Rows 0, middle and last of each shape equal bit for bit to their own one-row launches,
+    /// in both segment modes.
     pub rows_bitwise: bool,
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,

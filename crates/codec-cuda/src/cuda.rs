@@ -305,6 +305,12 @@ impl Exec for CudaExec {
         if g.m == 0 || g.n == 0 {
             return Ok(());
         }
+        if g.k == 0 || g.cin == 0 {
+            return Err(CudaCodecError::Shape(format!(
+                "GEMM of K {} over {} input channels: both must be at least 1",
+                g.k, g.cin
+            )));
+        }
         // The furthest A element read: row m−1, tap (k−1)/cin, channel cin−1.
         let taps = (g.k - 1) / g.cin;
         let a_extent = (g.m - 1) * g.rsa + taps * g.jstride + g.cin.min(g.k);

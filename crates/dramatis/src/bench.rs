@@ -47,8 +47,8 @@ pub struct BenchArgs {
     /// `starts_per_round`).
     #[arg(long, default_value_t = 0)]
     pub starts_per_round: usize,
-    /// Decode audio on the host (the GPU runs the model alone): measures what the GPU codec
-    /// costs the frame rounds.
+    /// Decode audio (and encode reference clips) on the host (the GPU runs the model alone):
+    /// measures what the GPU codec costs the frame rounds.
     #[arg(long)]
     pub codec_on_host: bool,
     /// Receipt path (JSON); without it the receipt goes to stdout.

@@ -86,8 +86,9 @@ struct EngineArgs {
     /// Accept per-request `cfg_gamma` in [0, 10].
     #[arg(long)]
     cfg_allow_request_gamma: bool,
-    /// Decode audio on the host even with --backend cuda (the GPU then runs the model alone;
-    /// the host codec is far slower at Drama 3 geometry).
+    /// Decode audio and encode reference clips on the host even with --backend cuda (the GPU
+    /// then runs the model alone, for measuring what the GPU codec costs; the host codec is far
+    /// slower at Drama 3 geometry).
     #[arg(long)]
     codec_on_host: bool,
 }

@@ -330,11 +330,26 @@ pub fn gdn_prefill_each<B: Backend>(
     lens: &[usize],
     states: &mut [&mut B::Gdn],
 ) -> BResult<B::Buf> {
+    let bad = |why: String| BackendError::Shape {
+        op: "gdn_prefill_lanes",
+        why,
+    };
     if lens.len() != states.len() {
-        return Err(BackendError::Shape {
-            op: "gdn_prefill_lanes",
-            why: format!("{} row counts for {} lane states", lens.len(), states.len()),
-        });
+        return Err(bad(format!(
+            "{} row counts for {} lane states",
+            lens.len(),
+            states.len()
+        )));
+    }
+    // the row counts against every input before any lane's history or state moves
+    let total: usize = lens.iter().sum();
+    for (name, buf) in [("qkv", qkv), ("b", b), ("a", a)] {
+        let (rows, _) = be.shape(buf);
+        if rows != total {
+            return Err(bad(format!(
+                "lanes of {total} rows in all, {name} of {rows} rows"
+            )));
+        }
     }
     let mut outs = Vec::with_capacity(lens.len());
     let mut off = 0;

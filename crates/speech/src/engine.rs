@@ -67,9 +67,10 @@ pub struct EngineOptions {
     /// a burst of prompts is still being prefilled; a lane's frames do not depend on the lanes
     /// beside it, so no output changes.
     pub starts_per_round: usize,
-    /// Decode audio on the host even when the model runs on CUDA. The GPU then runs the model
-    /// alone; the host codec is far slower at Drama 3 geometry, so this is for measuring what
-    /// the GPU codec costs the frame rounds, or for a device without room for the codec.
+    /// Decode audio (and encode reference clips) on the host even when the model runs on CUDA,
+    /// so the GPU runs the model alone: for measuring what the GPU codec costs the frame rounds.
+    /// The host codec is far slower at Drama 3 geometry. The memory plan is unchanged (it
+    /// still counts the codec on the device).
     pub codec_on_host: bool,
 }
 
@@ -1418,13 +1419,16 @@ fn decode_frames(
     let pcm = Codes::from_frames(frames[0].len(), &frames)
         .map_err(|e| e.to_string())
         .and_then(|c| j.decoder.push(&c));
-    meter.calls.fetch_add(1, Ordering::Relaxed);
-    meter
-        .frames
-        .fetch_add(frames.len() as u64, Ordering::Relaxed);
+    // the time counts either way (the thread was busy); calls and frames only when decoded
     meter
         .busy_ns
         .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    if pcm.is_ok() {
+        meter.calls.fetch_add(1, Ordering::Relaxed);
+        meter
+            .frames
+            .fetch_add(frames.len() as u64, Ordering::Relaxed);
+    }
     match pcm {
         Ok(pcm) => {
             if j.first_audio.is_none() {
