@@ -87,6 +87,9 @@ struct RunResult {
     first_audio: Vec<f64>,
     /// The run's earliest first audio, from the start of the run.
     first_audio_in_run: f64,
+    /// When the run's last frame was made (seconds from the run's start), before the codec
+    /// finished its audio.
+    last_frame_in_run: f64,
     audio_seconds: f64,
 }
 
@@ -115,6 +118,7 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
     let mut total = 0u64;
     let mut first = Vec::new();
     let mut first_in_run = f64::INFINITY;
+    let mut last_frame: f64 = 0.0;
     let mut secs = 0.0;
     for (at, mut h) in handles {
         loop {
@@ -122,6 +126,7 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
                 Some(JobEvent::Done(s)) => {
                     total += s.frames;
                     secs += s.audio_seconds;
+                    last_frame = last_frame.max(at + s.generated_seconds);
                     if let Some(f) = s.first_audio_seconds {
                         first.push(f);
                         // the job's clock starts at its submission
@@ -140,6 +145,7 @@ fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result
         frames: total,
         first_audio: first,
         first_audio_in_run: first_in_run,
+        last_frame_in_run: last_frame,
         audio_seconds: secs,
     })
 }
@@ -443,6 +449,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let mut ttfa = Vec::new();
         let mut rtf = Vec::new();
         let mut frames = Vec::new();
+        let mut after_last = Vec::new();
         let rounds0 = eng.stats().rounds;
         let deferred0 = eng.stats().starts_deferred;
         let joined0 = eng.stats().prefills_joined;
@@ -461,6 +468,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             ttfa.push(median(res.first_audio.clone()));
             rtf.push(res.wall / (res.audio_seconds / lanes as f64).max(1e-9));
             frames.push(res.frames as f64);
+            after_last.push((res.wall - res.last_frame_in_run).max(0.0));
         }
         results.push(json!({
             "lanes": lanes,
@@ -476,6 +484,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "starts_deferred": eng.stats().starts_deferred - deferred0,
             "prefills_joined": eng.stats().prefills_joined - joined0,
             "codec": codec_field(&eng.stats().codec, &codec0, walls),
+            // the run's wall time after its last frame was made: the codec catching up
+            "after_last_frame_s_median": median(after_last),
         }));
         // the rate while the lanes are in kept rounds (no prefill between): lanes over the mean
         // kept round; an estimate, since a round can hold finished lanes' ghost slots

@@ -86,6 +86,9 @@ pub struct JobSummary {
     pub capped_segments: u32,
     pub segments: u32,
     pub elapsed_seconds: f64,
+    /// Seconds from submission to the job's last frame (before its audio is decoded):
+    /// `elapsed_seconds` minus this is how long the codec took to catch up.
+    pub generated_seconds: f64,
     pub first_audio_seconds: Option<f64>,
     pub cap: CapApplied,
     pub frame_cap: u64,
