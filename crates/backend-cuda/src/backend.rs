@@ -28,6 +28,8 @@ use crate::runtime::{Gpu, Source, Variant};
 
 /// Lanes one launch takes through a by-value pointer table (ops.cu `MAX_LANES`).
 pub const MAX_LANES: usize = 32;
+/// Row counts of a one-row-per-lane step (decode), sliced per call.
+const ONE_ROW_EACH: [usize; MAX_LANES] = [1; MAX_LANES];
 /// Largest head dim of the generic attention kernel (4 output dims per thread of 128).
 const GENERIC_MAX_HD: usize = 512;
 const FP8_BLOCK: usize = 128;
@@ -3344,8 +3346,8 @@ impl Backend for CudaBackend {
         check::lanes("gdn_conv_step", x.rows, states.len())?;
         let u = self.buf(x.rows, x.cols)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
-            let ones = vec![1; chunk.len()];
-            self.conv(x, w, d, chunk, &ones, ci * MAX_LANES, &u)?;
+            let ones = &ONE_ROW_EACH[..chunk.len()];
+            self.conv(x, w, d, chunk, ones, ci * MAX_LANES, &u)?;
         }
         Ok(u)
     }
@@ -3453,7 +3455,7 @@ impl Backend for CudaBackend {
         check::lanes("gdn_step", qkv.rows, states.len())?;
         let o = self.buf(qkv.rows, d.v_heads * d.v_dim)?;
         for (ci, chunk) in states.chunks_mut(MAX_LANES).enumerate() {
-            let ones = vec![1; chunk.len()];
+            let ones = &ONE_ROW_EACH[..chunk.len()];
             self.delta(
                 qkv,
                 b,
@@ -3462,7 +3464,7 @@ impl Backend for CudaBackend {
                 dt_bias,
                 d,
                 chunk,
-                &ones,
+                ones,
                 ci * MAX_LANES,
                 &o,
             )?;

@@ -594,6 +594,20 @@ fn gated_gemv_refs(w: &[u16], x: &[f32], u: &[f32], k: usize, rows: usize, n: us
     reference
 }
 
+/// `W x`, `W (silu(x) * u)` and `W (x * sigmoid(u))` on the backend, one after another (the
+/// order of `gated_gemv_refs`).
+fn gated_linears(
+    be: &CudaBackend,
+    x: &CudaBuf,
+    u: &CudaBuf,
+    w: &crate::backend::CudaWeight,
+) -> Result<Vec<f32>> {
+    let mut out = be.download(&be.linear(x, w, Rows::Exact)?)?;
+    out.extend(be.download(&be.linear_silu_mul(x, u, w, Rows::Exact)?)?);
+    out.extend(be.download(&be.linear_sigmoid_mul(x, u, w, Rows::Exact)?)?);
+    Ok(out)
+}
+
 /// The tensor-core GEMV with short key ranges per warp (`gemv_tc2_*`, both load layouts), and
 /// with `silu_mul` made as it loads its input (`gemv_tc2_silu_*`): against FP64 at edge shapes,
 /// each row bitwise equal to its one-row launch, and the fused input bitwise equal to
@@ -624,9 +638,7 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             let run = |be: &CudaBackend| -> Result<Vec<f32>> {
                 let wd = be.weight_bf16(n, k, &w)?;
                 let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
-                let mut out = be.download(&be.linear(&xd, &wd, Rows::Exact)?)?;
-                out.extend(be.download(&be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?)?);
-                out.extend(be.download(&be.linear_sigmoid_mul(&xd, &ud, &wd, Rows::Exact)?)?);
+                let mut out = gated_linears(be, &xd, &ud, &wd)?;
                 // appended for the bitwise checks: each row alone, and each op then the linear
                 for r in 0..rows {
                     let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
@@ -739,10 +751,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
             let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
-            let mut out = be.download(&be.linear(&xd, &wd, Rows::Exact)?)?;
-            out.extend(be.download(&be.linear_silu_mul(&xd, &ud, &wd, Rows::Exact)?)?);
-            out.extend(be.download(&be.linear_sigmoid_mul(&xd, &ud, &wd, Rows::Exact)?)?);
-            Ok(out)
+            gated_linears(be, &xd, &ud, &wd)
         };
         let case = format!(
             "{rows} rows x {k} into {n} in 64 x 64 tiles, plain, silu- and sigmoid-gated input"
