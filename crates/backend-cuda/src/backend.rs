@@ -794,6 +794,12 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for `go!`'s launches (sm_90+ unless `DRAMATIS_CUDA_PDL=0`,
     /// `runtime::pdl_for`).
     pdl: bool,
+    /// A timing tool, never for output: kernels whose names start with one of these prefixes
+    /// (`DRAMATIS_CUDA_SKIP=a,b,...`, read by `new`) are left out of recorded frame rounds, so a
+    /// round's time without them places their in-graph cost (ncu's serialised, cold durations
+    /// overstate small kernels). The rounds' results are then wrong; prompts and every launch
+    /// outside a recording run in full. Logged at start.
+    skip: Vec<String>,
 }
 
 /// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
@@ -1138,6 +1144,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
 macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
+        if !$be.skipped($name) {
         $be.prof.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let grid: (u32, u32, u32) = $grid;
         if grid.1 as usize > MAX_GRID_Y || grid.2 as usize > MAX_GRID_Y || grid.0 == 0 {
@@ -1161,6 +1168,7 @@ macro_rules! go {
             // order, and the calling op checked every extent the kernel touches against the
             // allocations behind the pointers. One statement, so argument temporaries outlive it.
             unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
+        }
         }
     }};
 }
@@ -1215,7 +1223,22 @@ impl CudaBackend {
             0,
             crate::runtime::StreamPriority::Model,
         )?);
-        Ok(Self::with_gpu(gpu, Variant::Exact, CudaOptions::from_env()))
+        let mut be = Self::with_gpu(gpu, Variant::Exact, CudaOptions::from_env());
+        if let Ok(v) = std::env::var("DRAMATIS_CUDA_SKIP") {
+            be.skip = v
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+            if !be.skip.is_empty() {
+                tracing::warn!(
+                    "DRAMATIS_CUDA_SKIP: kernels {:?} are left out of recorded frame rounds \
+                     (a timing tool: the rounds' output is wrong)",
+                    be.skip
+                );
+            }
+        }
+        Ok(be)
     }
 
     /// A backend over an opened device running the given kernel builds (the contract uses the
@@ -1241,6 +1264,7 @@ impl CudaBackend {
             masks: Mutex::new(std::collections::HashMap::new()),
             lt: Mutex::new(None),
             prof,
+            skip: Vec::new(),
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
@@ -1249,6 +1273,18 @@ impl CudaBackend {
             .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
             .ok();
         be
+    }
+
+    /// Whether `DRAMATIS_CUDA_SKIP` leaves this launch out: a named kernel while a frame round is
+    /// recorded (`CudaOptions::skip`).
+    fn skipped(&self, name: &str) -> bool {
+        !self.skip.is_empty()
+            && self.skip.iter().any(|p| name.starts_with(p.as_str()))
+            && self
+                .recording
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
     }
 
     /// `out = x · Wᵀ` for a BF16 `W [n, k]` through cuBLASLt (`lt.rs`), in slices of rows so
