@@ -326,32 +326,6 @@ GEMV_TC2_SILU(4, 2)
 // (row stride 36 words), activation key 16 t + 2 s + b of row r at X[r][4 (2 s + b) + t] (row
 // stride 68): a warp's fragment reads hit 32 distinct banks.
 // PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
-// Four activations of row r at key off as the gated GEMVs take them: x, silu(x) * u (ACT 1) or
-// x * sigmoid(u) (ACT 2), each product rounded on its own as elementwise stores it; zeros for a
-// row past `rows`. gemv_tc2_body makes the same values inline.
-template <int ACT>
-__device__ __forceinline__ float4 act_load4(const float* __restrict__ x, const float* __restrict__ u, int r, int rows,
-                                            int K, int off) {
-    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (r < rows) {
-        xv = __ldg((const float4*)(x + (long long)r * K + off));
-        if (ACT == 1) {
-            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-            xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
-            xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
-            xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
-            xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
-        } else if (ACT == 2) {
-            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-            xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
-            xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
-            xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
-            xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
-        }
-    }
-    return xv;
-}
-
 #define TT_WS 36
 #define TT_XS 68
 template <int ACT>
@@ -377,8 +351,25 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int q = tid + 256 * i;
-            xreg[i] = act_load4<ACT>(x, u, r0 + (q >> 4), rows, K, kb + 4 * (q & 15));
+            const int q = tid + 256 * i, r = r0 + (q >> 4), off = kb + 4 * (q & 15);
+            float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (r < rows) {
+                xv = __ldg((const float4*)(x + (long long)r * K + off));
+                if (ACT == 1) {
+                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                    xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+                    xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+                    xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+                    xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
+                } else if (ACT == 2) {
+                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+                    xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+                    xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+                    xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+                    xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
+                }
+            }
+            xreg[i] = xv;
         }
     };
     auto store = [&]() {
@@ -506,190 +497,4 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tt_sigm(const bf16_t* __r
                                                                const float* __restrict__ u, float* __restrict__ y,
                                                                int n_out, int K, int rows, int kc) {
     gemv_tt_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
-}
-
-
-// ---------------------------------------------------------------- a few dozen rows: gemv_tc2 bits, split over K
-// gemv_tc2_body<G, 2, ACT>'s arithmetic for up to 32 rows a block (grid z walks row blocks), with
-// the activations moved once per 64 outputs instead of once per 16: block (x, c, z) takes outputs
-// 64 x .. + 64 (two warps of 32: two 16-output MMA tiles each) of rows 32 z .. + 32, and chunk c
-// of kc keys only (grid y = the chunks). Each 64-key step's activations (made with the
-// elementwise op as gemv_tc2 makes them, then split hi + lo once) go to shared memory in
-// gemv_tt's fragment order; each warp reads its weights straight into registers, one step ahead.
-// A chunk's sum is gemv_tc2's: for each step kb and s = 0..7 the MMA over keys
-// {kb + 16 t + 2 s, + 1 : t = 0..3} from zero, added to the chunk's hi and lo sums; the block
-// writes hi + lo to ws [chunks][32 gridDim.z][64 gridDim.x], and the last of a tile's chunk
-// blocks to finish (counted in cnt, which it resets) adds them in chunk order (gemv_tc2's
-// red[0] + red[1] + ...). So a row's result equals its one-row gemv_tc2 launch bit for bit,
-// whatever the other rows, the tiling and the order the blocks end in.
-// PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
-template <int ACT>
-__device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                             float* __restrict__ y, int n_out, int K, int rows, int o0,
-                                             int kc, const float* __restrict__ u, float* __restrict__ ws,
-                                             int* __restrict__ cnt) {
-    __shared__ unsigned int Xh[32][TT_XS];
-    __shared__ unsigned int Xl[32][TT_XS];
-    __shared__ int last;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int c = blockIdx.y, nc = gridDim.y;
-    const int r0 = blockIdx.z * 32;
-    const int kb0 = c * kc;
-    int kb1 = kb0 + kc < K ? kb0 + kc : K;
-#if PLANT == 1
-    kb1 -= 64;
-#endif
-    // this warp's four weight rows: 16-output tiles i = 0, 1, rows g and g + 8 of each
-    const bf16_t* wrow[2][2];
-    bool wlive[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int o = o0 + 32 * warp + 16 * i + 8 * h + g;
-            wlive[i][h] = o < n_out;
-            wrow[i][h] = W + (long long)(wlive[i][h] ? o : 0) * K;
-        }
-    uint4 wreg[2][2][2];  // [tile][row half][16 keys in two uint4]
-    float4 xreg[8];       // activation float4 q = tid + 64 i: row q >> 4, keys 4 (q & 15) ..
-    auto load = [&](int kb) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int v = 0; v < 2; ++v)
-                    wreg[i][h][v] = wlive[i][h] ? ld_stream(wrow[i][h] + kb + 16 * t + 8 * v) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = tid + 64 * i, r = r0 + (q >> 4);
-            xreg[i] = act_load4<ACT>(x, u, r, rows, K, kb + 4 * (q & 15));
-        }
-    };
-    float hi[2][4][4], lo[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = 0.0f;
-    if (kb0 < kb1) load(kb0);
-    for (int kb = kb0; kb < kb1; kb += 64) {
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = tid + 64 * i, r = q >> 4, cc = q & 15;
-            const float xs[4] = {xreg[i].x, xreg[i].y, xreg[i].z, xreg[i].w};
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int kk = 4 * cc + m, tt = kk >> 4, s = (kk >> 1) & 7, b = kk & 1;
-                const unsigned int hv = to_tf32(xs[m]);
-                Xh[r][4 * (2 * s + b) + tt] = hv;
-                Xl[r][4 * (2 * s + b) + tt] = to_tf32(xs[m] - __uint_as_float(hv));
-            }
-        }
-        unsigned int wv[2][2][8];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wv[i][h][0] = wreg[i][h][0].x; wv[i][h][1] = wreg[i][h][0].y;
-                wv[i][h][2] = wreg[i][h][0].z; wv[i][h][3] = wreg[i][h][0].w;
-                wv[i][h][4] = wreg[i][h][1].x; wv[i][h][5] = wreg[i][h][1].y;
-                wv[i][h][6] = wreg[i][h][1].z; wv[i][h][7] = wreg[i][h][1].w;
-            }
-        __syncthreads();
-        if (kb + 64 < kb1) load(kb + 64);
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-            unsigned int bh[4][2], bl[4][2];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int r = 8 * j + g;
-                bh[j][0] = Xh[r][4 * (2 * s) + t];
-                bh[j][1] = Xh[r][4 * (2 * s + 1) + t];
-                bl[j][0] = Xl[r][4 * (2 * s) + t];
-                bl[j][1] = Xl[r][4 * (2 * s + 1) + t];
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const unsigned int wa = wv[i][0][s], wb = wv[i][1][s];
-                const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (r0 + 8 * j >= rows) break;  // uniform across the block
-                    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(d, a, bh[j][0], bh[j][1]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
-#ifndef LOWP
-                    float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32(dl, a, bl[j][0], bl[j][1]);
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
-#endif
-                }
-            }
-        }
-    }
-    // this chunk's sums (hi + lo, as gemv_tc2's red[c]) to the workspace
-    const long long nw = 64LL * gridDim.x, rb = 32LL * gridDim.z;
-    const long long col0 = 64LL * blockIdx.x;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int o = 32 * warp + 16 * i + g + (e >= 2 ? 8 : 0);
-                const int r = r0 + 8 * j + 2 * t + (e & 1);
-                ws[((long long)c * rb + r) * nw + col0 + o] = hi[i][j][e] + lo[i][j][e];
-            }
-    __threadfence();
-    __syncthreads();
-    int* ctr = cnt + (long long)blockIdx.z * gridDim.x + blockIdx.x;
-    if (tid == 0) last = atomicAdd(ctr, 1) == nc - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int idx = tid; idx < 64 * 32; idx += 64) {
-        const int o = idx & 63, r = r0 + (idx >> 6);
-        const int n = o0 + o;
-        if (n >= n_out || r >= rows) continue;
-        const float* p = ws + (long long)r * nw + col0 + o;
-        float acc = __ldcg(p);
-        for (int cc = 1; cc < nc; ++cc) acc += __ldcg(p + (long long)cc * rb * nw);
-        y[(long long)r * n_out + n] = acc;
-    }
-    if (tid == 0) *ctr = 0;
-}
-
-extern "C" __global__ void __launch_bounds__(64) gemv_ts(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                                         float* __restrict__ y, int n_out, int K, int rows, int kc,
-                                                         float* __restrict__ ws, int* __restrict__ cnt) {
-    gemv_ts_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, ws, cnt);
-}
-// Multi: weight j's tiles are blocks start[j] .. start[j + 1]; the workspace columns follow the
-// launch's tiles, so every weight has its own
-extern "C" __global__ void __launch_bounds__(64) gemv_ts_multi(Multi m, const float* __restrict__ x, int K, int rows,
-                                                               int kc, float* __restrict__ ws, int* __restrict__ cnt) {
-    int j = 0;
-    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_ts_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
-                    kc, nullptr, ws, cnt);
-}
-extern "C" __global__ void __launch_bounds__(64) gemv_ts_silu(const bf16_t* __restrict__ W,
-                                                              const float* __restrict__ x,
-                                                              const float* __restrict__ u, float* __restrict__ y,
-                                                              int n_out, int K, int rows, int kc,
-                                                              float* __restrict__ ws, int* __restrict__ cnt) {
-    gemv_ts_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, ws, cnt);
-}
-extern "C" __global__ void __launch_bounds__(64) gemv_ts_sigm(const bf16_t* __restrict__ W,
-                                                              const float* __restrict__ x,
-                                                              const float* __restrict__ u, float* __restrict__ y,
-                                                              int n_out, int K, int rows, int kc,
-                                                              float* __restrict__ ws, int* __restrict__ cnt) {
-    gemv_ts_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, ws, cnt);
 }

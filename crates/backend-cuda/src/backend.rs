@@ -664,11 +664,6 @@ pub struct CudaOptions {
     /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
     /// the device idle, and `gemv_tc2` (the same bits) runs instead.
     pub gemv_tile_blocks: usize,
-    /// Rows from which BF16 linears with layout 2 of up to `GEMV_TS_ROWS` rows take `gemv_ts*`
-    /// (the same bits as `gemv_tc2_*`: 64-output tiles over 32 rows, one K chunk a block, the
-    /// chunks summed in order by the last block) where its workspace holds the launch;
-    /// `DRAMATIS_CUDA_GEMV_TS_MIN`, default 9; 0 is never.
-    pub gemv_ts_min: usize,
     /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
     /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
     pub gdn_lanes: bool,
@@ -755,10 +750,6 @@ impl CudaOptions {
                 n => n,
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
-            gemv_ts_min: match num("DRAMATIS_CUDA_GEMV_TS_MIN", 9) {
-                0 => usize::MAX,
-                n => n,
-            },
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
@@ -791,10 +782,6 @@ pub struct CudaBackend {
     /// Per (lane, kv head) block counters of the split-key decode kernel, zero between calls
     /// (the last block of each group resets its own).
     decode_count: Option<Mem>,
-    /// `gemv_ts`'s chunk partials (`GEMV_TS_WS_BYTES`) and tile counters (`GEMV_TS_COUNTERS`,
-    /// zero between launches; the last block of a tile resets its own). Without them
-    /// (allocation failed) `gemv_ts` is off.
-    ts_ws: Option<(Mem, Mem)>,
     small: Arc<SmallPool>,
     /// While a frame round is recorded: the graph's private pool, which `alloc` serves from.
     recording: Mutex<Option<Arc<SmallPool>>>,
@@ -1014,21 +1001,11 @@ struct Bf16Gemv {
     act: Option<(&'static str, &'static str)>,
     /// `gemv_tt*`: rows a block (grid y walks the row tiles); otherwise every block takes all rows.
     row_tile: Option<usize>,
-    /// `gemv_ts*`: the K chunks (grid y; grid z walks 32-row blocks); the kernels take the
-    /// workspace and tile counters after `kc`.
-    chunks: Option<usize>,
 }
 
 impl Bf16Gemv {
     /// The launch grid for `blocks` output blocks over `rows` rows.
     fn grid(&self, op: &'static str, blocks: usize, rows: usize) -> BResult<(u32, u32, u32)> {
-        if let Some(nc) = self.chunks {
-            return Ok((
-                u32v(op, blocks)?,
-                u32v(op, nc)?,
-                u32v(op, rows.div_ceil(GEMV_TS_ROWS).max(1))?,
-            ));
-        }
         let y = self.row_tile.map_or(1, |t| rows.div_ceil(t).max(1));
         Ok((u32v(op, blocks)?, u32v(op, y)?, 1))
     }
@@ -1064,15 +1041,6 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 /// 2048 x 4096 out-projection, 32 tiles, took 103 us tiled against 44 us on `gemv_tc2`; 256
 /// rows of the MoE group, 84 tiles, 49 against 117).
 pub const TT_MIN_BLOCKS: usize = 64;
-
-/// Rows a `gemv_ts` block takes (gemv.cu); the dispatch sends it at most this many.
-pub(crate) const GEMV_TS_ROWS: usize = 32;
-/// The `gemv_ts` workspace: every chunk's partial sums of a launch, f32 [chunks][32][64 tiles].
-/// The largest Drama 3 launch at 32 rows (the GDN projections: 8 chunks x 32 x 12416) needs
-/// 12.7 MB; a launch that needs more runs `gemv_tc2` (the same bits).
-pub(crate) const GEMV_TS_WS_BYTES: usize = 16 << 20;
-/// Tile counters of `gemv_ts` (tiles x row blocks of a launch), zero between launches.
-pub(crate) const GEMV_TS_COUNTERS: usize = 4096;
 
 /// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
 /// launch together).
@@ -1130,29 +1098,9 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 kc: Some(kc as i32),
                 act: Some(("gemv_tt_silu", "gemv_tt_sigm")),
                 row_tile: Some(64),
-                chunks: None,
             };
         }
         let chunks = k.div_ceil(kc);
-        let tiles = outs.div_ceil(64);
-        if v == 2
-            && rows >= o.gemv_ts_min
-            && rows <= GEMV_TS_ROWS
-            && tiles <= GEMV_TS_COUNTERS
-            && chunks * GEMV_TS_ROWS * tiles * 64 * 4 <= GEMV_TS_WS_BYTES
-        {
-            // gemv_tc2 (V = 2)'s bits from 64-output tiles, one K chunk a block
-            return Bf16Gemv {
-                single: "gemv_ts",
-                multi: "gemv_ts_multi",
-                per_block: 64,
-                block: 64,
-                kc: Some(kc as i32),
-                act: Some(("gemv_ts_silu", "gemv_ts_sigm")),
-                row_tile: None,
-                chunks: Some(chunks),
-            };
-        }
         let warps = match if rows <= 8 {
             o.gemv_warps
         } else {
@@ -1169,7 +1117,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: Some(kc as i32),
             act: Some((silu, sigm)),
             row_tile: None,
-            chunks: None,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1180,7 +1127,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: None,
             act: None,
             row_tile: None,
-            chunks: None,
         }
     } else {
         Bf16Gemv {
@@ -1191,7 +1137,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: None,
             act: None,
             row_tile: None,
-            chunks: None,
         }
     }
 }
@@ -1314,7 +1259,6 @@ impl CudaBackend {
             expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
             decode_count: None,
-            ts_ws: None,
             small: Arc::new(SmallPool::new()),
             recording: Mutex::new(None),
             masks: Mutex::new(std::collections::HashMap::new()),
@@ -1328,15 +1272,6 @@ impl CudaBackend {
         be.decode_count = be
             .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
             .ok();
-        if be.opts.gemv_ts_min <= GEMV_TS_ROWS {
-            be.ts_ws = match (be.alloc(GEMV_TS_WS_BYTES), be.zeroed(4 * GEMV_TS_COUNTERS)) {
-                (Ok(w), Ok(c)) => Some((w, c)),
-                _ => None,
-            };
-            if be.ts_ws.is_none() {
-                be.opts.gemv_ts_min = usize::MAX;
-            }
-        }
         be
     }
 
@@ -2468,24 +2403,9 @@ impl CudaBackend {
         };
         let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, x.rows)?);
         let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
-        if gv.chunks.is_some() {
-            let (ws, cnt) = self.ts_workspace()?;
-            go!(self, Source::Gemv, name, g, gv.block, 0;
-                &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc, &ws, &cnt);
-        } else {
-            go!(self, Source::Gemv, name, g, gv.block, 0;
-                &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
-        }
+        go!(self, Source::Gemv, name, g, gv.block, 0;
+            &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
         Ok(Some(out))
-    }
-
-    /// `gemv_ts`'s workspace and tile counters (made with the backend; the dispatch picks
-    /// `gemv_ts` only when they were).
-    fn ts_workspace(&self) -> BResult<(u64, u64)> {
-        self.ts_ws
-            .as_ref()
-            .map(|(w, c)| (w.ptr, c.ptr))
-            .ok_or_else(|| dev("the gemv_ts workspace could not be allocated"))
     }
 
     fn decode_counters(&self) -> BResult<u64> {
@@ -3225,11 +3145,7 @@ impl Backend for CudaBackend {
                 }
                 let gv = bf16_gemv(&self.opts, x.rows, k, n_out);
                 let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
-                if let (Some(kc), Some(_)) = (gv.kc, gv.chunks) {
-                    let (ws, cnt) = self.ts_workspace()?;
-                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
-                        &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc, &ws, &cnt);
-                } else if let Some(kc) = gv.kc {
+                if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
                 } else {
@@ -3308,7 +3224,6 @@ impl Backend for CudaBackend {
             per_block,
             block,
             kc,
-            chunks,
             ..
         } = gv;
         let mut blocks = 0usize;
@@ -3333,11 +3248,7 @@ impl Backend for CudaBackend {
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
         let g = gv.grid(op, blocks, x.rows)?;
-        if let (Some(kc), Some(_)) = (kc, chunks) {
-            let (ws, cnt) = self.ts_workspace()?;
-            go!(self, Source::Gemv, name, g, block, 0;
-                &m, &x.ptr(), &k32, &r32, &kc, &ws, &cnt);
-        } else if let Some(kc) = kc {
+        if let Some(kc) = kc {
             go!(self, Source::Gemv, name, g, block, 0;
                 &m, &x.ptr(), &k32, &r32, &kc);
         } else {

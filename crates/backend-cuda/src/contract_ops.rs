@@ -28,8 +28,6 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
         gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
         gemv_tile_blocks: CudaOptions::from_lookup(|_| None).gemv_tile_blocks,
-        // gemv_tc2 at every row count below the tiles: `gemv_ts` has its own case
-        gemv_ts_min: usize::MAX,
         gdn_lanes: true,
         gdn_generic: false,
         kept_rounds: true,
@@ -812,112 +810,6 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
     let tc2 = run_many(&plain)?;
     same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &tiled, &tc2);
-    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
-    let wd = ws
-        .iter()
-        .zip(&outs)
-        .map(|(w, &n)| be.weight_bf16(n, k, w))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    let xd = be.upload(&x, rows, k)?;
-    let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-    one_launch(c, format!("{case}: one launch"), &be, || {
-        be.linear_many(&xd, &refs, Rows::Exact)?;
-        Ok(())
-    })?;
-    Ok(())
-}
-
-/// `gemv_ts*` (up to 32 rows, 64-output tiles, one K chunk a block, the chunks summed in order
-/// by a tile's last block): against FP64 with its twins, and bit for bit the `gemv_tc2_*`
-/// kernels it stands in for (plain, silu- and sigmoid-gated input, several weights in one
-/// launch), every row equal to its one-row launch; launched twice in a row, so the tile counters
-/// are back at zero after each launch.
-pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
-    let opts = |ts: usize| CudaOptions {
-        gemv_v: 2,
-        gemv_ts_min: ts,
-        ..base_opts(false)
-    };
-    for (n, k, rows) in [
-        (2050usize, 4096usize, 32usize),
-        (300, 2048, 17),
-        (96, 6144, 9),
-        (2048, 512, 32),
-        (70, 1088, 20),
-        (40, 8192, 31),
-    ] {
-        let w = c.rng.normals_bf16(n * k, 0.05);
-        let x = c.rng.normals_f32(rows * k, 1.0);
-        let u = c.rng.normals_f32(rows * k, 1.0);
-        let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
-        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-            let wd = be.weight_bf16(n, k, &w)?;
-            let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
-            gated_linears(be, &xd, &ud, &wd)
-        };
-        let case = format!(
-            "{rows} rows x {k} into {n}, 64-output tiles split over K, plain, silu- and sigmoid-gated input"
-        );
-        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
-        let split = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
-        let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
-        let again = run(&be)?;
-        same_bits(
-            c,
-            format!("{case}: a second launch bitwise = the first"),
-            &again,
-            &split,
-        );
-        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
-        let tc2 = run(&plain)?;
-        same_bits(c, format!("{case}: bitwise = gemv_tc2"), &split, &tc2);
-        let wd = plain.weight_bf16(n, k, &w)?;
-        let mut one = Vec::new();
-        let mut want = Vec::new();
-        for r in [0, rows / 2, rows - 1] {
-            let xr = plain.upload(&x[r * k..(r + 1) * k], 1, k)?;
-            one.extend(plain.download(&plain.linear(&xr, &wd, Rows::Exact)?)?);
-            want.extend_from_slice(&split[r * n..(r + 1) * n]);
-        }
-        same_bits(
-            c,
-            format!("{case}: rows 0, mid, last bitwise = one-row launches"),
-            &want,
-            &one,
-        );
-    }
-    // the GDN projections' launch: four weights of one input, outputs that do not fill a tile
-    let (k, rows) = (2048usize, 32usize);
-    let outs = [300usize, 64, 33, 128];
-    let ws: Vec<Vec<u16>> = outs
-        .iter()
-        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
-        .collect();
-    let x = c.rng.normals_f32(rows * k, 1.0);
-    let mut reference = Vec::new();
-    for (w, &n) in ws.iter().zip(&outs) {
-        reference.extend(gemv_ref(w, &x, k, rows, n));
-    }
-    let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let wd = ws
-            .iter()
-            .zip(&outs)
-            .map(|(w, &n)| be.weight_bf16(n, k, w))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let xd = be.upload(&x, rows, k)?;
-        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-        let mut out = Vec::new();
-        for y in be.linear_many(&xd, &refs, Rows::Exact)? {
-            out.extend(be.download(&y)?);
-        }
-        Ok(out)
-    };
-    let case = format!("{rows} rows x {k} into {outs:?}, one split launch");
-    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
-    let split = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
-    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
-    let tc2 = run_many(&plain)?;
-    same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &split, &tc2);
     let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
     let wd = ws
         .iter()
