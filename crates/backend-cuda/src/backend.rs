@@ -1145,30 +1145,30 @@ macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
         if !$be.skipped($name) {
-        $be.prof.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let grid: (u32, u32, u32) = $grid;
-        if grid.1 as usize > MAX_GRID_Y || grid.2 as usize > MAX_GRID_Y || grid.0 == 0 {
-            return Err(dev(format!("{}: grid {:?} outside the device limits", $name, grid)));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: ($block, 1, 1),
-            shared_mem_bytes: $smem,
-        };
-        if $be.pdl {
-            // SAFETY: as below; each parameter is passed as a pointer to its value, as the
-            // launch builder does. One statement, so argument temporaries outlive the launch.
-            unsafe {
-                launch_pdl(&f, &$be.gpu.stream, &cfg,
-                    &mut [$( $arg as *const _ as *mut std::ffi::c_void ),*])
+            $be.prof.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let grid: (u32, u32, u32) = $grid;
+            if grid.1 as usize > MAX_GRID_Y || grid.2 as usize > MAX_GRID_Y || grid.0 == 0 {
+                return Err(dev(format!("{}: grid {:?} outside the device limits", $name, grid)));
             }
-            .map_err(dev)?;
-        } else {
-            // SAFETY: the arguments match the kernel's C signature in kernels/*.cu in type and
-            // order, and the calling op checked every extent the kernel touches against the
-            // allocations behind the pointers. One statement, so argument temporaries outlive it.
-            unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
-        }
+            let cfg = LaunchConfig {
+                grid_dim: grid,
+                block_dim: ($block, 1, 1),
+                shared_mem_bytes: $smem,
+            };
+            if $be.pdl {
+                // SAFETY: as below; each parameter is passed as a pointer to its value, as the
+                // launch builder does. One statement, so argument temporaries outlive the launch.
+                unsafe {
+                    launch_pdl(&f, &$be.gpu.stream, &cfg,
+                        &mut [$( $arg as *const _ as *mut std::ffi::c_void ),*])
+                }
+                .map_err(dev)?;
+            } else {
+                // SAFETY: the arguments match the kernel's C signature in kernels/*.cu in type and
+                // order, and the calling op checked every extent the kernel touches against the
+                // allocations behind the pointers. One statement, so argument temporaries outlive it.
+                unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
+            }
         }
     }};
 }
@@ -1276,7 +1276,7 @@ impl CudaBackend {
     }
 
     /// Whether `DRAMATIS_CUDA_SKIP` leaves this launch out: a named kernel while a frame round is
-    /// recorded (`CudaOptions::skip`).
+    /// recorded (`CudaBackend::skip`).
     fn skipped(&self, name: &str) -> bool {
         !self.skip.is_empty()
             && self.skip.iter().any(|p| name.starts_with(p.as_str()))
