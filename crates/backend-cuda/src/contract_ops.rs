@@ -594,6 +594,21 @@ fn gated_gemv_refs(w: &[u16], x: &[f32], u: &[f32], k: usize, rows: usize, n: us
     reference
 }
 
+/// A gated-GEMV case's fresh inputs: BF16 weights [n, k], activations x and gates u [rows, k],
+/// and their FP64 references (`gated_gemv_refs`).
+fn gated_case(
+    c: &mut Ctx,
+    n: usize,
+    k: usize,
+    rows: usize,
+) -> (Vec<u16>, Vec<f32>, Vec<f32>, Vec<f64>) {
+    let w = c.rng.normals_bf16(n * k, 0.05);
+    let x = c.rng.normals_f32(rows * k, 1.0);
+    let u = c.rng.normals_f32(rows * k, 1.0);
+    let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
+    (w, x, u, reference)
+}
+
 /// `W x`, `W (silu(x) * u)` and `W (x * sigmoid(u))` on the backend, one after another (the
 /// order of `gated_gemv_refs`).
 fn gated_linears(
@@ -623,10 +638,7 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             (2048, 6144, 1),
             (2048, 512, 8),
         ] {
-            let w = c.rng.normals_bf16(n * k, 0.05);
-            let x = c.rng.normals_f32(rows * k, 1.0);
-            let u = c.rng.normals_f32(rows * k, 1.0);
-            let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
+            let (w, x, u, reference) = gated_case(c, n, k, rows);
             let make = |c: &Ctx, var| {
                 // the default keys per warp (256; 128 where K <= 1024)
                 let o = CudaOptions {
@@ -744,10 +756,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         (70, 1088, 100),
         (40, 8192, 67),
     ] {
-        let w = c.rng.normals_bf16(n * k, 0.05);
-        let x = c.rng.normals_f32(rows * k, 1.0);
-        let u = c.rng.normals_f32(rows * k, 1.0);
-        let reference = gated_gemv_refs(&w, &x, &u, k, rows, n);
+        let (w, x, u, reference) = gated_case(c, n, k, rows);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
             let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
