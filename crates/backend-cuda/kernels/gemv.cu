@@ -134,6 +134,33 @@ extern "C" __global__ void __launch_bounds__(256) gemv_bf16_multi_w4(Multi m, co
     gemv_bf16_multi_body<4>(m, x, K, rows);
 }
 
+// Four activations of row r at key off as the gated GEMVs load them: x, silu(x) * u (ACT 1) or
+// x * sigmoid(u) (ACT 2), zeros for a row past `rows`. Each product is rounded on its own
+// (__fmul_rn), as elementwise stores it: a plain * could be contracted with the lo split's
+// subtraction that follows in the callers.
+template <int ACT>
+__device__ __forceinline__ float4 act_load4(const float* __restrict__ x, const float* __restrict__ u, int r, int rows,
+                                            int K, int off) {
+    float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (r < rows) {
+        xv = __ldg((const float4*)(x + (long long)r * K + off));
+        if (ACT == 1) {
+            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+            xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
+            xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
+            xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
+            xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
+        } else if (ACT == 2) {
+            const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
+            xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
+            xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
+            xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
+            xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
+        }
+    }
+    return xv;
+}
+
 // ---------------------------------------------------------------- tensor-core GEMV, short K per warp
 
 // y[r, n] = sum_k W[n, k] x[r, k] for 16 outputs n0.. of one weight on tensor cores. BF16 weights
@@ -209,26 +236,7 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
                     float xs[8 * V];
 #pragma unroll
                     for (int v = 0; v < 2 * V; ++v) {
-                        float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                        const int off = k + 4 * v;
-                        if (r < rows) {
-                            xv = __ldg((const float4*)(x + (long long)r * K + off));
-                            // the product rounded on its own (__fmul_rn), as elementwise stores it: a
-                            // plain * could be contracted with the lo split's subtraction below
-                            if (ACT == 1) {
-                                const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                                xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
-                                xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
-                                xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
-                                xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
-                            } else if (ACT == 2) {
-                                const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                                xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
-                                xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
-                                xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
-                                xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
-                            }
-                        }
+                        const float4 xv = act_load4<ACT>(x, u, r, rows, K, k + 4 * v);
                         xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
                     }
 #pragma unroll
@@ -352,24 +360,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int q = tid + 256 * i, r = r0 + (q >> 4), off = kb + 4 * (q & 15);
-            float4 xv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (r < rows) {
-                xv = __ldg((const float4*)(x + (long long)r * K + off));
-                if (ACT == 1) {
-                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                    xv.x = lowp(__fmul_rn(silu(xv.x), uv.x));
-                    xv.y = lowp(__fmul_rn(silu(xv.y), uv.y));
-                    xv.z = lowp(__fmul_rn(silu(xv.z), uv.z));
-                    xv.w = lowp(__fmul_rn(silu(xv.w), uv.w));
-                } else if (ACT == 2) {
-                    const float4 uv = __ldg((const float4*)(u + (long long)r * K + off));
-                    xv.x = lowp(__fmul_rn(xv.x, sigmoidf(uv.x)));
-                    xv.y = lowp(__fmul_rn(xv.y, sigmoidf(uv.y)));
-                    xv.z = lowp(__fmul_rn(xv.z, sigmoidf(uv.z)));
-                    xv.w = lowp(__fmul_rn(xv.w, sigmoidf(uv.w)));
-                }
-            }
-            xreg[i] = xv;
+            xreg[i] = act_load4<ACT>(x, u, r, rows, K, off);
         }
     };
     auto store = [&]() {
