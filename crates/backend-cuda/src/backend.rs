@@ -1042,6 +1042,17 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 /// rows of the MoE group, 84 tiles, 49 against 117).
 pub const TT_MIN_BLOCKS: usize = 64;
 
+/// The single-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs run with
+/// options `o` (`bf16_gemv`): for the contract's dispatch checks.
+pub(crate) fn bf16_gemv_kernel(
+    o: &CudaOptions,
+    rows: usize,
+    k: usize,
+    outs: usize,
+) -> &'static str {
+    bf16_gemv(o, rows, k, outs).single
+}
+
 /// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
 /// launch together).
 fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
@@ -1280,11 +1291,7 @@ impl CudaBackend {
     fn skipped(&self, name: &str) -> bool {
         !self.skip.is_empty()
             && self.skip.iter().any(|p| name.starts_with(p.as_str()))
-            && self
-                .recording
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some()
+            && self.is_recording()
     }
 
     /// `out = x · Wᵀ` for a BF16 `W [n, k]` through cuBLASLt (`lt.rs`), in slices of rows so
@@ -2500,13 +2507,13 @@ impl CudaBackend {
         if tmax == 0 {
             return Ok(());
         }
-        let rt = RowTab::of("gdn_conv", lens)?;
         if lens.iter().all(|&t| t == 1) && !self.opts.gdn_generic {
             // one row per lane: output and history shift in one launch (the same bits)
             go!(self, Source::Ops, "gdn_conv_one", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
                 &tab, &xp, &w.mem.ptr, &up, &c32, &k32);
             return Ok(());
         }
+        let rt = RowTab::of("gdn_conv", lens)?;
         go!(self, Source::Ops, "gdn_conv_rows", (u32v("gdn_conv", tmax * cblocks)?, lanes, 1), 128, 0;
             &tab, &rt, &xp, &w.mem.ptr, &up, &c32, &k32);
         go!(self, Source::Ops, "gdn_conv_shift", (u32v("gdn_conv", cblocks)?, lanes, 1), 128, 0;
@@ -3445,14 +3452,20 @@ impl Backend for CudaBackend {
         if total != qkv.rows {
             return Err(shape_err(
                 op,
-                format!("lanes of {total} rows in all, input of {}", qkv.rows),
+                format!("lanes of {total} rows in all, qkv of {} rows", qkv.rows),
             ));
         }
         // every check before any lane's history or state moves (the conv output has qkv's shape)
         check_conv(qkv, conv, d)?;
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
         if let Some(i) = states.iter().position(|s| s.dims != *d) {
-            return Err(shape_err(op, format!("lane {i}'s state has other dims")));
+            return Err(shape_err(
+                op,
+                format!(
+                    "lane {i}'s state is {:?}, the call's dims {d:?}",
+                    states[i].dims
+                ),
+            ));
         }
         if !self.opts.gdn_lanes || lens.contains(&0) {
             // lane by lane: for comparison, or where a lane brings no rows (its solo calls
