@@ -734,28 +734,36 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// The `gemv_tt` case's options: the tiles from `tile` rows, whatever the tile count (the
+/// engine's default also asks for `TT_MIN_BLOCKS` tiles).
+fn tt_opts(tile: usize) -> CudaOptions {
+    CudaOptions {
+        gemv_v: 2,
+        gemv_tile_min: tile,
+        gemv_tile_blocks: 0,
+        ..base_opts(false)
+    }
+}
+
+/// The `gemv_tt` case's (outputs, K, rows): rows past one tile and not a multiple of 64,
+/// outputs not a multiple of 64, K with an uneven last chunk (1088) and 384-key chunks (6144).
+const GEMV_TT_SHAPES: [(usize, usize, usize); 6] = [
+    (2050, 4096, 70),
+    (300, 2048, 130),
+    (96, 6144, 65),
+    (2048, 512, 64),
+    (70, 1088, 100),
+    (40, 8192, 67),
+];
+
 /// `gemv_tt*` (many rows in 64 x 64 tiles): against FP64 with its twins, and bit for bit the
 /// `gemv_tc2_*` kernels it stands in for (plain, silu- and sigmoid-gated input, several weights
 /// in one launch), every row equal to its one-row launch. Rows past one tile and not a multiple
 /// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
 /// chunks (6144).
 pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
-    // tile: rows from which the tiles run, whatever the tile count (the engine's default also
-    // asks for TT_MIN_BLOCKS tiles)
-    let opts = |tile: usize| CudaOptions {
-        gemv_v: 2,
-        gemv_tile_min: tile,
-        gemv_tile_blocks: 0,
-        ..base_opts(false)
-    };
-    for (n, k, rows) in [
-        (2050usize, 4096usize, 70usize),
-        (300, 2048, 130),
-        (96, 6144, 65),
-        (2048, 512, 64),
-        (70, 1088, 100),
-        (40, 8192, 67),
-    ] {
+    let opts = tt_opts;
+    for (n, k, rows) in GEMV_TT_SHAPES {
         let (w, x, u, reference) = gated_case(c, n, k, rows);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let wd = be.weight_bf16(n, k, &w)?;
@@ -764,6 +772,17 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         };
         let case = format!(
             "{rows} rows x {k} into {n} in 64 x 64 tiles, plain, silu- and sigmoid-gated input"
+        );
+        // the comparisons below mean something only if the tiles run and gemv_tc2 is the other side
+        let (tt, tc2) = (
+            crate::backend::bf16_gemv_kernel(&opts(1), rows, k, n),
+            crate::backend::bf16_gemv_kernel(&opts(usize::MAX), rows, k, n),
+        );
+        c.push(
+            format!("{case}: dispatched to gemv_tt, against gemv_tc2"),
+            Kind::Check,
+            tt == "gemv_tt" && tc2.starts_with("gemv_tc2_"),
+            format!("{tt} against {tc2}"),
         );
         let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
         let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
@@ -3450,6 +3469,34 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The `gemv_tt` case compares the tiles with `gemv_tc2`: its options must send every shape
+    /// to `gemv_tt`, and with the tiles off to `gemv_tc2`, or the bitwise checks compare a kernel
+    /// with itself.
+    #[test]
+    fn gemv_tt_case_runs_the_tiles() {
+        for (n, k, rows) in GEMV_TT_SHAPES {
+            assert_eq!(
+                crate::backend::bf16_gemv_kernel(&tt_opts(1), rows, k, n),
+                "gemv_tt",
+                "{rows} x {k} into {n}"
+            );
+            assert!(
+                crate::backend::bf16_gemv_kernel(&tt_opts(usize::MAX), rows, k, n)
+                    .starts_with("gemv_tc2_"),
+                "{rows} x {k} into {n}"
+            );
+        }
+        // the 4-weight launch: outputs in 64-wide tiles, weight by weight (as linear_many counts)
+        let total: usize = [300usize, 64, 33, 128]
+            .iter()
+            .map(|n| n.div_ceil(64) * 64)
+            .sum();
+        assert_eq!(
+            crate::backend::bf16_gemv_kernel(&tt_opts(1), 77, 2048, total),
+            "gemv_tt"
+        );
+    }
 
     /// The grouped FP64 expert reference equals the plain per-row sum over each routing.
     #[test]
