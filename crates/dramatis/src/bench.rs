@@ -358,11 +358,11 @@ fn rounds_field(r: &model::RoundCounts) -> serde_json::Value {
     })
 }
 
-/// The backend options set in the environment (`DRAMATIS_CUDA_*`), so that A/B receipts say
-/// which path they measured.
+/// The backend and GPU codec options set in the environment (`DRAMATIS_CUDA_*`,
+/// `DRAMATIS_CODEC_*`), so that A/B receipts say which path they measured.
 fn backend_env() -> serde_json::Map<String, serde_json::Value> {
     let mut v: Vec<(String, String)> = std::env::vars()
-        .filter(|(k, _)| k.starts_with("DRAMATIS_CUDA_"))
+        .filter(|(k, _)| k.starts_with("DRAMATIS_CUDA_") || k.starts_with("DRAMATIS_CODEC_"))
         .collect();
     v.sort();
     v.into_iter()
