@@ -1,8 +1,11 @@
 // The ModifiedDAC codec (decoder, and the encoder's VQ search) on the GPU (crate codec-cuda).
 // No CUDA headers.
-// Layout: time-major f32 activations [rows, channels]. Every GEMM output element is the
-// fma chain acc = fma(A[r,k], B[k,c], acc) over k = 0..K-1 in order, whatever kernel, tile
-// or chunk computes it, so streamed decoding is bit-identical to whole decoding.
+// Layout: time-major f32 activations [rows, channels]. Every GEMM output element's bits are
+// fixed by K (and N) alone, whatever tile, row count or chunk computes it: the FMA tiles run the
+// fma chain acc = fma(A[r,k], B[k,c], acc) over k = 0..K-1 in order; the tensor-core tiles
+// (gemm_tc16 / gemm_tc64, the decoder's default) sum 3xTF32 k8 steps in order inside split-K
+// segments fixed by K and N, then the segments in order. So streamed decoding is bit-identical
+// to whole decoding.
 #define CODEC_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -164,10 +164,6 @@ impl Case {
     }
 }
 
-fn bitwise(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
 /// Runs the check on `gpu` with fresh random inputs.
 pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
     let mut rng = Rng::new(Rng::fresh_seed());
@@ -224,13 +220,13 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         let split = case.run(&exact, 0..s.m)?;
         exact.set_split_below(Some(0));
         let inblock = case.run(&exact, 0..s.m)?;
-        out.modes_bitwise &= bitwise(&split, &inblock);
+        out.modes_bitwise &= crate::bit_identical(&split, &inblock);
         out.exact_worst = out.exact_worst.max(case.worst(&split));
         for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
             exact.set_split_below(Some(mode));
             for r in [0, s.m / 2, s.m - 1] {
                 let one = case.run(&exact, r..r + 1)?;
-                out.rows_bitwise &= bitwise(&one, &whole[r * s.n..(r + 1) * s.n]);
+                out.rows_bitwise &= crate::bit_identical(&one, &whole[r * s.n..(r + 1) * s.n]);
             }
         }
         exact.set_split_below(None);

@@ -37,13 +37,9 @@ pub const KERNELS: [&str; 16] = [
 /// Rows at or under which the frame-rate GEMM tiling is used (the same fma chains either way).
 const SMALL_M: usize = 32;
 
-/// Compiles [`SOURCE`] for `arch`, through the disk cache. Returns PTX and whether it was cached.
-pub fn compile(arch: &str) -> Result<(String, bool)> {
-    compile_variant(arch, Variant::Exact)
-}
-
-/// As [`compile`], for a kernel build (`LowPrecision`: the tensor-core GEMM without its small
-/// terms, a twin the checks must catch).
+/// Compiles [`SOURCE`] for `arch` in one kernel build (`Exact`, or `LowPrecision`: the
+/// tensor-core GEMM without its small terms, a twin the checks must catch), through the disk
+/// cache. Returns PTX and whether it was cached.
 pub fn compile_variant(arch: &str, variant: Variant) -> Result<(String, bool)> {
     let options = compile_options(arch, variant);
     let key = cache_key(SOURCE, &options, arch, nvrtc_version()?);

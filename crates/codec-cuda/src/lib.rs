@@ -7,8 +7,10 @@
 //! histories (ConvNeXt depthwise ones included), transposed-conv overlap, the window-limited
 //! `post_module` transformer with a KV ring and absolute RoPE positions (the CPU codec's own
 //! table), Snake, tanh. Convolutions are GEMMs through an implicit im2col in our own tiled
-//! kernel, whose every output is one fma chain in k order whatever the tile or row count, so
-//! streamed PCM equals whole-decode PCM bit for bit for any chunking.
+//! kernels, whose every output's bits depend on K and N alone, never on the tile or row count
+//! (one fma chain in k order on the FMA tiles; on the tensor-core tiles, the decoder's default,
+//! 3xTF32 steps in order inside split-K segments fixed by K and N, the segments summed in order),
+//! so streamed PCM equals whole-decode PCM bit for bit for any chunking.
 //!
 //! [`CudaEncoder`] has the semantics of [`codec::Codec::encode`] (PCM → codes, the same errors,
 //! right-padding to whole frames); [`CudaEncoderState::push`] streams whole frames with every

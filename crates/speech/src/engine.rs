@@ -505,15 +505,14 @@ impl Engine {
         let cache_misses = Arc::new(AtomicU64::new(0));
         #[cfg(feature = "cuda")]
         let mut gpu_encoder = None;
+        // the host codec: the CPU engine's, or `--codec-on-host`'s
+        let host_decoders = || -> DecoderFactory {
+            let c = codec.clone();
+            Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
+        };
         let decoders: DecoderFactory = match opts.backend {
-            _ if opts.codec_on_host => {
-                let c = codec.clone();
-                Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
-            }
-            BackendChoice::Cpu => {
-                let c = codec.clone();
-                Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
-            }
+            _ if opts.codec_on_host => host_decoders(),
+            BackendChoice::Cpu => host_decoders(),
             #[cfg(feature = "cuda")]
             BackendChoice::Cuda => {
                 // The streaming decoder on the GPU, on its own stream (overlaps the model's), and

@@ -473,7 +473,6 @@ fn a_cuda_plan_past_the_device_budget_is_refused_before_loading() {
     assert!(msg.contains("--device-gib"), "{msg}");
     assert!(msg.contains("device_memory_exceeded"), "{msg}");
     // a bad figure is named as such
-    exact_prompts();
     let err = Engine::load(EngineOptions {
         backend: speech::BackendChoice::Cuda,
         device_gib: Some(-1.0),
