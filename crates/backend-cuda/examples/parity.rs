@@ -78,6 +78,14 @@ fn joined_equals_solo<B: Backend>(
     let e = |x: model::ModelError| x.to_string();
     // every piece within what the backend joins (else the call prefills them one by one)
     let n = prompt.len().min(m.backend.joined_rows());
+    if n == 0 {
+        return Err(format!(
+            "the joined check needs prompt rows that the backend joins; \
+             {} prompt rows, {} joined rows (DRAMATIS_CUDA_GEMM_MIN)",
+            prompt.len(),
+            m.backend.joined_rows()
+        ));
+    }
     let prompt = &prompt[..n];
     let pieces: Vec<&[Row]> = vec![
         &prompt[..1],
