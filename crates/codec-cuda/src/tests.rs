@@ -250,7 +250,9 @@ fn kernels_compile_with_nvrtc() {
         eprintln!("skipped: NVRTC not present (set LD_LIBRARY_PATH to a libnvrtc.so.13)");
         return;
     }
-    // the exact build and the tensor-core GEMM's lower-precision twin
+    // the exact build and the tensor-core GEMM's lower-precision twin, which must drop the small
+    // terms' MMAs (else the GPU check's red twin would be the exact kernel)
+    let mut mmas = Vec::new();
     for variant in [
         backend_cuda::Variant::Exact,
         backend_cuda::Variant::LowPrecision,
@@ -268,11 +270,13 @@ fn kernels_compile_with_nvrtc() {
                 "{k} missing from the PTX ({variant:?})"
             );
         }
-        assert!(
-            ptx.contains("mma.sync.aligned.m16n8k8"),
-            "no MMA in gemm_tc"
-        );
+        mmas.push(ptx.matches("mma.sync.aligned.m16n8k8").count());
     }
+    // 3xTF32: three MMAs a step where the twin has one
+    assert!(
+        mmas[1] > 0 && mmas[0] == 3 * mmas[1],
+        "MMAs in the exact and lower-precision builds: {mmas:?}"
+    );
 }
 
 /// On a machine with a GPU: the tensor-core GEMM against FP64, its twin caught, its bits
