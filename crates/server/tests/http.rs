@@ -554,6 +554,12 @@ async fn models_openapi_and_metrics() {
     assert!(get("dramatis_frames_generated_total") >= 1.0);
     // no --starts-per-round: nothing is ever deferred
     assert_eq!(get("dramatis_starts_deferred_total"), 0.0);
+    // one request alone: prefilled alone; its audio came from codec calls of at least a frame
+    assert_eq!(get("dramatis_prefills_joined_total"), 0.0);
+    assert!(get("dramatis_codec_calls_total") >= 1.0);
+    assert!(get("dramatis_codec_frames_total") >= get("dramatis_codec_calls_total"));
+    assert!(get("dramatis_codec_frames_total") <= get("dramatis_frames_generated_total"));
+    assert!(get("dramatis_codec_busy_seconds_total") > 0.0);
     // the CPU backend draws on the host: at least one host round per frame generated
     assert!(
         get(r#"dramatis_frame_rounds_total{how="host"}"#) >= get("dramatis_frames_generated_total")
