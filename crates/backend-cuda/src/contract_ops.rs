@@ -609,6 +609,20 @@ fn gated_case(
     (w, x, u, reference)
 }
 
+/// BF16 weights `ws[j]` of `outs[j]` outputs and K `k` on the backend (a multi-weight case's).
+fn bf16_weights(
+    be: &CudaBackend,
+    ws: &[Vec<u16>],
+    outs: &[usize],
+    k: usize,
+) -> Result<Vec<crate::backend::CudaWeight>> {
+    Ok(ws
+        .iter()
+        .zip(outs)
+        .map(|(w, &n)| be.weight_bf16(n, k, w))
+        .collect::<std::result::Result<Vec<_>, _>>()?)
+}
+
 /// `W x`, `W (silu(x) * u)` and `W (x * sigmoid(u))` on the backend, one after another (the
 /// order of `gated_gemv_refs`).
 fn gated_linears(
@@ -819,11 +833,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         reference.extend(gemv_ref(w, &x, k, rows, n));
     }
     let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let wd = ws
-            .iter()
-            .zip(&outs)
-            .map(|(w, &n)| be.weight_bf16(n, k, w))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let wd = bf16_weights(be, &ws, &outs, k)?;
         let xd = be.upload(&x, rows, k)?;
         let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
         let mut out = Vec::new();
@@ -839,11 +849,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     let tc2 = run_many(&plain)?;
     same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &tiled, &tc2);
     let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
-    let wd = ws
-        .iter()
-        .zip(&outs)
-        .map(|(w, &n)| be.weight_bf16(n, k, w))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let wd = bf16_weights(&be, &ws, &outs, k)?;
     let xd = be.upload(&x, rows, k)?;
     let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
     one_launch(c, format!("{case}: one launch"), &be, || {
@@ -918,11 +924,7 @@ pub(super) fn linear_many(c: &mut Ctx) -> Result<()> {
         let solo_rows: &[usize] = if rows > 3 { &[0, 17, 31] } else { &[] };
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
             let xd = be.upload(&x, rows, k)?;
-            let wd = ws
-                .iter()
-                .zip(&outs)
-                .map(|(w, &n)| be.weight_bf16(n, k, w))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let wd = bf16_weights(be, &ws, &outs, k)?;
             let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
             let ys = be.linear_many(&xd, &refs, Rows::Exact)?;
             let mut out = Vec::new();
