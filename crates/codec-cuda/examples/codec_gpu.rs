@@ -243,6 +243,48 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         failures.push("real geometry: 1-frame stream differs from 16-frame pushes".into());
     }
 
+    // The GEMMs of many rows on gemm_tc64 against the wide tiles: the same PCM bit for bit,
+    // and each one's frames/s (1-frame pushes of 24 frames, 16- and 32-frame pushes of 64).
+    let mut wide_ab = Vec::new();
+    let mut wide_pcm: Option<Vec<f32>> = None;
+    for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
+        dec.set_wide(w);
+        let mut row = serde_json::Map::new();
+        row.insert("wide".into(), json!(w));
+        for push in [1usize, 16, 32] {
+            let frames = if push == 1 { 24 } else { 64 };
+            let mut times = Vec::new();
+            let mut pcm = Vec::new();
+            for round in 0..3 {
+                let mut st = dec.state()?;
+                for f in (0..frames).step_by(push) {
+                    let t = Instant::now();
+                    let p = st.push(&codes.slice(f, f + push))?;
+                    times.push(t.elapsed().as_secs_f64());
+                    if round == 0 {
+                        pcm.extend(p);
+                    }
+                }
+            }
+            let fps = push as f64 / median(times);
+            row.insert(format!("frames_per_s_push{push}"), json!(fps));
+            if push == 32 {
+                let same = wide_pcm.as_ref().map_or(true, |p0| bit_identical(p0, &pcm));
+                row.insert("pcm_bitwise_as_gemm_tc64".into(), json!(same));
+                if !same {
+                    failures.push(format!("real geometry: {w:?} PCM differs from gemm_tc64's"));
+                }
+                wide_pcm.get_or_insert(pcm);
+            }
+        }
+        println!(
+            "real geometry GEMM tiles A/B: {}",
+            Value::Object(row.clone())
+        );
+        wide_ab.push(Value::Object(row));
+    }
+    dec.set_wide(codec_cuda::cuda::wide_kernel());
+
     // CPU codec on the same machine.
     let mut cst = codec.decoder_state();
     let t = Instant::now();
@@ -316,6 +358,7 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         "cpu_frames_per_s_push1_median": cpu_fps_1, "cpu_frames_per_s_push16": cpu_fps_16,
         "cpu_push16_first_s": cpu_first16_s, "cpu_push16_second_s": cpu16_s,
         "speedup_push1": gpu_fps_1 / cpu_fps_1, "speedup_push16": gpu_fps_16 / cpu_fps_16,
+        "gemm_tiles_ab": wide_ab,
         "encoder": {
             "frames": enc_frames, "gpu_load_s": gpu_enc_load_s,
             "gpu_encode_ms": te.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
@@ -327,7 +370,34 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     }))
 }
 
+/// `CODEC_GPU_PROFILE=1`: only a warm-up push and one timed push of 16 frames at real
+/// geometry (for a profiler: the launches of the second push are one 16-frame decoder call).
+fn profile_only() -> R<()> {
+    let cfg = CodecConfig::default();
+    let tmp = tempfile::tempdir()?;
+    let sd = codec::synth::synthetic_state_dict(&cfg, 7);
+    std::fs::write(
+        tmp.path().join("codec.pth"),
+        checkpoint::pth_write::write_pth(&sd)?,
+    )?;
+    let codec = Codec::load(tmp.path(), Some(cfg.clone()))?;
+    let dec = CudaDecoder::load(tmp.path(), &codec)?;
+    let codes = random_codes(&cfg, 32, 11)?;
+    let mut st = dec.state()?;
+    let _ = st.push(&codes.slice(0, 16))?;
+    let t = Instant::now();
+    let _ = st.push(&codes.slice(16, 32))?;
+    println!(
+        "profile: one 16-frame push {:.2} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
 fn main() -> R<()> {
+    if std::env::var("CODEC_GPU_PROFILE").is_ok_and(|v| v == "1") {
+        return profile_only();
+    }
     let args: Vec<String> = std::env::args().collect();
     let fixture = PathBuf::from(args.get(1).map_or("testdata/drama3-tiny", |s| s.as_str()));
     let receipt = args.get(2).map(PathBuf::from).unwrap_or_else(|| {
@@ -346,7 +416,7 @@ fn main() -> R<()> {
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
     let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
     println!(
-        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}; shapes {:?}",
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, wide tiles = gemm_tc64 bitwise {} ({} wide launches); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },
         tc.exact_worst,
         codec_cuda::check::TOLERANCE,
@@ -354,6 +424,8 @@ fn main() -> R<()> {
         if tc.twin_worst > codec_cuda::check::TOLERANCE { "red as planted" } else { "MISSED" },
         tc.rows_bitwise,
         tc.modes_bitwise,
+        tc.wide_bitwise,
+        tc.wide_launches,
         tc.shapes
     );
     if !tc.pass() {
@@ -362,7 +434,8 @@ fn main() -> R<()> {
     let tc_field = json!({
         "exact_worst": tc.exact_worst, "twin_worst": tc.twin_worst,
         "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
-        "modes_bitwise": tc.modes_bitwise, "shapes": tc.shapes, "pass": tc.pass(),
+        "modes_bitwise": tc.modes_bitwise, "wide_bitwise": tc.wide_bitwise,
+        "wide_launches": tc.wide_launches, "wide_kernel": codec_cuda::cuda::wide_kernel(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;
     let real = real(&mut failures)?;

@@ -280,6 +280,165 @@ gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long
     gemm_tc_body<64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 
+// ------------------------------------------- tensor-core GEMM, wide tiles (3xTF32, same bits)
+// gemm_tcw: gemm_tc_body's arithmetic for many rows on 128 x 64 block tiles (8 warps, 32 x 32
+// each), for the sample-rate layers. Every output is the same sequence of operations as
+// gemm_tc16 / gemm_tc64 (k8 steps in order inside K's segments, each step big + small from
+// zero added to the segment's sum, segments summed in order), so the bits are theirs and any
+// dispatch keeps streaming bit-identical. What differs is the staging: the caller guarantees
+// cin % 16 == 0, N % 4 == 0, and A, B, rsa and jstride 16-byte aligned (so K % 16 == 0, every
+// 16-key chunk lies inside one tap and one segment, and a row's 16 keys are contiguous): the
+// chunks are copied global -> shared by cp.async, 16 bytes at a time with no index division,
+// TCW_ST chunks in flight, and sit raw in shared memory (split into hi + lo as fragments are
+// read: an A value is read by 2 warps, a B value by 4).
+#define TCW_BM 128
+#define TCW_BN 64
+#define TCW_BK 16
+#define TCW_ST 3
+#define TCW_AS 20  // A row stride in floats: fragment reads (20g + t) hit 32 distinct banks
+#define TCW_BS 72  // B row stride in floats: fragment reads (8t + g) hit 32 distinct banks
+__device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
+    h = tf32_of(v);
+    l = tf32_of(v - __uint_as_float(h));
+}
+// 16 bytes global -> shared, asynchronously; src_bytes 0 fills the 16 bytes with zeros.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
+    const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
+                                              int cin, long long jstride, const float* B, float* C,
+                                              const float* bias, int bias_n, const float* gamma,
+                                              const float* res, int act, int ks, float* part) {
+    __shared__ __align__(16) float As[TCW_ST][TCW_BM * TCW_AS];
+    __shared__ __align__(16) float Bs[TCW_ST][TCW_BK * TCW_BS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * TCW_BM, col0 = blockIdx.x * TCW_BN;
+    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;  // the warp's 32 x 32 in the tile
+    const int nseg = (K + ks - 1) / ks;
+    const bool split = gridDim.z > 1;
+    const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
+    const int k_first = z0 * ks, k_last = min(K, z1 * ks);  // this block's keys
+    const int nchunks = (k_last - k_first) / TCW_BK;
+    // copy roles: A rows tid / 4 + 64 i (i < 2), keys 4 (tid % 4) .. + 3; B key tid / 16,
+    // columns 4 (tid % 16) .. + 3
+    const int ar = tid >> 2, ac = (tid & 3) * 4;
+    const int bk = tid >> 4, bc = (tid & 15) * 4;
+    auto load = [&](int stage, int chunk) {
+        const int k0 = k_first + chunk * TCW_BK;
+        const int j = k0 / cin, ci = k0 - j * cin;
+        const long long off = (long long)j * jstride + ci + ac;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = row0 + ar + 64 * i;
+            cp_async16(&As[stage][(ar + 64 * i) * TCW_AS + ac],
+                       r < M ? A + (long long)r * rsa + off : A, r < M ? 16 : 0);
+        }
+        const int c = col0 + bc;
+        cp_async16(&Bs[stage][bk * TCW_BS + bc], c < N ? B + (long long)(k0 + bk) * N + c : B,
+                   c < N ? 16 : 0);
+    };
+    float tot[2][4][4];
+    float acc[2][4][4];
+#pragma unroll
+    for (int st = 0; st < TCW_ST - 1; ++st) {
+        if (st < nchunks) load(st, st);
+        cp_async_commit();
+    }
+    for (int ch = 0; ch < nchunks; ++ch) {
+        const int k0 = k_first + ch * TCW_BK;
+        if ((k0 - k_first) % ks == 0) {  // a segment starts
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+        }
+        cp_async_wait<TCW_ST - 2>();
+        __syncthreads();  // chunk ch has landed for every thread; chunk ch - 1 is read
+        if (ch + TCW_ST - 1 < nchunks) load((ch + TCW_ST - 1) % TCW_ST, ch + TCW_ST - 1);
+        cp_async_commit();
+        const float* as = As[ch % TCW_ST];
+        const float* bs = Bs[ch % TCW_ST];
+#pragma unroll
+        for (int s = 0; s < TCW_BK / 8; ++s) {
+            const int kk = 8 * s + t;
+            unsigned int bh[4][2], bl[4][2];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int n = wn + 8 * j + g;
+                tf32_split(bs[kk * TCW_BS + n], bh[j][0], bl[j][0]);
+                tf32_split(bs[(kk + 4) * TCW_BS + n], bh[j][1], bl[j][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int r = wm + 16 * i + g;
+                unsigned int ah[4], al[4];
+                tf32_split(as[r * TCW_AS + kk], ah[0], al[0]);
+                tf32_split(as[(r + 8) * TCW_AS + kk], ah[1], al[1]);
+                tf32_split(as[r * TCW_AS + kk + 4], ah[2], al[2]);
+                tf32_split(as[(r + 8) * TCW_AS + kk + 4], ah[3], al[3]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma_tf32_acc(big, ah, bh[j][0], bh[j][1]);
+                    float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifndef LOWP
+                    mma_tf32_acc(small, al, bh[j][0], bh[j][1]);
+                    mma_tf32_acc(small, ah, bl[j][0], bl[j][1]);
+#endif
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = __fadd_rn(acc[i][j][e], __fadd_rn(big[e], small[e]));
+                }
+            }
+        }
+        if (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0) {  // a segment ends
+            const bool first = k0 - k_first < ks;
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) tot[i][j][e] = first ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
+        }
+    }
+    cp_async_wait<0>();
+    // c0 = (g, 2t), c1 = (g, 2t + 1), c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1) of each 16 x 8 tile
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + wm + 16 * i + g + (e >= 2 ? 8 : 0);
+                const int c = col0 + wn + 8 * j + 2 * t + (e & 1);
+                if (r >= M || c >= N) continue;
+                if (split) part[((long long)z0 * M + r) * N + c] = tot[i][j][e];
+                else epilogue(tot[i][j][e], r, c, N, C, bias, bias_n, gamma, res, act);
+            }
+}
+
+// One block a multiprocessor with the registers the body wants (no spills), or two held to 128
+// registers each (a few spilled): the same bits, the faster one chosen by measurement.
+extern "C" __global__ void __launch_bounds__(256, 1)
+gemm_tcw(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+         const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+         const float* res, int act, int ks, float* part) {
+    gemm_tcw_body(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+extern "C" __global__ void __launch_bounds__(256, 2)
+gemm_tcw2(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+          const float* res, int act, int ks, float* part) {
+    gemm_tcw_body(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+
 // Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.
 extern "C" __global__ void gemm_reduce(const float* part, int nseg, int M, int N, float* C,
                                        const float* bias, int bias_n, const float* gamma,

@@ -2,7 +2,8 @@
 //! reference on fresh random inputs, with its lower-precision twin (one TF32 MMA a step, the
 //! `LowPrecision` build) that the same tolerance must catch, and the bit-for-bit checks that
 //! streaming needs: a row's result is the same whatever the row count, the row tile and whether
-//! K's segments are summed across blocks or inside one. Run on a GPU by `examples/codec_gpu`
+//! K's segments are summed across blocks or inside one, and the wide tiles (`gemm_tcw`,
+//! `gemm_tcw2`) give `gemm_tc64`'s bits. Run on a GPU by `examples/codec_gpu`
 //! and by the crate's GPU test.
 
 use std::sync::Arc;
@@ -72,6 +73,11 @@ pub struct TcCheck {
     pub rows_bitwise: bool,
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
+    /// Whole launches on the wide tiles (`gemm_tcw` and `gemm_tcw2`) equal `gemm_tc64`'s bit
+    /// for bit, in both segment modes.
+    pub wide_bitwise: bool,
+    /// Launches that took the wide tiles (the shapes meant for them must reach them).
+    pub wide_launches: u64,
 }
 
 impl TcCheck {
@@ -81,6 +87,8 @@ impl TcCheck {
             && self.twin_worst > TOLERANCE
             && self.rows_bitwise
             && self.modes_bitwise
+            && self.wide_bitwise
+            && self.wide_launches > 0
     }
 }
 
@@ -202,6 +210,24 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             stride: 1,
             dil: 9,
         },
+        // the wide tiles (cin a multiple of 16, N of 4, more than 64 rows): rows not a multiple
+        // of 128, N not of 64, K over three segments (the last short), and a strided conv
+        Shape {
+            m: 300,
+            n: 96,
+            cin: 96,
+            taps: 7,
+            stride: 1,
+            dil: 3,
+        },
+        Shape {
+            m: 200,
+            n: 136,
+            cin: 64,
+            taps: 3,
+            stride: 2,
+            dil: 9,
+        },
     ];
     let exact = CudaExec::with(gpu.clone(), Variant::Exact, true)?;
     let twin = CudaExec::with(gpu, Variant::LowPrecision, true)?;
@@ -211,7 +237,10 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         twin_worst: 0.0,
         rows_bitwise: true,
         modes_bitwise: true,
+        wide_bitwise: true,
+        wide_launches: 0,
     };
+    let wide0 = exact.wide_launches();
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -229,9 +258,21 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 out.rows_bitwise &= crate::bit_identical(&one, &whole[r * s.n..(r + 1) * s.n]);
             }
         }
+        // the wide kernels against gemm_tc64, whole launches in both modes
+        for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
+            exact.set_split_below(Some(mode));
+            let mut runs = Vec::new();
+            for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
+                exact.set_wide(w);
+                runs.push(case.run(&exact, 0..s.m)?);
+            }
+            exact.set_wide(crate::cuda::wide_kernel());
+            out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
+        }
         exact.set_split_below(None);
         out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
     }
+    out.wide_launches = exact.wide_launches() - wide0;
     Ok(out)
 }
 

@@ -15,9 +15,11 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 16] = [
+pub const KERNELS: [&str; 18] = [
     "gemm_tc16",
     "gemm_tc64",
+    "gemm_tcw",
+    "gemm_tcw2",
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -87,6 +89,29 @@ pub struct CudaExec {
     /// Tensor-core GEMMs with fewer tiles than this sum K's segments across blocks (partials
     /// through memory, then `gemm_reduce`); others inside each block. The same bits either way.
     split_below: std::cell::Cell<usize>,
+    /// Tensor-core GEMMs of many rows on `gemm_tc*`'s wide tiles (the same bits): `None` off,
+    /// else the kernel (`gemm_tcw`, one block a multiprocessor, or `gemm_tcw2`, two).
+    wide: std::cell::Cell<Option<&'static str>>,
+    /// Launches of the wide kernels so far (checks count them, so a check that meant to run
+    /// them cannot pass on the other kernels alone).
+    wide_launches: std::cell::Cell<u64>,
+}
+
+/// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
+const WIDE_MIN_ROWS: usize = 64;
+
+/// The wide tensor-core kernel from `DRAMATIS_CODEC_TCW`: unset or `1`, `gemm_tcw`; `2`,
+/// `gemm_tcw2`; `0`, none (`gemm_tc64` for every GEMM of many rows).
+pub fn wide_kernel() -> Option<&'static str> {
+    wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
+}
+
+pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {
+    match v.map(str::trim) {
+        Some("0") => None,
+        Some("2") => Some("gemm_tcw2"),
+        _ => Some("gemm_tcw"),
+    }
 }
 
 /// Whether the decoder's GEMMs run on tensor cores (`DRAMATIS_CODEC_TC`, default on).
@@ -146,6 +171,8 @@ impl CudaExec {
             part: RefCell::new(None),
             tc,
             split_below: std::cell::Cell::new(0),
+            wide: std::cell::Cell::new(wide_kernel()),
+            wide_launches: std::cell::Cell::new(0),
         })
         .inspect(|e| e.set_split_below(None))
     }
@@ -155,6 +182,16 @@ impl CudaExec {
     pub fn set_split_below(&self, tiles: Option<usize>) {
         let sms = usize::try_from(self.gpu.info.sm_count).unwrap_or(1);
         self.split_below.set(tiles.unwrap_or(2 * sms));
+    }
+
+    /// The wide tensor-core kernel to use (`None`: `gemm_tc64` for every GEMM of many rows).
+    pub fn set_wide(&self, kernel: Option<&'static str>) {
+        self.wide.set(kernel);
+    }
+
+    /// Launches of the wide tensor-core kernels so far.
+    pub fn wide_launches(&self) -> u64 {
+        self.wide_launches.get()
     }
 
     /// Device address of `p` (element offset checked against the allocation for `n` elements).
@@ -333,10 +370,21 @@ impl Exec for CudaExec {
         // (kernel, rows and columns a block, threads, K segments across blocks: 1 = a block
         // sums all of its segments itself). Either way an output is the same arithmetic.
         let (name, bm, bn, threads, zs) = if self.tc {
-            let (name, bm) = if g.m <= 16 {
-                ("gemm_tc16", 16)
-            } else {
-                ("gemm_tc64", 64)
+            // the wide tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
+            let wide = self.wide.get().filter(|_| {
+                g.m > WIDE_MIN_ROWS
+                    && g.cin % 16 == 0
+                    && g.k % 16 == 0
+                    && g.n % 4 == 0
+                    && g.rsa % 4 == 0
+                    && g.jstride % 4 == 0
+                    && a % 16 == 0
+                    && b % 16 == 0
+            });
+            let (name, bm, threads) = match wide {
+                Some(w) => (w, 128, 256),
+                None if g.m <= 16 => ("gemm_tc16", 16, 128),
+                None => ("gemm_tc64", 64, 128),
             };
             // segments across blocks only when the tiles alone would leave most of the
             // device idle (frame-rate layers); otherwise no partial sums go through memory
@@ -346,7 +394,10 @@ impl Exec for CudaExec {
             } else {
                 1
             };
-            (name, bm, 64, 128, zs)
+            if wide.is_some() {
+                self.wide_launches.set(self.wide_launches.get() + 1);
+            }
+            (name, bm, 64, threads, zs)
         } else if g.m <= SMALL_M {
             ("gemm_small", 8, 128, 256, nseg)
         } else {

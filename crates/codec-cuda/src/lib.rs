@@ -174,6 +174,16 @@ impl CudaDecoder {
         self.state()?.push(codes)
     }
 
+    /// The wide tensor-core kernel its GEMMs of many rows use (`None`: `gemm_tc64`; see
+    /// [`cuda::wide_kernel`]): the same bits either way, for measuring one against the other.
+    pub fn set_wide(&self, kernel: Option<&'static str>) {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .exec
+            .set_wide(kernel);
+    }
+
     /// The device this decoder runs on.
     pub fn gpu(&self) -> Arc<Gpu> {
         self.core
