@@ -330,14 +330,20 @@ fn real_main() -> Result<bool, String> {
                 "{name:<24} rows {:>3}: rel_l2 {:.3e} (tol {tol:.1e}) {} | max |d| {:.3e} of max |ref| {:.3e} | argmax equal {}/{}",
                 c.rows,
                 c.rel_l2,
-                if pass { "PASS" } else { "FAIL" },
+                // the BF16 K/V cache's lines measure its rounding, not a verdict
+                match (gate, pass) {
+                    (true, true) => "PASS",
+                    (true, false) => "FAIL",
+                    (false, true) => "within (not gated: BF16 K/V)",
+                    (false, false) => "over (not gated: BF16 K/V)",
+                },
                 c.max_abs,
                 c.max_ref,
                 c.argmax_equal,
                 c.rows
             );
             report[name] = serde_json::json!({
-                "rows": c.rows, "rel_l2": c.rel_l2, "tol": tol, "pass": pass,
+                "rows": c.rows, "rel_l2": c.rel_l2, "tol": tol, "pass": pass, "gated": gate,
                 "max_abs_diff": c.max_abs, "max_abs_ref": c.max_ref,
                 "argmax_equal": c.argmax_equal,
             });

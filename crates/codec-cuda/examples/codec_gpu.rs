@@ -243,14 +243,22 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         failures.push("real geometry: 1-frame stream differs from 16-frame pushes".into());
     }
 
-    // The GEMMs of many rows on gemm_tc64 against the wide tiles: the same PCM bit for bit,
-    // and each one's frames/s (1-frame pushes of 24 frames, 16- and 32-frame pushes of 64).
+    // The GEMMs on the 4-warp blocks against the wide tiles (many rows) and narrow blocks (up
+    // to 64 rows): the same PCM bit for bit, and each one's frames/s (1-frame pushes of 24
+    // frames, 16- and 32-frame pushes of 64).
     let mut wide_ab = Vec::new();
     let mut wide_pcm: Option<Vec<f32>> = None;
-    for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
+    for (w, narrow) in [
+        (None, false),
+        (Some("gemm_tcw2"), false),
+        (Some("gemm_tcw2"), true),
+        (Some("gemm_tcw"), true),
+    ] {
         dec.set_wide(w);
+        dec.set_narrow(narrow);
         let mut row = serde_json::Map::new();
         row.insert("wide".into(), json!(w));
+        row.insert("narrow".into(), json!(narrow));
         for push in [1usize, 16, 32] {
             let frames = if push == 1 { 24 } else { 64 };
             let mut times = Vec::new();
@@ -284,6 +292,7 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         wide_ab.push(Value::Object(row));
     }
     dec.set_wide(codec_cuda::cuda::wide_kernel());
+    dec.set_narrow(codec_cuda::cuda::narrow_blocks());
 
     // CPU codec on the same machine.
     let mut cst = codec.decoder_state();
@@ -370,9 +379,15 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     }))
 }
 
-/// `CODEC_GPU_PROFILE=1`: only a warm-up push and one timed push of 16 frames at real
-/// geometry (for a profiler: the launches of the second push are one 16-frame decoder call).
+/// `CODEC_GPU_PROFILE=1`: only a warm-up push and one timed push of `CODEC_GPU_PROFILE_FRAMES`
+/// frames (default 16) at real geometry (for a profiler: the launches of the second push are one
+/// decoder call).
 fn profile_only() -> R<()> {
+    let n: usize = std::env::var("CODEC_GPU_PROFILE_FRAMES")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n| (1..=64).contains(&n))
+        .unwrap_or(16);
     let cfg = CodecConfig::default();
     let tmp = tempfile::tempdir()?;
     let sd = codec::synth::synthetic_state_dict(&cfg, 7);
@@ -382,13 +397,13 @@ fn profile_only() -> R<()> {
     )?;
     let codec = Codec::load(tmp.path(), Some(cfg.clone()))?;
     let dec = CudaDecoder::load(tmp.path(), &codec)?;
-    let codes = random_codes(&cfg, 32, 11)?;
+    let codes = random_codes(&cfg, 2 * n, 11)?;
     let mut st = dec.state()?;
-    let _ = st.push(&codes.slice(0, 16))?;
+    let _ = st.push(&codes.slice(0, n))?;
     let t = Instant::now();
-    let _ = st.push(&codes.slice(16, 32))?;
+    let _ = st.push(&codes.slice(n, 2 * n))?;
     println!(
-        "profile: one 16-frame push {:.2} ms",
+        "profile: one {n}-frame push {:.2} ms",
         t.elapsed().as_secs_f64() * 1e3
     );
     Ok(())
@@ -416,7 +431,7 @@ fn main() -> R<()> {
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
     let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
     println!(
-        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, wide tiles = gemm_tc64 bitwise {} ({} wide launches); shapes {:?}",
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, wide tiles and narrow blocks = gemm_tc16/64 bitwise {} ({} wide, {} narrow launches); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },
         tc.exact_worst,
         codec_cuda::check::TOLERANCE,
@@ -426,6 +441,7 @@ fn main() -> R<()> {
         tc.modes_bitwise,
         tc.wide_bitwise,
         tc.wide_launches,
+        tc.narrow_launches,
         tc.shapes
     );
     if !tc.pass() {
@@ -435,7 +451,9 @@ fn main() -> R<()> {
         "exact_worst": tc.exact_worst, "twin_worst": tc.twin_worst,
         "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
         "modes_bitwise": tc.modes_bitwise, "wide_bitwise": tc.wide_bitwise,
-        "wide_launches": tc.wide_launches, "wide_kernel": codec_cuda::cuda::wide_kernel(), "shapes": tc.shapes, "pass": tc.pass(),
+        "wide_launches": tc.wide_launches, "narrow_launches": tc.narrow_launches,
+        "wide_kernel": codec_cuda::cuda::wide_kernel(), "narrow_blocks": codec_cuda::cuda::narrow_blocks(),
+        "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;
     let real = real(&mut failures)?;

@@ -358,14 +358,15 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
-/// `DRAMATIS_CODEC_TCW`: the wide tiles by default, the two-block build on `2`, none on `0`.
+/// `DRAMATIS_CODEC_TCW`: the two-block wide tiles by default, the one-block build on `1`, none
+/// on `0`.
 #[test]
 fn wide_kernel_setting() {
-    assert_eq!(cuda::wide_from(None), Some("gemm_tcw"));
+    assert_eq!(cuda::wide_from(None), Some("gemm_tcw2"));
     assert_eq!(cuda::wide_from(Some("1")), Some("gemm_tcw"));
     assert_eq!(cuda::wide_from(Some(" 2 ")), Some("gemm_tcw2"));
     assert_eq!(cuda::wide_from(Some("0")), None);
-    for k in [cuda::wide_from(None), cuda::wide_from(Some("2"))] {
+    for k in [cuda::wide_from(None), cuda::wide_from(Some("1"))] {
         assert!(
             cuda::KERNELS.contains(&k.unwrap()),
             "{k:?} is not a loaded kernel"
