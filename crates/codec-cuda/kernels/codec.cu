@@ -146,9 +146,9 @@ gemm_small(int M, int N, int K, const float* A, long long rsa, int cin, long lon
 // epilogue, inside the block (gridDim.z == 1, every segment) or by gemm_reduce (one segment a
 // block). Nothing depends on M, the row tile or the mode, so streamed decoding stays
 // bit-identical to whole decoding. A row's result never depends on another row's values.
-// Block: W warps (4, or fewer for more blocks on the weight-bound frame-rate layers), BM rows x
-// 16 W columns; warp w owns columns col0 + 16 w .. + 16 (two n8 tiles) of all BM rows (BM / 16
-// m16 tiles); a warp wholly past N stages A with the others and skips its MMAs. The A tile is split once into shared memory (shared by
+// Block: 4 warps, BM rows x 64 columns; warp w owns columns col0 + 16 w .. + 16 (two n8 tiles)
+// of all BM rows (BM / 16 m16 tiles); a warp wholly past N stages A with the others and skips
+// its MMAs. The A tile is split once into shared memory (shared by
 // the warps); each warp loads its B fragments straight from global memory into registers.
 // LOWP: drops the small terms (one TF32 MMA a step), the lower-precision twin a test must catch.
 __device__ __forceinline__ unsigned int tf32_of(float f) {
@@ -166,7 +166,7 @@ __device__ __forceinline__ void mma_tf32_acc(float (&d)[4], const unsigned int (
 }
 
 #define TC_BK 32
-template <int BM, int W>
+template <int BM>
 __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A, long long rsa, int cin,
                                              long long jstride, const float* B, float* C,
                                              const float* bias, int bias_n, const float* gamma,
@@ -177,7 +177,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * BM;
-    const int colw = blockIdx.x * (16 * W) + warp * 16;
+    const int colw = blockIdx.x * 64 + warp * 16;
     const bool idle = colw >= N;  // uniform across the warp
     const int nseg = (K + ks - 1) / ks;
     const bool split = gridDim.z > 1;
@@ -205,7 +205,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                     bv[s][j][1] = (n < N && kb < kend) ? B[(long long)kb * N + n] : 0.0f;
                 }
             __syncthreads();
-            for (int i = tid; i < BM * TC_BK; i += 32 * W) {
+            for (int i = tid; i < BM * TC_BK; i += 128) {
                 const int r = i / TC_BK, kk = i - r * TC_BK;
                 const int gr = row0 + r, gk = k0 + kk;
                 const float v = (gr < M && gk < kend) ? load_a(A, gr, gk, rsa, cin, jstride) : 0.0f;
@@ -268,20 +268,21 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
             }
 }
 
-// 16 rows a block (frame-rate layers: few rows) and 64 rows a block (many rows), 64 columns (4
-// warps) or 16 (one warp: gemm_tc16n) and 32 (two: gemm_tc64n), for four or two times the
-// blocks on the weight-bound frame-rate layers: the same bits.
-#define GEMM_TC(NAME, BM, W)                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * W)                                                 \
-    NAME(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride, const float* B, \
-         float* C, const float* bias, int bias_n, const float* gamma, const float* res, int act, int ks,   \
-         float* part) {                                                                                    \
-        gemm_tc_body<BM, W>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part); \
-    }
-GEMM_TC(gemm_tc16, 16, 4)
-GEMM_TC(gemm_tc64, 64, 4)
-GEMM_TC(gemm_tc16n, 16, 1)
-GEMM_TC(gemm_tc64n, 64, 2)
+// 16 rows a block (frame-rate layers: few rows) and 64 rows a block (many rows): the same bits.
+// (Narrower blocks for more of them on the frame-rate layers, 16 and 32 columns, were 2.7x
+// slower there: session 14, branch codec-narrow.)
+extern "C" __global__ void __launch_bounds__(128)
+gemm_tc16(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<16>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+extern "C" __global__ void __launch_bounds__(128)
+gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
 
 // ------------------------------------------- tensor-core GEMM, wide tiles (3xTF32, same bits)
 // gemm_tcw: gemm_tc_body's arithmetic for many rows on 128 x 64 block tiles (8 warps, 32 x 32

@@ -3,8 +3,7 @@
 //! `LowPrecision` build) that the same tolerance must catch, and the bit-for-bit checks that
 //! streaming needs: a row's result is the same whatever the row count, the row tile and whether
 //! K's segments are summed across blocks or inside one, and the wide tiles (`gemm_tcw`,
-//! `gemm_tcw2`) and narrow blocks (`gemm_tc16n`, `gemm_tc64n`) give `gemm_tc16` / `gemm_tc64`'s
-//! bits. Run on a GPU by `examples/codec_gpu`
+//! `gemm_tcw2`) give `gemm_tc64`'s bits. Run on a GPU by `examples/codec_gpu`
 //! and by the crate's GPU test.
 
 use std::sync::Arc;
@@ -74,14 +73,11 @@ pub struct TcCheck {
     pub rows_bitwise: bool,
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
-    /// Whole launches on the wide tiles (`gemm_tcw`, `gemm_tcw2`) and on the narrow blocks
-    /// (`gemm_tc16n`, `gemm_tc64n`) equal `gemm_tc16` / `gemm_tc64`'s bit for bit, in both
-    /// segment modes.
+    /// Whole launches on the wide tiles (`gemm_tcw`, `gemm_tcw2`) equal `gemm_tc64`'s bit for
+    /// bit, in both segment modes.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
-    /// Launches that took the narrow blocks.
-    pub narrow_launches: u64,
 }
 
 impl TcCheck {
@@ -93,7 +89,6 @@ impl TcCheck {
             && self.modes_bitwise
             && self.wide_bitwise
             && self.wide_launches > 0
-            && self.narrow_launches > 0
     }
 }
 
@@ -244,9 +239,8 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         modes_bitwise: true,
         wide_bitwise: true,
         wide_launches: 0,
-        narrow_launches: 0,
     };
-    let (wide0, narrow0) = (exact.wide_launches(), exact.narrow_launches());
+    let wide0 = exact.wide_launches();
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -264,29 +258,21 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 out.rows_bitwise &= crate::bit_identical(&one, &whole[r * s.n..(r + 1) * s.n]);
             }
         }
-        // the wide and narrow kernels against the 4-warp ones, whole launches in both modes
+        // the wide kernels against gemm_tc64, whole launches in both modes
         for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
             exact.set_split_below(Some(mode));
             let mut runs = Vec::new();
-            for (w, narrow) in [
-                (None, false),
-                (None, true),
-                (Some("gemm_tcw"), false),
-                (Some("gemm_tcw2"), false),
-            ] {
+            for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
                 exact.set_wide(w);
-                exact.set_narrow(narrow);
                 runs.push(case.run(&exact, 0..s.m)?);
             }
             exact.set_wide(crate::cuda::wide_kernel());
-            exact.set_narrow(crate::cuda::narrow_blocks());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
         out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
     }
     out.wide_launches = exact.wide_launches() - wide0;
-    out.narrow_launches = exact.narrow_launches() - narrow0;
     Ok(out)
 }
 

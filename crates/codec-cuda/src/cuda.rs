@@ -15,11 +15,9 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 20] = [
+pub const KERNELS: [&str; 18] = [
     "gemm_tc16",
     "gemm_tc64",
-    "gemm_tc16n",
-    "gemm_tc64n",
     "gemm_tcw",
     "gemm_tcw2",
     "gemm_big",
@@ -97,13 +95,6 @@ pub struct CudaExec {
     /// Launches of the wide kernels so far (checks count them, so a check that meant to run
     /// them cannot pass on the other kernels alone).
     wide_launches: std::cell::Cell<u64>,
-    /// Tensor-core GEMMs the wide tiles do not take (in the decoder: those of up to 64 rows) on
-    /// narrow blocks (`gemm_tc16n`: 16 columns a block, `gemm_tc64n`: 32) instead of 64
-    /// columns: more blocks on the weight-bound frame-rate layers, the same bits
-    /// (`DRAMATIS_CODEC_TC_NARROW`, default on; `0` off).
-    narrow: std::cell::Cell<bool>,
-    /// Launches of the narrow kernels so far.
-    narrow_launches: std::cell::Cell<u64>,
 }
 
 /// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
@@ -123,11 +114,6 @@ pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {
         Some("1") => Some("gemm_tcw"),
         _ => Some("gemm_tcw2"),
     }
-}
-
-/// Whether the frame-rate GEMMs take the narrow blocks (`DRAMATIS_CODEC_TC_NARROW`, default on).
-pub fn narrow_blocks() -> bool {
-    std::env::var("DRAMATIS_CODEC_TC_NARROW").map_or(true, |v| v.trim() != "0")
 }
 
 /// Whether the decoder's GEMMs run on tensor cores (`DRAMATIS_CODEC_TC`, default on).
@@ -189,8 +175,6 @@ impl CudaExec {
             split_below: std::cell::Cell::new(0),
             wide: std::cell::Cell::new(wide_kernel()),
             wide_launches: std::cell::Cell::new(0),
-            narrow: std::cell::Cell::new(narrow_blocks()),
-            narrow_launches: std::cell::Cell::new(0),
         })
         .inspect(|e| e.set_split_below(None))
     }
@@ -210,17 +194,6 @@ impl CudaExec {
     /// Launches of the wide tensor-core kernels so far.
     pub fn wide_launches(&self) -> u64 {
         self.wide_launches.get()
-    }
-
-    /// Whether GEMMs the wide tiles do not take run on the narrow blocks (the same bits either
-    /// way).
-    pub fn set_narrow(&self, on: bool) {
-        self.narrow.set(on);
-    }
-
-    /// Launches of the narrow tensor-core kernels so far.
-    pub fn narrow_launches(&self) -> u64 {
-        self.narrow_launches.get()
     }
 
     /// Device address of `p` (element offset checked against the allocation for `n` elements).
@@ -410,13 +383,10 @@ impl Exec for CudaExec {
                     && a % 16 == 0
                     && b % 16 == 0
             });
-            let narrow = self.narrow.get();
-            let (name, bm, bn, threads) = match wide {
-                Some(w) => (w, 128, 64, 256),
-                None if g.m <= 16 && narrow => ("gemm_tc16n", 16, 16, 32),
-                None if g.m <= 16 => ("gemm_tc16", 16, 64, 128),
-                None if narrow => ("gemm_tc64n", 64, 32, 64),
-                None => ("gemm_tc64", 64, 64, 128),
+            let (name, bm, threads) = match wide {
+                Some(w) => (w, 128, 256),
+                None if g.m <= 16 => ("gemm_tc16", 16, 128),
+                None => ("gemm_tc64", 64, 128),
             };
             // segments across blocks only when the tiles alone would leave most of the
             // device idle (frame-rate layers); otherwise no partial sums go through memory
@@ -428,10 +398,8 @@ impl Exec for CudaExec {
             };
             if wide.is_some() {
                 self.wide_launches.set(self.wide_launches.get() + 1);
-            } else if narrow {
-                self.narrow_launches.set(self.narrow_launches.get() + 1);
             }
-            (name, bm, bn, threads, zs)
+            (name, bm, 64, threads, zs)
         } else if g.m <= SMALL_M {
             ("gemm_small", 8, 128, 256, nseg)
         } else {

@@ -184,16 +184,6 @@ impl CudaDecoder {
             .set_wide(kernel);
     }
 
-    /// Whether its GEMMs the wide tiles do not take run on the narrow blocks (see
-    /// [`cuda::narrow_blocks`]): the same bits either way.
-    pub fn set_narrow(&self, on: bool) {
-        self.core
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .exec
-            .set_narrow(on);
-    }
-
     /// The device this decoder runs on.
     pub fn gpu(&self) -> Arc<Gpu> {
         self.core
