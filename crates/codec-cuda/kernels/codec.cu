@@ -192,18 +192,30 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-        for (int k0 = kbeg; k0 < kend; k0 += TC_BK) {
-            // this chunk's B fragments first (global loads in flight while A is staged)
-            float bv[4][2][2];
+        // a chunk's B fragments are loaded one chunk ahead (in flight while A is staged and the
+        // chunk before is multiplied): the frame-rate layers wait on these weight loads
+        float bv[4][2][2], bnext[4][2][2];
+        auto load_b = [&](float (&dst)[4][2][2], int k0) {
 #pragma unroll
             for (int s = 0; s < 4; ++s)
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
                     const int n = colw + 8 * j + g;
                     const int ka = k0 + 8 * s + t, kb = ka + 4;
-                    bv[s][j][0] = (n < N && ka < kend) ? B[(long long)ka * N + n] : 0.0f;
-                    bv[s][j][1] = (n < N && kb < kend) ? B[(long long)kb * N + n] : 0.0f;
+                    dst[s][j][0] = (n < N && ka < kend) ? B[(long long)ka * N + n] : 0.0f;
+                    dst[s][j][1] = (n < N && kb < kend) ? B[(long long)kb * N + n] : 0.0f;
                 }
+        };
+        load_b(bnext, kbeg);
+        for (int k0 = kbeg; k0 < kend; k0 += TC_BK) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    bv[s][j][0] = bnext[s][j][0];
+                    bv[s][j][1] = bnext[s][j][1];
+                }
+            if (k0 + TC_BK < kend) load_b(bnext, k0 + TC_BK);
             __syncthreads();
             for (int i = tid; i < BM * TC_BK; i += 128) {
                 const int r = i / TC_BK, kk = i - r * TC_BK;
