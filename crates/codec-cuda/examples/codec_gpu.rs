@@ -269,7 +269,7 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
             let fps = push as f64 / median(times);
             row.insert(format!("frames_per_s_push{push}"), json!(fps));
             if push == 32 {
-                let same = wide_pcm.as_ref().map_or(true, |p0| bit_identical(p0, &pcm));
+                let same = wide_pcm.as_ref().is_none_or(|p0| bit_identical(p0, &pcm));
                 row.insert("pcm_bitwise_as_gemm_tc64".into(), json!(same));
                 if !same {
                     failures.push(format!("real geometry: {w:?} PCM differs from gemm_tc64's"));

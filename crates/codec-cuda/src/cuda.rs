@@ -375,13 +375,13 @@ impl Exec for CudaExec {
             // the wide tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
             let wide = self.wide.get().filter(|_| {
                 g.m > WIDE_MIN_ROWS
-                    && g.cin % 16 == 0
-                    && g.k % 16 == 0
-                    && g.n % 4 == 0
-                    && g.rsa % 4 == 0
-                    && g.jstride % 4 == 0
-                    && a % 16 == 0
-                    && b % 16 == 0
+                    && g.cin.is_multiple_of(16)
+                    && g.k.is_multiple_of(16)
+                    && g.n.is_multiple_of(4)
+                    && g.rsa.is_multiple_of(4)
+                    && g.jstride.is_multiple_of(4)
+                    && a.is_multiple_of(16)
+                    && b.is_multiple_of(16)
             });
             let (name, bm, threads) = match wide {
                 Some(w) => (w, 128, 256),
