@@ -243,14 +243,22 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         failures.push("real geometry: 1-frame stream differs from 16-frame pushes".into());
     }
 
-    // The GEMMs of many rows on gemm_tc64 against the wide tiles: the same PCM bit for bit,
-    // and each one's frames/s (1-frame pushes of 24 frames, 16- and 32-frame pushes of 64).
+    // The GEMMs on gemm_tc16 / gemm_tc64 against the cp.async tiles (wide for many rows,
+    // gemm_tcs for up to 16): the same PCM bit for bit, and each one's frames/s (1-frame pushes
+    // of 24 frames, 16- and 32-frame pushes of 64).
     let mut wide_ab = Vec::new();
     let mut wide_pcm: Option<Vec<f32>> = None;
-    for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
+    for (w, small) in [
+        (None, false),
+        (Some("gemm_tcw2"), false),
+        (Some("gemm_tcw2"), true),
+        (Some("gemm_tcw"), true),
+    ] {
         dec.set_wide(w);
+        dec.set_small(small);
         let mut row = serde_json::Map::new();
         row.insert("wide".into(), json!(w));
+        row.insert("small".into(), json!(small));
         for push in [1usize, 16, 32] {
             let frames = if push == 1 { 24 } else { 64 };
             let mut times = Vec::new();
@@ -284,6 +292,7 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         wide_ab.push(Value::Object(row));
     }
     dec.set_wide(codec_cuda::cuda::wide_kernel());
+    dec.set_small(codec_cuda::cuda::small_tiles());
 
     // CPU codec on the same machine.
     let mut cst = codec.decoder_state();
@@ -422,7 +431,7 @@ fn main() -> R<()> {
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
     let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
     println!(
-        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, wide tiles = gemm_tc64 bitwise {} ({} wide launches); shapes {:?}",
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} small launches); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },
         tc.exact_worst,
         codec_cuda::check::TOLERANCE,
@@ -432,6 +441,7 @@ fn main() -> R<()> {
         tc.modes_bitwise,
         tc.wide_bitwise,
         tc.wide_launches,
+        tc.small_launches,
         tc.shapes
     );
     if !tc.pass() {
@@ -442,7 +452,8 @@ fn main() -> R<()> {
         "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
         "modes_bitwise": tc.modes_bitwise, "wide_bitwise": tc.wide_bitwise,
         "wide_launches": tc.wide_launches,
-        "wide_kernel": codec_cuda::cuda::wide_kernel(), "shapes": tc.shapes, "pass": tc.pass(),
+        "small_launches": tc.small_launches, "wide_kernel": codec_cuda::cuda::wide_kernel(),
+        "small_tiles": codec_cuda::cuda::small_tiles(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;
     let real = real(&mut failures)?;

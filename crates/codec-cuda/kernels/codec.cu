@@ -297,22 +297,18 @@ gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long
 }
 
 // ------------------------------------------- tensor-core GEMM, wide tiles (3xTF32, same bits)
-// gemm_tcw: gemm_tc_body's arithmetic for many rows on 128 x 64 block tiles (8 warps, 32 x 32
-// each), for the sample-rate layers. Every output is the same sequence of operations as
-// gemm_tc16 / gemm_tc64 (k8 steps in order inside K's segments, each step big + small from
-// zero added to the segment's sum, segments summed in order), so the bits are theirs and any
-// dispatch keeps streaming bit-identical. What differs is the staging: the caller guarantees
-// cin % 16 == 0, N % 4 == 0, and A, B, rsa and jstride 16-byte aligned (so K % 16 == 0, every
-// 16-key chunk lies inside one tap and one segment, and a row's 16 keys are contiguous): the
-// chunks are copied global -> shared by cp.async, 16 bytes at a time with no index division,
-// TCW_ST chunks in flight, and sit raw in shared memory (split into hi + lo as fragments are
-// read: an A value is read by 2 warps, a B value by 4).
-#define TCW_BM 128
-#define TCW_BN 64
+// gemm_tcw / gemm_tcw2 (many rows: the sample-rate layers) and gemm_tcs (up to 16 rows: the
+// frame-rate layers): gemm_tc_body's arithmetic on other tiles. Every output is the same
+// sequence of operations as gemm_tc16 / gemm_tc64 (k8 steps in order inside K's segments, each
+// step big + small from zero added to the segment's sum, segments summed in order), so the bits
+// are theirs and any dispatch keeps streaming bit-identical. What differs is the staging: the
+// caller guarantees cin % 16 == 0, N % 4 == 0, and A, B, rsa and jstride 16-byte aligned (so
+// K % 16 == 0, every 16-key chunk lies inside one tap and one segment, and a row's 16 keys are
+// contiguous): the chunks are copied global -> shared by cp.async, 16 bytes at a time with no
+// index division, several chunks in flight, and sit raw in shared memory (split into hi + lo
+// as fragments are read).
 #define TCW_BK 16
-#define TCW_ST 3
 #define TCW_AS 20  // A row stride in floats: fragment reads (20g + t) hit 32 distinct banks
-#define TCW_BS 72  // B row stride in floats: fragment reads (8t + g) hit 32 distinct banks
 __device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
     h = tf32_of(v);
     l = tf32_of(v - __uint_as_float(h));
@@ -326,45 +322,48 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Warps WM x WN, each MT m16 x NT n8 tiles: a block of BM = 16 WM MT rows and BN = 8 WN NT
+// columns, ST chunks of TCW_BK keys in flight. The B row stride BN + 8 floats makes the
+// fragment reads (8t + g) hit 32 distinct banks.
+template <int WM, int WN, int MT, int NT, int ST>
 __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
                                               int cin, long long jstride, const float* B, float* C,
                                               const float* bias, int bias_n, const float* gamma,
                                               const float* res, int act, int ks, float* part) {
-    __shared__ __align__(16) float As[TCW_ST][TCW_BM * TCW_AS];
-    __shared__ __align__(16) float Bs[TCW_ST][TCW_BK * TCW_BS];
+    constexpr int BM = 16 * WM * MT, BN = 8 * WN * NT, BS = BN + 8, T = 32 * WM * WN;
+    __shared__ __align__(16) float As[ST][BM * TCW_AS];
+    __shared__ __align__(16) float Bs[ST][TCW_BK * BS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.y * TCW_BM, col0 = blockIdx.x * TCW_BN;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;  // the warp's 32 x 32 in the tile
+    const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+    const int wm = (warp / WN) * 16 * MT, wn = (warp % WN) * 8 * NT;  // the warp's tiles
     // the warp's n8 tiles that hold columns (N = 96: the second column tile's right half none)
-    const int jn = max(0, min(4, (N - col0 - wn + 7) / 8));
+    const int jn = max(0, min(NT, (N - col0 - wn + 7) / 8));
     const int nseg = (K + ks - 1) / ks;
     const bool split = gridDim.z > 1;
     const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
     const int k_first = z0 * ks, k_last = min(K, z1 * ks);  // this block's keys
     const int nchunks = (k_last - k_first) / TCW_BK;
-    // copy roles: A rows tid / 4 + 64 i (i < 2), keys 4 (tid % 4) .. + 3; B key tid / 16,
-    // columns 4 (tid % 16) .. + 3
-    const int ar = tid >> 2, ac = (tid & 3) * 4;
-    const int bk = tid >> 4, bc = (tid & 15) * 4;
+    // a chunk: A's BM rows x 16 keys and B's 16 keys x BN columns, 16 bytes a copy
     auto load = [&](int stage, int chunk) {
         const int k0 = k_first + chunk * TCW_BK;
         const int j = k0 / cin, ci = k0 - j * cin;
-        const long long off = (long long)j * jstride + ci + ac;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = row0 + ar + 64 * i;
-            cp_async16(&As[stage][(ar + 64 * i) * TCW_AS + ac],
-                       r < M ? A + (long long)r * rsa + off : A, r < M ? 16 : 0);
+        const long long off = (long long)j * jstride + ci;
+        for (int i = tid; i < BM * 4; i += T) {
+            const int r = i >> 2, c = (i & 3) * 4, gr = row0 + r;
+            cp_async16(&As[stage][r * TCW_AS + c], gr < M ? A + (long long)gr * rsa + off + c : A,
+                       gr < M ? 16 : 0);
         }
-        const int c = col0 + bc;
-        cp_async16(&Bs[stage][bk * TCW_BS + bc], c < N ? B + (long long)(k0 + bk) * N + c : B,
-                   c < N ? 16 : 0);
+        for (int i = tid; i < TCW_BK * BN / 4; i += T) {
+            const int k = i / (BN / 4), c = (i % (BN / 4)) * 4, gc = col0 + c;
+            cp_async16(&Bs[stage][k * BS + c], gc < N ? B + (long long)(k0 + k) * N + gc : B,
+                       gc < N ? 16 : 0);
+        }
     };
-    float tot[2][4][4];
-    float acc[2][4][4];
+    float tot[MT][NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int st = 0; st < TCW_ST - 1; ++st) {
+    for (int st = 0; st < ST - 1; ++st) {
         if (st < nchunks) load(st, st);
         cp_async_commit();
     }
@@ -372,30 +371,30 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
         const int k0 = k_first + ch * TCW_BK;
         if ((k0 - k_first) % ks == 0) {  // a segment starts
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
         }
-        cp_async_wait<TCW_ST - 2>();
+        cp_async_wait<ST - 2>();
         __syncthreads();  // chunk ch has landed for every thread; chunk ch - 1 is read
-        if (ch + TCW_ST - 1 < nchunks) load((ch + TCW_ST - 1) % TCW_ST, ch + TCW_ST - 1);
+        if (ch + ST - 1 < nchunks) load((ch + ST - 1) % ST, ch + ST - 1);
         cp_async_commit();
-        const float* as = As[ch % TCW_ST];
-        const float* bs = Bs[ch % TCW_ST];
+        const float* as = As[ch % ST];
+        const float* bs = Bs[ch % ST];
 #pragma unroll
         for (int s = 0; s < TCW_BK / 8; ++s) {
             const int kk = 8 * s + t;
-            unsigned int bh[4][2], bl[4][2];
+            unsigned int bh[NT][2], bl[NT][2];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < NT; ++j) {
                 const int n = wn + 8 * j + g;
-                tf32_split(bs[kk * TCW_BS + n], bh[j][0], bl[j][0]);
-                tf32_split(bs[(kk + 4) * TCW_BS + n], bh[j][1], bl[j][1]);
+                tf32_split(bs[kk * BS + n], bh[j][0], bl[j][0]);
+                tf32_split(bs[(kk + 4) * BS + n], bh[j][1], bl[j][1]);
             }
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < MT; ++i) {
                 const int r = wm + 16 * i + g;
                 unsigned int ah[4], al[4];
                 tf32_split(as[r * TCW_AS + kk], ah[0], al[0]);
@@ -403,7 +402,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 tf32_split(as[r * TCW_AS + kk + 4], ah[2], al[2]);
                 tf32_split(as[(r + 8) * TCW_AS + kk + 4], ah[3], al[3]);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < NT; ++j) {
                     if (j >= jn) break;  // uniform across the warp
                     float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     mma_tf32_acc(big, ah, bh[j][0], bh[j][1]);
@@ -420,9 +419,9 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
         if (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0) {  // a segment ends
             const bool first = k0 - k_first < ks;
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < MT; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < NT; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) tot[i][j][e] = first ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
         }
@@ -430,9 +429,9 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     cp_async_wait<0>();
     // c0 = (g, 2t), c1 = (g, 2t + 1), c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1) of each 16 x 8 tile
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = row0 + wm + 16 * i + g + (e >= 2 ? 8 : 0);
@@ -443,19 +442,25 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
             }
 }
 
-// One block a multiprocessor with the registers the body wants (no spills), or two held to 128
-// registers each (a few spilled): the same bits, the faster one chosen by measurement.
-extern "C" __global__ void __launch_bounds__(256, 1)
-gemm_tcw(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
-         const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-         const float* res, int act, int ks, float* part) {
-    gemm_tcw_body(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+#define GEMM_TCW_ARGS                                                                                  \
+    int M, int N, int K, const float *A, long long rsa, int cin, long long jstride, const float *B,    \
+        float *C, const float *bias, int bias_n, const float *gamma, const float *res, int act, int ks, \
+        float *part
+#define GEMM_TCW_PASS M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part
+// Many rows: 128 x 64 tiles, 8 warps of 32 x 32, 3 chunks in flight. One block a
+// multiprocessor with the registers the body wants (no spills), or two held to 128 registers
+// each (a few spilled): the same bits, the faster one chosen by measurement.
+extern "C" __global__ void __launch_bounds__(256, 1) gemm_tcw(GEMM_TCW_ARGS) {
+    gemm_tcw_body<4, 2, 2, 4, 3>(GEMM_TCW_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256, 2)
-gemm_tcw2(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
-          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-          const float* res, int act, int ks, float* part) {
-    gemm_tcw_body(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2(GEMM_TCW_ARGS) {
+    gemm_tcw_body<4, 2, 2, 4, 3>(GEMM_TCW_PASS);
+}
+// Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
+// the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 chunks of weights in flight
+// (gemm_tc16 loaded them a chunk at a time, ~0.5 TB/s).
+extern "C" __global__ void __launch_bounds__(128) gemm_tcs(GEMM_TCW_ARGS) {
+    gemm_tcw_body<1, 4, 1, 2, 6>(GEMM_TCW_PASS);
 }
 
 // Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.

@@ -2,8 +2,8 @@
 //! reference on fresh random inputs, with its lower-precision twin (one TF32 MMA a step, the
 //! `LowPrecision` build) that the same tolerance must catch, and the bit-for-bit checks that
 //! streaming needs: a row's result is the same whatever the row count, the row tile and whether
-//! K's segments are summed across blocks or inside one, and the wide tiles (`gemm_tcw`,
-//! `gemm_tcw2`) give `gemm_tc64`'s bits. Run on a GPU by `examples/codec_gpu`
+//! K's segments are summed across blocks or inside one, and the cp.async tiles (`gemm_tcw`,
+//! `gemm_tcw2` for many rows, `gemm_tcs` for up to 16) give `gemm_tc64` / `gemm_tc16`'s bits. Run on a GPU by `examples/codec_gpu`
 //! and by the crate's GPU test.
 
 use std::sync::Arc;
@@ -73,11 +73,13 @@ pub struct TcCheck {
     pub rows_bitwise: bool,
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
-    /// Whole launches on the wide tiles (`gemm_tcw`, `gemm_tcw2`) equal `gemm_tc64`'s bit for
-    /// bit, in both segment modes.
+    /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcs`) equal
+    /// `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
+    /// Launches that took `gemm_tcs`.
+    pub small_launches: u64,
 }
 
 impl TcCheck {
@@ -89,6 +91,7 @@ impl TcCheck {
             && self.modes_bitwise
             && self.wide_bitwise
             && self.wide_launches > 0
+            && self.small_launches > 0
     }
 }
 
@@ -228,6 +231,16 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             stride: 2,
             dil: 9,
         },
+        // gemm_tcs (up to 16 rows): a linear over four segments, N not a multiple of 64 (the
+        // 72-column conv above takes it too)
+        Shape {
+            m: 16,
+            n: 200,
+            cin: 1024,
+            taps: 1,
+            stride: 1,
+            dil: 1,
+        },
     ];
     let exact = CudaExec::with(gpu.clone(), Variant::Exact, true)?;
     let twin = CudaExec::with(gpu, Variant::LowPrecision, true)?;
@@ -239,8 +252,9 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         modes_bitwise: true,
         wide_bitwise: true,
         wide_launches: 0,
+        small_launches: 0,
     };
-    let wide0 = exact.wide_launches();
+    let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -258,21 +272,29 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 out.rows_bitwise &= crate::bit_identical(&one, &whole[r * s.n..(r + 1) * s.n]);
             }
         }
-        // the wide kernels against gemm_tc64, whole launches in both modes
+        // the cp.async tiles against gemm_tc16 / gemm_tc64, whole launches in both modes
         for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
             exact.set_split_below(Some(mode));
             let mut runs = Vec::new();
-            for w in [None, Some("gemm_tcw"), Some("gemm_tcw2")] {
+            for (w, small) in [
+                (None, false),
+                (None, true),
+                (Some("gemm_tcw"), false),
+                (Some("gemm_tcw2"), false),
+            ] {
                 exact.set_wide(w);
+                exact.set_small(small);
                 runs.push(case.run(&exact, 0..s.m)?);
             }
             exact.set_wide(crate::cuda::wide_kernel());
+            exact.set_small(crate::cuda::small_tiles());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
         out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
     }
     out.wide_launches = exact.wide_launches() - wide0;
+    out.small_launches = exact.small_launches() - small0;
     Ok(out)
 }
 

@@ -15,9 +15,10 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 18] = [
+pub const KERNELS: [&str; 19] = [
     "gemm_tc16",
     "gemm_tc64",
+    "gemm_tcs",
     "gemm_tcw",
     "gemm_tcw2",
     "gemm_big",
@@ -95,6 +96,12 @@ pub struct CudaExec {
     /// Launches of the wide kernels so far (checks count them, so a check that meant to run
     /// them cannot pass on the other kernels alone).
     wide_launches: std::cell::Cell<u64>,
+    /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async`, six
+    /// chunks in flight; the same bits as `gemm_tc16`) where its operands allow
+    /// (`DRAMATIS_CODEC_TCS`, default on; `0` off).
+    small: std::cell::Cell<bool>,
+    /// Launches of `gemm_tcs` so far.
+    small_launches: std::cell::Cell<u64>,
 }
 
 /// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
@@ -106,6 +113,11 @@ const WIDE_MIN_ROWS: usize = 64;
 /// many rows).
 pub fn wide_kernel() -> Option<&'static str> {
     wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
+}
+
+/// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS`, default on).
+pub fn small_tiles() -> bool {
+    std::env::var("DRAMATIS_CODEC_TCS").map_or(true, |v| v.trim() != "0")
 }
 
 pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {
@@ -175,6 +187,8 @@ impl CudaExec {
             split_below: std::cell::Cell::new(0),
             wide: std::cell::Cell::new(wide_kernel()),
             wide_launches: std::cell::Cell::new(0),
+            small: std::cell::Cell::new(small_tiles()),
+            small_launches: std::cell::Cell::new(0),
         })
         .inspect(|e| e.set_split_below(None))
     }
@@ -194,6 +208,16 @@ impl CudaExec {
     /// Launches of the wide tensor-core kernels so far.
     pub fn wide_launches(&self) -> u64 {
         self.wide_launches.get()
+    }
+
+    /// Whether GEMMs of up to 16 rows take `gemm_tcs` (the same bits as `gemm_tc16`).
+    pub fn set_small(&self, on: bool) {
+        self.small.set(on);
+    }
+
+    /// Launches of `gemm_tcs` so far.
+    pub fn small_launches(&self) -> u64 {
+        self.small_launches.get()
     }
 
     /// Device address of `p` (element offset checked against the allocation for `n` elements).
@@ -372,19 +396,19 @@ impl Exec for CudaExec {
         // (kernel, rows and columns a block, threads, K segments across blocks: 1 = a block
         // sums all of its segments itself). Either way an output is the same arithmetic.
         let (name, bm, bn, threads, zs) = if self.tc {
-            // the wide tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
-            let wide = self.wide.get().filter(|_| {
-                g.m > WIDE_MIN_ROWS
-                    && g.cin.is_multiple_of(16)
-                    && g.k.is_multiple_of(16)
-                    && g.n.is_multiple_of(4)
-                    && g.rsa.is_multiple_of(4)
-                    && g.jstride.is_multiple_of(4)
-                    && a.is_multiple_of(16)
-                    && b.is_multiple_of(16)
-            });
+            // the cp.async tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
+            let staged = g.cin.is_multiple_of(16)
+                && g.k.is_multiple_of(16)
+                && g.n.is_multiple_of(4)
+                && g.rsa.is_multiple_of(4)
+                && g.jstride.is_multiple_of(4)
+                && a.is_multiple_of(16)
+                && b.is_multiple_of(16);
+            let wide = self.wide.get().filter(|_| staged && g.m > WIDE_MIN_ROWS);
+            let small = staged && g.m <= 16 && self.small.get();
             let (name, bm, threads) = match wide {
                 Some(w) => (w, 128, 256),
+                None if small => ("gemm_tcs", 16, 128),
                 None if g.m <= 16 => ("gemm_tc16", 16, 128),
                 None => ("gemm_tc64", 64, 128),
             };
@@ -398,6 +422,8 @@ impl Exec for CudaExec {
             };
             if wide.is_some() {
                 self.wide_launches.set(self.wide_launches.get() + 1);
+            } else if small {
+                self.small_launches.set(self.small_launches.get() + 1);
             }
             (name, bm, 64, threads, zs)
         } else if g.m <= SMALL_M {

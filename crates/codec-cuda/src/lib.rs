@@ -184,6 +184,16 @@ impl CudaDecoder {
             .set_wide(kernel);
     }
 
+    /// Whether its GEMMs of up to 16 rows take `gemm_tcs` (see [`cuda::small_tiles`]): the
+    /// same bits either way.
+    pub fn set_small(&self, on: bool) {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .exec
+            .set_small(on);
+    }
+
     /// The device this decoder runs on.
     pub fn gpu(&self) -> Arc<Gpu> {
         self.core
