@@ -165,6 +165,22 @@ __device__ __forceinline__ void mma_tf32_acc(float (&d)[4], const unsigned int (
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One k8 step of a 16 x 8 output tile, the operation sequence every tensor-core GEMM here shares
+// (it fixes the bits): big = hi_a hi_b from zero, small = lo_a hi_b + hi_a lo_b from zero, then
+// acc + (big + small), each add rounded once. LOWP drops the small terms.
+__device__ __forceinline__ void step3(float (&acc)[4], const unsigned int (&ah)[4], const unsigned int (&al)[4],
+                                      unsigned int bh0, unsigned int bh1, unsigned int bl0, unsigned int bl1) {
+    float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_tf32_acc(big, ah, bh0, bh1);
+    float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifndef LOWP
+    mma_tf32_acc(small, al, bh0, bh1);
+    mma_tf32_acc(small, ah, bl0, bl1);
+#endif
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], __fadd_rn(big[e], small[e]));
+}
+
 #define TC_BK 32
 template <int BM>
 __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A, long long rsa, int cin,
@@ -244,17 +260,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                     const unsigned int ah[4] = {Ah[kk][r], Ah[kk][r + 8], Ah[kk + 4][r], Ah[kk + 4][r + 8]};
                     const unsigned int al[4] = {Al[kk][r], Al[kk][r + 8], Al[kk + 4][r], Al[kk + 4][r + 8]};
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_tf32_acc(big, ah, bh[j][0], bh[j][1]);
-                        float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#ifndef LOWP
-                        mma_tf32_acc(small, al, bh[j][0], bh[j][1]);
-                        mma_tf32_acc(small, ah, bl[j][0], bl[j][1]);
-#endif
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[i][j][e] = __fadd_rn(acc[i][j][e], __fadd_rn(big[e], small[e]));
-                    }
+                    for (int j = 0; j < 2; ++j) step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
                 }
             }
         }
@@ -404,15 +410,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     if (j >= jn) break;  // uniform across the warp
-                    float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    mma_tf32_acc(big, ah, bh[j][0], bh[j][1]);
-                    float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#ifndef LOWP
-                    mma_tf32_acc(small, al, bh[j][0], bh[j][1]);
-                    mma_tf32_acc(small, ah, bl[j][0], bl[j][1]);
-#endif
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][j][e] = __fadd_rn(acc[i][j][e], __fadd_rn(big[e], small[e]));
+                    step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
                 }
             }
         }
