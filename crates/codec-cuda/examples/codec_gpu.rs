@@ -244,10 +244,11 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     }
 
     // The GEMMs on gemm_tc16 / gemm_tc64 against the cp.async tiles (wide for many rows,
-    // gemm_tcs for up to 16): the same PCM bit for bit, and each one's frames/s (1-frame pushes
-    // of 24 frames, 16- and 32-frame pushes of 64).
+    // gemm_tcs for up to 16): the same PCM bit for bit at every push size, each one's frames/s
+    // (1-frame pushes of 24 frames, 16- and 32-frame pushes of 64) and the launches that took
+    // the cp.async tiles (so a configuration that never reached them shows).
     let mut wide_ab = Vec::new();
-    let mut wide_pcm: Option<Vec<f32>> = None;
+    let mut base_pcm: Vec<Vec<f32>> = Vec::new();
     for (w, small) in [
         (None, false),
         (Some("gemm_tcw2"), false),
@@ -259,7 +260,9 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         let mut row = serde_json::Map::new();
         row.insert("wide".into(), json!(w));
         row.insert("small".into(), json!(small));
-        for push in [1usize, 16, 32] {
+        let launches0 = dec.launch_counts();
+        let mut same_all = true;
+        for (p_i, push) in [1usize, 16, 32].into_iter().enumerate() {
             let frames = if push == 1 { 24 } else { 64 };
             let mut times = Vec::new();
             let mut pcm = Vec::new();
@@ -276,14 +279,19 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
             }
             let fps = push as f64 / median(times);
             row.insert(format!("frames_per_s_push{push}"), json!(fps));
-            if push == 32 {
-                let same = wide_pcm.as_ref().is_none_or(|p0| bit_identical(p0, &pcm));
-                row.insert("pcm_bitwise_as_gemm_tc64".into(), json!(same));
-                if !same {
-                    failures.push(format!("real geometry: {w:?} PCM differs from gemm_tc64's"));
-                }
-                wide_pcm.get_or_insert(pcm);
+            match base_pcm.get(p_i) {
+                Some(p0) => same_all &= bit_identical(p0, &pcm),
+                None => base_pcm.push(pcm),
             }
+        }
+        let launches = dec.launch_counts();
+        row.insert("wide_launches".into(), json!(launches.0 - launches0.0));
+        row.insert("small_launches".into(), json!(launches.1 - launches0.1));
+        row.insert("pcm_bitwise_as_gemm_tc16_64".into(), json!(same_all));
+        if !same_all {
+            failures.push(format!(
+                "real geometry: wide {w:?} small {small} PCM differs from gemm_tc16/64's"
+            ));
         }
         println!(
             "real geometry GEMM tiles A/B: {}",
@@ -431,7 +439,7 @@ fn main() -> R<()> {
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
     let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
     println!(
-        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} small launches); shapes {:?}",
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} small launches, dispatch as expected {}); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },
         tc.exact_worst,
         codec_cuda::check::TOLERANCE,
@@ -442,6 +450,7 @@ fn main() -> R<()> {
         tc.wide_bitwise,
         tc.wide_launches,
         tc.small_launches,
+        tc.dispatch_as_expected,
         tc.shapes
     );
     if !tc.pass() {
@@ -452,7 +461,8 @@ fn main() -> R<()> {
         "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
         "modes_bitwise": tc.modes_bitwise, "wide_bitwise": tc.wide_bitwise,
         "wide_launches": tc.wide_launches,
-        "small_launches": tc.small_launches, "wide_kernel": codec_cuda::cuda::wide_kernel(),
+        "small_launches": tc.small_launches, "dispatch_as_expected": tc.dispatch_as_expected,
+        "wide_kernel": codec_cuda::cuda::wide_kernel(),
         "small_tiles": codec_cuda::cuda::small_tiles(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;

@@ -308,11 +308,12 @@ gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long
 // sequence of operations as gemm_tc16 / gemm_tc64 (k8 steps in order inside K's segments, each
 // step big + small from zero added to the segment's sum, segments summed in order), so the bits
 // are theirs and any dispatch keeps streaming bit-identical. What differs is the staging: the
-// caller guarantees cin % 16 == 0, N % 4 == 0, and A, B, rsa and jstride 16-byte aligned (so
-// K % 16 == 0, every 16-key chunk lies inside one tap and one segment, and a row's 16 keys are
-// contiguous): the chunks are copied global -> shared by cp.async, 16 bytes at a time with no
-// index division, several chunks in flight, and sit raw in shared memory (split into hi + lo
-// as fragments are read).
+// caller guarantees cin, K and the segment length ks multiples of 16, N of 4, and A, B, rsa and
+// jstride 16-byte aligned (so every 16-key chunk lies inside one tap and one segment, and a
+// row's 16 keys are contiguous): the chunks are copied global -> shared by cp.async, 16 bytes
+// at a time with no index division, in ST shared-memory stages (up to ST - 1 copies in flight
+// while a chunk is multiplied), and sit raw in shared memory (split into hi + lo as fragments
+// are read).
 #define TCW_BK 16
 #define TCW_AS 20  // A row stride in floats: fragment reads (20g + t) hit 32 distinct banks
 __device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
@@ -445,7 +446,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
         float *C, const float *bias, int bias_n, const float *gamma, const float *res, int act, int ks, \
         float *part
 #define GEMM_TCW_PASS M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part
-// Many rows: 128 x 64 tiles, 8 warps of 32 x 32, 3 chunks in flight. One block a
+// Many rows: 128 x 64 tiles, 8 warps of 32 x 32, 3 stages. One block a
 // multiprocessor with the registers the body wants (no spills), or two held to 128 registers
 // each (a few spilled): the same bits, the faster one chosen by measurement.
 extern "C" __global__ void __launch_bounds__(256, 1) gemm_tcw(GEMM_TCW_ARGS) {
@@ -455,8 +456,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2(GEMM_TCW_ARGS) {
     gemm_tcw_body<4, 2, 2, 4, 3>(GEMM_TCW_PASS);
 }
 // Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
-// the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 chunks of weights in flight
-// (gemm_tc16 loaded them a chunk at a time, ~0.5 TB/s).
+// the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages (gemm_tc16 holds one
+// chunk of weights in registers ahead; ~0.5 TB/s before that, session 14).
 extern "C" __global__ void __launch_bounds__(128) gemm_tcs(GEMM_TCW_ARGS) {
     gemm_tcw_body<1, 4, 1, 2, 6>(GEMM_TCW_PASS);
 }

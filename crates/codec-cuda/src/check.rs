@@ -35,6 +35,17 @@ impl Shape {
     fn k(&self) -> usize {
         self.cin * self.taps
     }
+    /// Whether the cp.async tiles may take this shape (the dispatch's conditions on operands
+    /// allocated at offset 0).
+    fn staged(&self) -> bool {
+        let ks = crate::exec::split_len(self.k(), self.n);
+        self.cin % 16 == 0
+            && self.k() % 16 == 0
+            && ks % 16 == 0
+            && self.n % 4 == 0
+            && (self.stride * self.cin) % 4 == 0
+            && (self.dil * self.cin) % 4 == 0
+    }
     /// A elements the GEMM may read: rows `m` at `stride·cin`, taps at `dil·cin`.
     fn a_len(&self) -> usize {
         (self.m - 1) * self.stride * self.cin + (self.taps - 1) * self.dil * self.cin + self.cin
@@ -80,6 +91,9 @@ pub struct TcCheck {
     pub wide_launches: u64,
     /// Launches that took `gemm_tcs`.
     pub small_launches: u64,
+    /// Every shape reached the cp.async tiles exactly when its operands allow them (so a shape
+    /// meant for them cannot silently fall back, nor another take them).
+    pub dispatch_as_expected: bool,
 }
 
 impl TcCheck {
@@ -92,6 +106,7 @@ impl TcCheck {
             && self.wide_bitwise
             && self.wide_launches > 0
             && self.small_launches > 0
+            && self.dispatch_as_expected
     }
 }
 
@@ -231,11 +246,11 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             stride: 2,
             dil: 9,
         },
-        // gemm_tcs (up to 16 rows): a linear over four segments, N not a multiple of 64 (the
-        // 72-column conv above takes it too)
+        // gemm_tcs (up to 16 rows): a linear over four segments, N a multiple of 4 but not of 8
+        // (a half-empty n8 tile; the 72-column conv above takes gemm_tcs too)
         Shape {
             m: 16,
-            n: 200,
+            n: 100,
             cin: 1024,
             taps: 1,
             stride: 1,
@@ -253,6 +268,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         wide_bitwise: true,
         wide_launches: 0,
         small_launches: 0,
+        dispatch_as_expected: true,
     };
     let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
     for s in shapes {
@@ -284,7 +300,17 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             ] {
                 exact.set_wide(w);
                 exact.set_small(small);
+                let before = (exact.wide_launches(), exact.small_launches());
                 runs.push(case.run(&exact, 0..s.m)?);
+                let took = (
+                    exact.wide_launches() > before.0,
+                    exact.small_launches() > before.1,
+                );
+                let expect = (
+                    w.is_some() && s.staged() && s.m > crate::cuda::WIDE_MIN_ROWS,
+                    small && s.staged() && s.m <= 16,
+                );
+                out.dispatch_as_expected &= took == expect;
             }
             exact.set_wide(crate::cuda::wide_kernel());
             exact.set_small(crate::cuda::small_tiles());

@@ -96,8 +96,8 @@ pub struct CudaExec {
     /// Launches of the wide kernels so far (checks count them, so a check that meant to run
     /// them cannot pass on the other kernels alone).
     wide_launches: std::cell::Cell<u64>,
-    /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async`, six
-    /// chunks in flight; the same bits as `gemm_tc16`) where its operands allow
+    /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async` in
+    /// six shared-memory stages; the same bits as `gemm_tc16`) where its operands allow
     /// (`DRAMATIS_CODEC_TCS`, default on; `0` off).
     small: std::cell::Cell<bool>,
     /// Launches of `gemm_tcs` so far.
@@ -105,7 +105,7 @@ pub struct CudaExec {
 }
 
 /// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
-const WIDE_MIN_ROWS: usize = 64;
+pub(crate) const WIDE_MIN_ROWS: usize = 64;
 
 /// The wide tensor-core kernel from `DRAMATIS_CODEC_TCW`: unset or `2`, `gemm_tcw2` (two blocks
 /// a multiprocessor, a few registers spilled: 2344 against 2200 frames/s in 16-frame pushes at
@@ -399,6 +399,7 @@ impl Exec for CudaExec {
             // the cp.async tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
             let staged = g.cin.is_multiple_of(16)
                 && g.k.is_multiple_of(16)
+                && ks.is_multiple_of(16)
                 && g.n.is_multiple_of(4)
                 && g.rsa.is_multiple_of(4)
                 && g.jstride.is_multiple_of(4)

@@ -194,6 +194,12 @@ impl CudaDecoder {
             .set_small(on);
     }
 
+    /// Launches of the wide tiles and of `gemm_tcs` so far.
+    pub fn launch_counts(&self) -> (u64, u64) {
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        (core.exec.wide_launches(), core.exec.small_launches())
+    }
+
     /// The device this decoder runs on.
     pub fn gpu(&self) -> Arc<Gpu> {
         self.core

@@ -280,7 +280,9 @@ fn kernels_compile_with_nvrtc() {
 }
 
 /// On a machine with a GPU: the tensor-core GEMM against FP64, its twin caught, its bits
-/// independent of the row count and the segment mode.
+/// independent of the row count and the segment mode, the cp.async tiles' bits equal to
+/// `gemm_tc16` / `gemm_tc64`'s and each shape dispatched as its operands allow (`check::tc_gemm`;
+/// without a GPU this test skips, and `examples/codec_gpu` runs the same check on the device).
 #[test]
 fn gpu_tc_gemm_when_present() {
     if !backend_cuda::driver_present() || !backend_cuda::nvrtc_present() {
