@@ -456,8 +456,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2(GEMM_TCW_ARGS) {
     gemm_tcw_body<4, 2, 2, 4, 3>(GEMM_TCW_PASS);
 }
 // Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
-// the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages (gemm_tc16 holds one
-// chunk of weights in registers ahead; ~0.5 TB/s before that, session 14).
+// the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages. Opt-in
+// (DRAMATIS_CODEC_TCS=1): faster than gemm_tc16 at 16 rows, slower at one (session 14).
 extern "C" __global__ void __launch_bounds__(128) gemm_tcs(GEMM_TCW_ARGS) {
     gemm_tcw_body<1, 4, 1, 2, 6>(GEMM_TCW_PASS);
 }

@@ -98,7 +98,7 @@ pub struct CudaExec {
     wide_launches: std::cell::Cell<u64>,
     /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async` in
     /// six shared-memory stages; the same bits as `gemm_tc16`) where its operands allow
-    /// (`DRAMATIS_CODEC_TCS`, default on; `0` off).
+    /// (`DRAMATIS_CODEC_TCS=1`; off by default, see [`small_tiles`]).
     small: std::cell::Cell<bool>,
     /// Launches of `gemm_tcs` so far.
     small_launches: std::cell::Cell<u64>,
@@ -115,9 +115,16 @@ pub fn wide_kernel() -> Option<&'static str> {
     wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
 }
 
-/// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS`, default on).
+/// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS=1`; default off). In
+/// session 14's measurement its launches in a 16-frame push took 716 against `gemm_tc16`'s 882
+/// us, but in a 1-frame push 905 against 689, and the rounds did not move (1 lane 7.38 against
+/// 7.28 ms, 32 lanes 639.9 against 642.0 frames/s).
 pub fn small_tiles() -> bool {
-    std::env::var("DRAMATIS_CODEC_TCS").map_or(true, |v| v.trim() != "0")
+    small_from(std::env::var("DRAMATIS_CODEC_TCS").ok().as_deref())
+}
+
+pub(crate) fn small_from(v: Option<&str>) -> bool {
+    v.is_some_and(|v| v.trim() == "1")
 }
 
 pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {

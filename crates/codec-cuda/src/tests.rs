@@ -375,3 +375,12 @@ fn wide_kernel_setting() {
         );
     }
 }
+
+/// `DRAMATIS_CODEC_TCS`: `gemm_tcs` only when asked for (`1`).
+#[test]
+fn small_tiles_setting() {
+    assert!(!cuda::small_from(None));
+    assert!(!cuda::small_from(Some("0")));
+    assert!(cuda::small_from(Some(" 1 ")));
+    assert!(cuda::KERNELS.contains(&"gemm_tcs"));
+}
