@@ -225,6 +225,10 @@ impl Backend for CpuBackend {
         CpuKv::new(capacity, kv_heads, head_dim)
     }
 
+    fn vector_len(&self, v: &CpuVector) -> usize {
+        v.0.len()
+    }
+
     fn kv_len(&self, kv: &CpuKv) -> usize {
         kv.len
     }

@@ -696,3 +696,85 @@ fn gdn_prefill_lanes_equals_each_lane_and_checks_first() {
         assert_eq!(bits(&s.s), bits(m));
     }
 }
+
+/// Joined prompts' GDN (`gdn_prefill_lanes`, the trait's lane-by-lane default on the CPU): a
+/// bad input is refused before any lane's conv history or state moves, so the same call with
+/// good inputs afterwards equals one on fresh states; and the joined call equals each lane's
+/// own conv + prefill.
+#[test]
+fn gdn_prefill_lanes_checks_every_input_before_any_lane_moves() {
+    let mut rng = Rng(11);
+    let d = gdn_dims();
+    let (c, nv) = (d.channels(), d.v_heads);
+    let lens = [5usize, 9];
+    let t: usize = lens.iter().sum();
+    let qkv = rng.vec(t * c, 1.0);
+    let (b, a) = (rng.vec(t * nv, 2.0), rng.vec(t * nv, 2.0));
+    let conv = CpuVector(rng.vec(c * d.conv_kernel, 0.5));
+    let (a_log, dt) = (CpuVector(rng.vec(nv, 1.0)), CpuVector(rng.vec(nv, 1.0)));
+    let be = CpuBackend;
+    let call = |states: &mut [CpuGdn], a_log: &CpuVector, dt: &CpuVector, conv: &CpuVector| {
+        let mut refs: Vec<&mut CpuGdn> = states.iter_mut().collect();
+        be.gdn_prefill_lanes(
+            &buf(t, c, qkv.clone()),
+            &buf(t, nv, b.clone()),
+            &buf(t, nv, a.clone()),
+            conv,
+            a_log,
+            dt,
+            &d,
+            &lens,
+            &mut refs,
+        )
+    };
+    let fresh = || vec![CpuGdn::new(&d), CpuGdn::new(&d)];
+    let want = call(&mut fresh(), &a_log, &dt, &conv).unwrap().data;
+    // each lane on its own equals the joined call
+    let mut own = Vec::new();
+    let mut off = 0;
+    for &n in &lens {
+        let mut st = CpuGdn::new(&d);
+        let u = be
+            .gdn_conv(
+                &buf(n, c, qkv[off * c..(off + n) * c].to_vec()),
+                &conv,
+                &d,
+                &mut st,
+            )
+            .unwrap();
+        let o = be
+            .gdn_prefill(
+                &u,
+                &buf(n, nv, b[off * nv..(off + n) * nv].to_vec()),
+                &buf(n, nv, a[off * nv..(off + n) * nv].to_vec()),
+                &a_log,
+                &dt,
+                &d,
+                &mut st,
+                true,
+            )
+            .unwrap();
+        own.extend(o.data);
+        off += n;
+    }
+    assert_eq!(want, own, "joined = lane by lane");
+    // bad a_log, dt_bias or conv lengths: refused, and nothing moved
+    let short = CpuVector(rng.vec(nv - 1, 1.0));
+    let short_conv = CpuVector(rng.vec(c * d.conv_kernel - 1, 0.5));
+    for (al, dv, cv) in [
+        (&short, &dt, &conv),
+        (&a_log, &short, &conv),
+        (&a_log, &dt, &short_conv),
+    ] {
+        let mut states = fresh();
+        let err = call(&mut states, al, dv, cv).unwrap_err().to_string();
+        assert!(!err.is_empty());
+        assert!(
+            states
+                .iter()
+                .all(|s| s.conv.iter().all(|&v| v == 0.0) && s.s.iter().all(|&v| v == 0.0)),
+            "a refused call moved a lane's state: {err}"
+        );
+        assert_eq!(call(&mut states, &a_log, &dt, &conv).unwrap().data, want);
+    }
+}

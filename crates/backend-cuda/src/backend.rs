@@ -2690,6 +2690,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn vector_len(&self, v: &CudaVector) -> usize {
+        v.len
+    }
+
     fn upload(&self, data: &[f32], rows: usize, cols: usize) -> BResult<CudaBuf> {
         let _p = self.prof.guard("upload");
         check::upload(data.len(), rows, cols)?;

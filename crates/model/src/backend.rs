@@ -341,7 +341,7 @@ pub fn gdn_prefill_each<B: Backend>(
             states.len()
         )));
     }
-    // the row counts against every input before any lane's history or state moves
+    // the row counts and every input's shape before any lane's history or state moves
     let total: usize = lens.iter().sum();
     for (name, buf) in [("qkv", qkv), ("b", b), ("a", a)] {
         let (rows, _) = be.shape(buf);
@@ -351,6 +351,16 @@ pub fn gdn_prefill_each<B: Backend>(
             )));
         }
     }
+    // (the conv output has qkv's shape)
+    crate::check::conv(be.shape(qkv), be.vector_len(conv), dims)?;
+    crate::check::gdn(
+        be.shape(qkv),
+        be.shape(b),
+        be.shape(a),
+        be.vector_len(a_log),
+        be.vector_len(dt_bias),
+        dims,
+    )?;
     let mut outs = Vec::with_capacity(lens.len());
     let mut off = 0;
     for (&n, state) in lens.iter().zip(states.iter_mut()) {
@@ -442,6 +452,8 @@ pub trait Backend: Send + Sync + Sized {
     fn weight_rows(&self, ck: &Checkpoint, name: &str, rows: &[u32]) -> BResult<Self::Weight>;
     /// A small tensor of any shape, flattened to f32.
     fn vector(&self, ck: &Checkpoint, name: &str) -> BResult<Self::Vector>;
+    /// Elements of a vector.
+    fn vector_len(&self, v: &Self::Vector) -> usize;
 
     // ---- state ----
     fn kv_new(&self, capacity: usize, kv_heads: usize, head_dim: usize) -> BResult<Self::Kv>;
