@@ -288,6 +288,13 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         row.insert("wide_launches".into(), json!(launches.0 - launches0.0));
         row.insert("small_launches".into(), json!(launches.1 - launches0.1));
         row.insert("pcm_bitwise_as_gemm_tc16_64".into(), json!(same_all));
+        // a configuration meant for the cp.async tiles must reach them
+        let (dw, ds) = (launches.0 - launches0.0, launches.1 - launches0.1);
+        if codec_cuda::cuda::decoder_tc() && ((w.is_some() && dw == 0) || (small && ds == 0)) {
+            failures.push(format!(
+                "real geometry: wide {w:?} small {small} never reached the cp.async tiles ({dw} wide, {ds} small launches)"
+            ));
+        }
         if !same_all {
             failures.push(format!(
                 "real geometry: wide {w:?} small {small} PCM differs from gemm_tc16/64's"

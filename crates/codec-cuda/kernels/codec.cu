@@ -330,8 +330,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Warps WM x WN, each MT m16 x NT n8 tiles: a block of BM = 16 WM MT rows and BN = 8 WN NT
-// columns, ST chunks of TCW_BK keys in flight. The B row stride BN + 8 floats makes the
-// fragment reads (8t + g) hit 32 distinct banks.
+// columns, ST stages of TCW_BK keys (up to ST - 1 chunks in flight). The B row stride BN + 8
+// floats makes the fragment reads (8t + g) hit 32 distinct banks.
 template <int WM, int WN, int MT, int NT, int ST>
 __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
                                               int cin, long long jstride, const float* B, float* C,

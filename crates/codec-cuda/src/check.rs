@@ -3,8 +3,8 @@
 //! `LowPrecision` build) that the same tolerance must catch, and the bit-for-bit checks that
 //! streaming needs: a row's result is the same whatever the row count, the row tile and whether
 //! K's segments are summed across blocks or inside one, and the cp.async tiles (`gemm_tcw`,
-//! `gemm_tcw2` for many rows, `gemm_tcs` for up to 16) give `gemm_tc64` / `gemm_tc16`'s bits. Run on a GPU by `examples/codec_gpu`
-//! and by the crate's GPU test.
+//! `gemm_tcw2` for many rows, `gemm_tcs` for up to 16) give `gemm_tc64` / `gemm_tc16`'s bits.
+//! Run on a GPU by `examples/codec_gpu` and by the crate's GPU test.
 
 use std::sync::Arc;
 
@@ -97,7 +97,9 @@ pub struct TcCheck {
 }
 
 impl TcCheck {
-    /// The exact build within tolerance, the twin caught, and the bits independent of the batch.
+    /// The exact build within tolerance, the twin caught, the bits independent of the batch and
+    /// equal across the kernels, every shape dispatched as its operands allow, and both kinds of
+    /// cp.async tiles launched.
     pub fn pass(&self) -> bool {
         self.exact_worst <= TOLERANCE
             && self.twin_worst > TOLERANCE
@@ -228,8 +230,9 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             stride: 1,
             dil: 9,
         },
-        // the wide tiles (cin a multiple of 16, N of 4, more than 64 rows): rows not a multiple
-        // of 128, N not of 64, K over three segments (the last short), and a strided conv
+        // the wide tiles (cin, K and the segment length multiples of 16, N of 4, more than 64
+        // rows): rows not a multiple of 128, N not of 64, K over three segments (the last
+        // short), and a strided conv
         Shape {
             m: 300,
             n: 96,
@@ -317,7 +320,12 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
-        out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
+        // the twin on the default kernels and with gemm_tcs (off by default) for its shapes
+        for small in [false, true] {
+            twin.set_small(small);
+            out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
+        }
+        twin.set_small(crate::cuda::small_tiles());
     }
     out.wide_launches = exact.wide_launches() - wide0;
     out.small_launches = exact.small_launches() - small0;

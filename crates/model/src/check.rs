@@ -189,7 +189,7 @@ pub fn gdn(
         return err(
             "gated delta rule",
             format!(
-                "qkv [{}, {}], b [{}, {}], a [{}, {}] for {d:?}",
+                "qkv [{}, {}], b [{}, {}], a [{}, {}], a_log {a_log}, dt_bias {dt_bias} values for {d:?}",
                 qkv.0, qkv.1, b.0, b.1, a.0, a.1
             ),
         );
