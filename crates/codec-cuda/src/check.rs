@@ -39,12 +39,12 @@ impl Shape {
     /// allocated at offset 0).
     fn staged(&self) -> bool {
         let ks = crate::exec::split_len(self.k(), self.n);
-        self.cin % 16 == 0
-            && self.k() % 16 == 0
-            && ks % 16 == 0
-            && self.n % 4 == 0
-            && (self.stride * self.cin) % 4 == 0
-            && (self.dil * self.cin) % 4 == 0
+        self.cin.is_multiple_of(16)
+            && self.k().is_multiple_of(16)
+            && ks.is_multiple_of(16)
+            && self.n.is_multiple_of(4)
+            && (self.stride * self.cin).is_multiple_of(4)
+            && (self.dil * self.cin).is_multiple_of(4)
     }
     /// A elements the GEMM may read: rows `m` at `stride·cin`, taps at `dil·cin`.
     fn a_len(&self) -> usize {
