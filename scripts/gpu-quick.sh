@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One bounded device pass for a change to the kernels (fits one device call; the whole contract
+# of scripts/gpu-verify.sh does not): the contract of the named kernel groups, the codec's GPU
+# check and A/B (examples/codec_gpu), the goldens, `say`'s PCM hash, Drama 3 parity, and a bench
+# at 1, 8 and 32 lanes. Every step is bounded by the time left (LIMIT seconds, default 540), so
+# a slow step cuts the pass short instead of the device call; `summary.txt` says which steps ran.
+#
+# Usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]
+#   BIN_DIR holds dramatis (--features cuda) and, optionally, codec_gpu and parity (the
+#   examples of codec-cuda and backend-cuda), as built here and carried to the device.
+#   CONTRACT_PATTERN defaults to gemv,linear_many,gdn.
+# Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
+set -u
+bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
+pattern=${2:-gemv,linear_many,gdn}
+T0=$SECONDS
+LIMIT=${LIMIT:-540}
+left() { echo $((LIMIT - (SECONDS - T0))); }
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+S="$out/summary.txt"
+L=$(mktemp -d)
+# run SECONDS NAME CMD...: CMD under a timeout no longer than the time left; its output to NAME.log
+run() {
+  local s=$1 n=$2
+  shift 2
+  local l
+  l=$(left)
+  if [ "$l" -lt 15 ]; then
+    echo "$n: skipped (out of time)" >> "$S"
+    return 1
+  fi
+  [ "$s" -gt "$l" ] && s=$l
+  local t=$SECONDS
+  timeout "$s" "$@" > "$L/$n.log" 2>&1
+  local rc=$?
+  echo "$n rc=$rc $((SECONDS - t))s" >> "$S"
+  return $rc
+}
+D="$bins/dramatis"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$S" 2>&1
+# the synthetic Drama 3 checkpoint, written beside the first steps
+("$D" fixture --geometry drama3 --seed 7 --out /tmp/d3 > "$L/fixture.log" 2>&1
+ echo "fixture rc=$?" > "$L/fixture.rc") &
+run 200 contract "$D" kernel-contract --only "$pattern"
+grep '^SUMMARY' "$L/contract.log" >> "$S"
+if [ -x "$bins/codec_gpu" ]; then
+  run 150 codec_gpu "$bins/codec_gpu" testdata/drama3-tiny "$L/cuda-codec.json"
+  grep -E "PASS gemm|FAIL|A/B|frames/s|ALL PASS" "$L/codec_gpu.log" | cut -c1-400 >> "$S"
+fi
+run 90 golden "$D" golden testdata/drama3-tiny --backend cuda
+grep '^GOLDEN' "$L/golden.log" | tail -1 >> "$S"
+run 60 say "$D" say "Hello there. A second sentence." --backend cuda --frames 48 --seed 3 --out "$L/say.wav"
+grep -o 'pcm_sha256 [0-9a-f]*' "$L/say.log" >> "$S"
+while [ ! -f "$L/fixture.rc" ] && [ "$(left)" -gt 30 ]; do sleep 2; done
+cat "$L/fixture.rc" >> "$S" 2>/dev/null
+if [ -x "$bins/parity" ]; then
+  run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"
+  grep -E "PASS|FAIL|JOINED" "$L/parity.log" | tail -4 >> "$S"
+fi
+if run 200 bench "$D" bench --model /tmp/d3 --backend cuda --lanes 1,8,32 --frames 64 --runs 3 \
+  --prefill-rows 1024 --out "$L/bench.json"; then
+  python3 - "$L/bench.json" >> "$S" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["results"]:
+    c = r.get("codec", {})
+    print(f"lanes {r['lanes']}: decode {r['decode_frames_per_s_median']:.1f} frames/s, in all "
+          f"{r['aggregate_frames_per_s_median']:.1f}, kept round "
+          f"{r['rounds'].get('kept_round_ms_mean') or 0:.2f} ms, first audio "
+          f"{r['time_to_first_audio_s_median']:.3f} s, codec after the last frame "
+          f"{r['after_last_frame_s_median']:.3f} s, codec busy {c.get('busy_fraction_of_runs') or 0:.2f}")
+PY
+  grep -E '^device (memory|state)|prefill' "$L/bench.log" | head -4 >> "$S"
+  cp "$L/bench.json" "$out/" 2>/dev/null
+fi
+(cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
+cat "$S"
