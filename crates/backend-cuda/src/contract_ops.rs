@@ -776,7 +776,6 @@ const GEMV_TT_SHAPES: [(usize, usize, usize); 6] = [
 /// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
 /// chunks (6144).
 pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
-    let opts = tt_opts;
     for (n, k, rows) in GEMV_TT_SHAPES {
         let (w, x, u, reference) = gated_case(c, n, k, rows);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
@@ -789,8 +788,8 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         );
         // the comparisons below mean something only if the tiles run and gemv_tc2 is the other side
         let (tt, tc2) = (
-            crate::backend::bf16_gemv_kernel(&opts(1), rows, k, n),
-            crate::backend::bf16_gemv_kernel(&opts(usize::MAX), rows, k, n),
+            crate::backend::bf16_gemv_kernel(&tt_opts(1), rows, k, n),
+            crate::backend::bf16_gemv_kernel(&tt_opts(usize::MAX), rows, k, n),
         );
         c.push(
             format!("{case}: dispatched to gemv_tt, against gemv_tc2"),
@@ -798,10 +797,10 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
             tt == "gemv_tt" && tc2.starts_with("gemv_tc2_"),
             format!("{tt} against {tc2}"),
         );
-        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
+        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
         let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
         // the same three on gemv_tc2 (no tiles), then rows one at a time
-        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
+        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX));
         let tc2 = run(&plain)?;
         same_bits(c, format!("{case}: bitwise = gemv_tc2"), &tiled, &tc2);
         let wd = plain.weight_bf16(n, k, &w)?;
@@ -843,12 +842,12 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         Ok(out)
     };
     let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
-    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, opts(1));
+    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
     let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
-    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(usize::MAX));
+    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX));
     let tc2 = run_many(&plain)?;
     same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &tiled, &tc2);
-    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(1));
+    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(1));
     let wd = bf16_weights(&be, &ws, &outs, k)?;
     let xd = be.upload(&x, rows, k)?;
     let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
