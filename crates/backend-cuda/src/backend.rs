@@ -708,6 +708,11 @@ pub struct CudaOptions {
     /// each weight read once per tile) instead of one slot a tile: the same bits, so any
     /// threshold keeps the batch promise (`DRAMATIS_CUDA_MOE_TC_GROUP`, default 8).
     pub moe_tc_group_rows: usize,
+    /// Warps a block of the grouped tensor-core experts (`moe_tc_gate_up`, `moe_tc_down`) at
+    /// most, each taking key blocks w, w + warps, ...: fewer warps give a multiprocessor more
+    /// blocks whose loads and chains overlap. The same bits at every count (a block's warps only
+    /// share out the key blocks): `DRAMATIS_CUDA_MOE_TC_WARPS`, 1 to 16.
+    pub moe_tc_warps: usize,
 }
 
 impl CudaOptions {
@@ -760,6 +765,7 @@ impl CudaOptions {
             moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_some_and(|v| v.trim() == "1"),
             moe_tc_bulk: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
             moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
+            moe_tc_warps: num("DRAMATIS_CUDA_MOE_TC_WARPS", 16).clamp(1, 16),
         }
     }
 }
@@ -2126,7 +2132,8 @@ impl CudaBackend {
         let (e32, i32_, h32, k32) = (i32v(op, e)?, i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
         let ep = self.err_ptr()?;
         let block = |kb: usize, most: usize| u32v(op, 32 * kb.clamp(1, most));
-        let (gu_block, dn_block) = (block(h / 128, 16)?, block(i / 128, 16)?);
+        let most = self.opts.moe_tc_warps.clamp(1, 16);
+        let (gu_block, dn_block) = (block(h / 128, most)?, block(i / 128, most)?);
         let (gx, dx) = (u32v(op, i / 16)?, u32v(op, h / 16)?);
         if !grouped {
             let null = 0u64;
@@ -4295,6 +4302,9 @@ mod tests {
         );
         assert!(on.moe_tc && on.moe_tc_bulk && !off.moe_tc && !off.moe_tc_bulk);
         assert_eq!(d.moe_tc_group_rows, 8);
+        assert_eq!(d.moe_tc_warps, 16);
+        assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "4").moe_tc_warps, 4);
+        assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "0").moe_tc_warps, 1);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);
         assert_eq!(
             one("DRAMATIS_CUDA_MOE_TC_GROUP", "32").moe_tc_group_rows,

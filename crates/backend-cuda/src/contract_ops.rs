@@ -39,6 +39,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         moe_tc: false,
         moe_tc_bulk: false,
         moe_tc_group_rows: usize::MAX,
+        moe_tc_warps: CudaOptions::from_lookup(|_| None).moe_tc_warps,
     }
 }
 
@@ -2805,6 +2806,22 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     );
     let again = run(&grouped)?;
     same_bits(c, format!("{case}: grouped, a second run"), &again, &g);
+    // fewer warps a block only share the key blocks out differently: the same bits
+    for warps in [4, 1] {
+        let o = CudaOptions {
+            moe_tc: true,
+            moe_tc_group_rows: 1,
+            moe_tc_warps: warps,
+            ..base_opts(true)
+        };
+        let few = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
+        same_bits(
+            c,
+            format!("{case}: grouped, {warps} warps a block = 16"),
+            &few,
+            &g,
+        );
+    }
     // a routing (no keep mask) whose first row's strongest expert is the pruned one: both
     // forms must report it at the next download (error bit 1), and the backend must then
     // compute the masked routing as before
