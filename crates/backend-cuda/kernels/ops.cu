@@ -1123,16 +1123,20 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
 // and the update reuses them instead of reading S again. One warp a block, a head's dv columns
 // over ceil(dv / 32) blocks (grid (nv ceil(dv / 32), lanes)): the rows' broadcast reads of k and
 // q from shared memory cost each SM one warp's worth, not a whole head's, and four times the
-// SMs share a prompt. Row r + 1's k, q and scalars are loaded while row r computes (k and q into
-// the other shared buffer, the scalars into registers), so a row waits on no global load. Each
-// thread runs the same operations in the same order as gdn_recur, so the same bits. Rows per
-// lane from rt, as gdn_recur's (at least one: the host never builds an empty lane's table).
+// SMs share a prompt. Row r's update and row r + 1's dots run in one pass over the column: each
+// updated value goes straight into the next row's two fmaf chains, so a row costs one walk of
+// 128 values, not two, and the chains' latency hides the updates. Rows' k and q take three
+// shared buffers (rows r and r + 1 in use, row r + 2 loaded meanwhile) and row r + 1's scalars
+// load while row r computes, so a row waits on no global load and one barrier a row suffices.
+// Each thread runs the same operations in the same order as gdn_recur (the dots of a row over
+// its state before the update, in key order, from zero), so the same bits. Rows per lane from
+// rt, as gdn_recur's (at least one: the host never builds an empty lane's table).
 extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
     PtrTab st, RowTab rt, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
     const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,
     float* __restrict__ o, int C, int nk, int dk, int nv, int dv) {
     constexpr int DK = 128;
-    __shared__ __align__(16) float sk[2][DK], sq[2][DK];
+    __shared__ __align__(16) float sk[3][DK], sq[3][DK];
     const int parts = (dv + 31) >> 5;
     const int h = blockIdx.x / parts, lane = blockIdx.y;
     const int kh = h / (nv / nk);
@@ -1144,37 +1148,53 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
 #pragma unroll
         for (int i = 0; i < DK; ++i) s[i] = S[(long long)i * dv + j];
     }
-    // row R's k and q (4 of each per thread) and this thread's scalars of row R
-    float4 pk, pq;
-    float p_gate = 0.0f, p_beta = 0.0f, p_v = 0.0f, p_kq = 0.0f;
-    auto fetch = [&](long long R) {
-        pk = *((const float4*)(kn + (R * nk + kh) * DK) + threadIdx.x);
-        pq = *((const float4*)(qn + (R * nk + kh) * DK) + threadIdx.x);
-        p_gate = gate[R * nv + h];
-        p_beta = beta[R * nv + h];
-        p_kq = kq[R * nk + kh];
-        if (live) p_v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
-    };
     const int t = rt.len[lane];
     const long long R0 = rt.start[lane];
-    if (t > 0) fetch(R0);
-    ((float4*)sk[0])[threadIdx.x] = pk;
-    ((float4*)sq[0])[threadIdx.x] = pq;
+    // row R's k and q (4 of each per thread)
+    const float4* kp = (const float4*)(kn + kh * DK) + threadIdx.x;
+    const float4* qp = (const float4*)(qn + kh * DK) + threadIdx.x;
+    const long long kstride = (long long)nk * DK / 4;
+    // the next row's scalars
+    float n_gate = 0.0f, n_beta = 0.0f, n_v = 0.0f, n_kq = 0.0f;
+    auto scalars = [&](long long R) {
+        n_gate = gate[R * nv + h];
+        n_beta = beta[R * nv + h];
+        n_kq = kq[R * nk + kh];
+        if (live) n_v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+    };
+    if (t > 0) {
+        ((float4*)sk[0])[threadIdx.x] = kp[R0 * kstride];
+        ((float4*)sq[0])[threadIdx.x] = qp[R0 * kstride];
+        scalars(R0);
+    }
+    if (t > 1) {
+        ((float4*)sk[1])[threadIdx.x] = kp[(R0 + 1) * kstride];
+        ((float4*)sq[1])[threadIdx.x] = qp[(R0 + 1) * kstride];
+    }
     __syncthreads();
+    // row 0's dots
+    float Sk = 0.0f, Sq = 0.0f;
+    if (live && t > 0) {
+#pragma unroll
+        for (int i = 0; i < DK; ++i) {
+            Sk = fmaf(s[i], sk[0][i], Sk);
+            Sq = fmaf(s[i], sq[0][i], Sq);
+        }
+    }
     for (int r = 0; r < t; ++r) {
         const long long R = R0 + r;
-        const int cur = r & 1;
-        const float g_r = p_gate, b_r = p_beta, v_r = p_v, kq_r = p_kq;
-        if (r + 1 < t) fetch(R + 1);
+        const int cur = r % 3, nxt = (r + 1) % 3, far = (r + 2) % 3;
+        const float g_r = n_gate, b_r = n_beta, v_r = n_v, kq_r = n_kq;
+        if (r + 1 < t) scalars(R + 1);
+        const bool more = r + 2 < t;
+        float4 pk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq = pk;
+        if (more) {
+            pk = kp[(R + 2) * kstride];
+            pq = qp[(R + 2) * kstride];
+        }
         if (live) {
             float alpha = expf(g_r);
             float bt = b_r;
-            float Sk = 0.0f, Sq = 0.0f;
-#pragma unroll
-            for (int i = 0; i < DK; ++i) {
-                Sk = fmaf(s[i], sk[cur][i], Sk);
-                Sq = fmaf(s[i], sq[cur][i], Sq);
-            }
             float vj = v_r;
 #if PLANT == 1
             float delta = bt * (vj - Sk);
@@ -1183,22 +1203,39 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
             float delta = bt * (vj - alpha * Sk);
             float oj = fmaf(delta, kq_r, alpha * Sq);
 #endif
+            if (r + 1 < t) {
+                // row r's update, each new value into row r + 1's dots
+                float Sk2 = 0.0f, Sq2 = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DK; ++i) {
+                for (int i = 0; i < DK; ++i) {
 #if PLANT == 1
-                float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
+                    float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
 #else
-                float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
+                    float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
 #endif
-                s[i] = lowp(ns);
+                    s[i] = lowp(ns);
+                    Sk2 = fmaf(s[i], sk[nxt][i], Sk2);
+                    Sq2 = fmaf(s[i], sq[nxt][i], Sq2);
+                }
+                Sk = Sk2;
+                Sq = Sq2;
+            } else {
+#pragma unroll
+                for (int i = 0; i < DK; ++i) {
+#if PLANT == 1
+                    float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
+#else
+                    float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
+#endif
+                    s[i] = lowp(ns);
+                }
             }
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
-        // the next row into the other buffer (its last readers finished before the previous
-        // barrier), then one barrier a row
-        if (r + 1 < t) {
-            ((float4*)sk[cur ^ 1])[threadIdx.x] = pk;
-            ((float4*)sq[cur ^ 1])[threadIdx.x] = pq;
+        // row r + 2 into the buffer row r - 1 used (its readers passed the previous barrier)
+        if (more) {
+            ((float4*)sk[far])[threadIdx.x] = pk;
+            ((float4*)sq[far])[threadIdx.x] = pq;
         }
         __syncthreads();
     }
