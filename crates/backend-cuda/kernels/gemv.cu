@@ -281,18 +281,31 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
     }
 }
 
+// The rows a block takes: all of them (grid.y 1), or for many rows a slab of whole 32-row passes,
+// grid.y slabs (blocks few against the multiprocessors then cover more of them). A row's
+// operations are the same in any slab, so the bits are too.
+__device__ __forceinline__ int gemv_slab(int rows) {
+    const int passes = (rows + 31) >> 5;
+    return 32 * ((passes + (int)gridDim.y - 1) / (int)gridDim.y);
+}
 #define GEMV_TC2(G, V)                                                                                    \
-    extern "C" __global__ void LB_GEMV gemv_tc2_g##G##_v##V(                              \
+    extern "C" __global__ void LB_GEMV gemv_tc2_g##G##_v##V(                                              \
         const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int n_out, int K, \
         int rows, int kc) {                                                                               \
-        gemv_tc2_body<G, V>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc);                                \
+        const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
+        if (rs >= rows) return;                                                                           \
+        gemv_tc2_body<G, V>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,                \
+                            min(slab, rows - rs), blockIdx.x * 16, kc);                                   \
     }                                                                                                     \
-    extern "C" __global__ void LB_GEMV gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x, \
-                                                                              int K, int rows, int kc) {  \
+    extern "C" __global__ void LB_GEMV gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x,   \
+                                                                  int K, int rows, int kc) {              \
         int j = 0;                                                                                        \
         while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;                                 \
-        gemv_tc2_body<G, V>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,                \
-                            (blockIdx.x - m.start[j]) * 16, kc);                                          \
+        const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
+        if (rs >= rows) return;                                                                           \
+        gemv_tc2_body<G, V>((const bf16_t*)m.w[j], x + (long long)rs * K,                                 \
+                            (float*)m.y[j] + (long long)rs * m.n_out[j], m.n_out[j], K,                   \
+                            min(slab, rows - rs), (blockIdx.x - m.start[j]) * 16, kc);                    \
     }
 GEMV_TC2(1, 1)
 GEMV_TC2(4, 1)
@@ -300,15 +313,21 @@ GEMV_TC2(1, 2)
 GEMV_TC2(4, 2)
 // y = W (silu(x) * u) and y = W (x * sigmoid(u)): silu_mul / sigmoid_mul fused into the input
 #define GEMV_TC2_SILU(G, V)                                                                               \
-    extern "C" __global__ void LB_GEMV gemv_tc2_silu_g##G##_v##V(                         \
+    extern "C" __global__ void LB_GEMV gemv_tc2_silu_g##G##_v##V(                                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
-        gemv_tc2_body<G, V, 1>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \
+        const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
+        if (rs >= rows) return;                                                                           \
+        gemv_tc2_body<G, V, 1>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,             \
+                               min(slab, rows - rs), blockIdx.x * 16, kc, u + (long long)rs * K);         \
     }                                                                                                     \
-    extern "C" __global__ void LB_GEMV gemv_tc2_sigm_g##G##_v##V(                         \
+    extern "C" __global__ void LB_GEMV gemv_tc2_sigm_g##G##_v##V(                                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
-        gemv_tc2_body<G, V, 2>(W, x, y, n_out, K, rows, blockIdx.x * 16, kc, u);                          \
+        const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
+        if (rs >= rows) return;                                                                           \
+        gemv_tc2_body<G, V, 2>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,             \
+                               min(slab, rows - rs), blockIdx.x * 16, kc, u + (long long)rs * K);         \
     }
 GEMV_TC2_SILU(1, 1)
 GEMV_TC2_SILU(4, 1)

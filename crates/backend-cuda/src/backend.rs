@@ -664,6 +664,11 @@ pub struct CudaOptions {
     /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
     /// the device idle, and `gemv_tc2` (the same bits) runs instead.
     pub gemv_tile_blocks: usize,
+    /// `gemv_tc2_*` over more than 32 rows in one block a 32-row pass (grid y), not every block
+    /// walking all the passes: the GEMVs of few outputs (the MoE group's 81 blocks, the 128 of a
+    /// 2048-output weight) then use the whole device in a prompt's prefill. The same bits (a
+    /// row's operations do not depend on its block): `DRAMATIS_CUDA_GEMV_SLABS=0` turns it off.
+    pub gemv_slabs: bool,
     /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
     /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
     pub gdn_lanes: bool,
@@ -756,6 +761,7 @@ impl CudaOptions {
                 n => n,
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
+            gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
@@ -1008,12 +1014,19 @@ struct Bf16Gemv {
     act: Option<(&'static str, &'static str)>,
     /// `gemv_tt*`: rows a block (grid y walks the row tiles); otherwise every block takes all rows.
     row_tile: Option<usize>,
+    /// `gemv_tc2_*` over more than 32 rows: grid y cuts the rows into slabs of one 32-row pass
+    /// each (gemv.cu `gemv_slab`), so few output blocks still fill the device.
+    row_slabs: bool,
 }
 
 impl Bf16Gemv {
     /// The launch grid for `blocks` output blocks over `rows` rows.
     fn grid(&self, op: &'static str, blocks: usize, rows: usize) -> BResult<(u32, u32, u32)> {
-        let y = self.row_tile.map_or(1, |t| rows.div_ceil(t).max(1));
+        let y = match self.row_tile {
+            Some(t) => rows.div_ceil(t).max(1),
+            None if self.row_slabs && rows > 32 => rows.div_ceil(32),
+            None => 1,
+        };
         Ok((u32v(op, blocks)?, u32v(op, y)?, 1))
     }
 }
@@ -1048,6 +1061,21 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 /// 2048 x 4096 out-projection, 32 tiles, took 103 us tiled against 44 us on `gemv_tc2`; 256
 /// rows of the MoE group, 84 tiles, 49 against 117).
 pub const TT_MIN_BLOCKS: usize = 64;
+
+/// The launch grid `bf16_gemv` gives `rows` rows over `blocks` output blocks: for the
+/// contract's slab checks and the tests.
+pub(crate) fn bf16_gemv_grid(
+    o: &CudaOptions,
+    rows: usize,
+    k: usize,
+    outs: usize,
+) -> (&'static str, (u32, u32, u32)) {
+    let gv = bf16_gemv(o, rows, k, outs);
+    let g = gv
+        .grid("gemv", outs.div_ceil(gv.per_block), rows)
+        .unwrap_or((0, 0, 0));
+    (gv.single, g)
+}
 
 /// The single-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs run with
 /// options `o` (`bf16_gemv`): for the contract's dispatch checks.
@@ -1116,6 +1144,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 kc: Some(kc as i32),
                 act: Some(("gemv_tt_silu", "gemv_tt_sigm")),
                 row_tile: Some(64),
+                row_slabs: false,
             };
         }
         let chunks = k.div_ceil(kc);
@@ -1135,6 +1164,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: Some(kc as i32),
             act: Some((silu, sigm)),
             row_tile: None,
+            row_slabs: o.gemv_slabs,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1145,6 +1175,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: None,
             act: None,
             row_tile: None,
+            row_slabs: false,
         }
     } else {
         Bf16Gemv {
@@ -1155,6 +1186,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             kc: None,
             act: None,
             row_tile: None,
+            row_slabs: false,
         }
     }
 }
@@ -4304,6 +4336,22 @@ mod tests {
         assert!(on.moe_tc && on.moe_tc_bulk && !off.moe_tc && !off.moe_tc_bulk);
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(d.moe_tc_warps, 4);
+        assert!(d.gemv_slabs && !one("DRAMATIS_CUDA_GEMV_SLABS", "0").gemv_slabs);
+        // gemv_tc2 past 32 rows: a 32-row slab a block row (grid y); up to 32 rows, one
+        let tc2 = CudaOptions {
+            gemv_tile_min: usize::MAX,
+            ..d
+        };
+        assert_eq!(bf16_gemv_grid(&tc2, 110, 2048, 2048), ("gemv_tc2_g4_v2", (128, 4, 1)));
+        assert_eq!(bf16_gemv_grid(&tc2, 32, 2048, 2048), ("gemv_tc2_g4_v2", (128, 1, 1)));
+        assert_eq!(bf16_gemv_grid(&tc2, 5, 2048, 2048), ("gemv_tc2_g1_v2", (128, 1, 1)));
+        let off = CudaOptions {
+            gemv_slabs: false,
+            ..tc2
+        };
+        assert_eq!(bf16_gemv_grid(&off, 110, 2048, 2048).1, (128, 1, 1));
+        // the 64-row tiles keep their own row tiles
+        assert_eq!(bf16_gemv_grid(&d, 130, 2048, 12288), ("gemv_tt", (192, 3, 1)));
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "16").moe_tc_warps, 16);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "0").moe_tc_warps, 1);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);

@@ -28,6 +28,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_warps_many: CudaOptions::from_lookup(|_| None).gemv_warps_many,
         gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
         gemv_tile_blocks: CudaOptions::from_lookup(|_| None).gemv_tile_blocks,
+        gemv_slabs: CudaOptions::from_lookup(|_| None).gemv_slabs,
         gdn_lanes: true,
         gdn_generic: false,
         kept_rounds: true,
@@ -804,6 +805,23 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX));
         let tc2 = run(&plain)?;
         same_bits(c, format!("{case}: bitwise = gemv_tc2"), &tiled, &tc2);
+        // gemv_tc2 with each block on one 32-row slab (grid y) against every block on all rows
+        let whole = CudaOptions {
+            gemv_slabs: false,
+            ..tt_opts(usize::MAX)
+        };
+        let whole = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, whole))?;
+        let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n);
+        let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
+        c.push(
+            format!("{case}: gemv_tc2 in 32-row slabs bitwise = whole-row blocks"),
+            Kind::Check,
+            slabbed && bits_equal(&tc2, &whole),
+            format!(
+                "grid {grid:?}, {}",
+                if bits_equal(&tc2, &whole) { "same bits" } else { "BITS DIFFER" }
+            ),
+        );
         let wd = plain.weight_bf16(n, k, &w)?;
         let mut one = Vec::new();
         let mut want = Vec::new();
