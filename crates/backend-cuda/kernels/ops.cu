@@ -1126,12 +1126,14 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
 // SMs share a prompt. Row r's update and row r + 1's dots run in one pass over the column: each
 // updated value goes straight into the next row's two fmaf chains, so a row costs one walk of
 // 128 values, not two, and the chains' latency hides the updates. Rows' k and q take three
-// shared buffers (rows r and r + 1 in use, row r + 2 loaded meanwhile) and row r + 1's scalars
-// load while row r computes, so a row waits on no global load and one barrier a row suffices.
+// shared buffers (rows r and r + 1 in use, row r + 2 stored at the end of row r); every global
+// load is issued a whole row before its use (row r + 3's k and q and row r + 2's scalars at the
+// end of row r), so a row waits on no global load, and one barrier a row suffices. At most 168
+// registers (12 blocks a multiprocessor, as before the loads moved ahead; 250 without the bound).
 // Each thread runs the same operations in the same order as gdn_recur (the dots of a row over
 // its state before the update, in key order, from zero), so the same bits. Rows per lane from
 // rt, as gdn_recur's (at least one: the host never builds an empty lane's table).
-extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
+extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
     PtrTab st, RowTab rt, const float* __restrict__ qn, const float* __restrict__ kn, const float* __restrict__ kq,
     const float* __restrict__ u, const float* __restrict__ beta, const float* __restrict__ gate,
     float* __restrict__ o, int C, int nk, int dk, int nv, int dv) {
@@ -1154,22 +1156,31 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
     const float4* kp = (const float4*)(kn + kh * DK) + threadIdx.x;
     const float4* qp = (const float4*)(qn + kh * DK) + threadIdx.x;
     const long long kstride = (long long)nk * DK / 4;
-    // the next row's scalars
-    float n_gate = 0.0f, n_beta = 0.0f, n_v = 0.0f, n_kq = 0.0f;
-    auto scalars = [&](long long R) {
-        n_gate = gate[R * nv + h];
-        n_beta = beta[R * nv + h];
-        n_kq = kq[R * nk + kh];
-        if (live) n_v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+    // a row's scalars: gate, beta, kq and this thread's v
+    struct Sc {
+        float gate, beta, kq, v;
     };
+    auto scalars = [&](long long R) {
+        Sc c{gate[R * nv + h], beta[R * nv + h], kq[R * nk + kh], 0.0f};
+        if (live) c.v = u[R * C + 2LL * nk * DK + (long long)h * dv + j];
+        return c;
+    };
+    // rows r and r + 1's scalars, and row r + 2's k and q, in registers
+    Sc sc0{0.0f, 0.0f, 0.0f, 0.0f}, sc1 = sc0;
+    float4 pk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq = pk;
     if (t > 0) {
         ((float4*)sk[0])[threadIdx.x] = kp[R0 * kstride];
         ((float4*)sq[0])[threadIdx.x] = qp[R0 * kstride];
-        scalars(R0);
+        sc0 = scalars(R0);
     }
     if (t > 1) {
         ((float4*)sk[1])[threadIdx.x] = kp[(R0 + 1) * kstride];
         ((float4*)sq[1])[threadIdx.x] = qp[(R0 + 1) * kstride];
+        sc1 = scalars(R0 + 1);
+    }
+    if (t > 2) {
+        pk = kp[(R0 + 2) * kstride];
+        pq = qp[(R0 + 2) * kstride];
     }
     __syncthreads();
     // row 0's dots
@@ -1184,14 +1195,7 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
     for (int r = 0; r < t; ++r) {
         const long long R = R0 + r;
         const int cur = r % 3, nxt = (r + 1) % 3, far = (r + 2) % 3;
-        const float g_r = n_gate, b_r = n_beta, v_r = n_v, kq_r = n_kq;
-        if (r + 1 < t) scalars(R + 1);
-        const bool more = r + 2 < t;
-        float4 pk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), pq = pk;
-        if (more) {
-            pk = kp[(R + 2) * kstride];
-            pq = qp[(R + 2) * kstride];
-        }
+        const float g_r = sc0.gate, b_r = sc0.beta, v_r = sc0.v, kq_r = sc0.kq;
         if (live) {
             float alpha = expf(g_r);
             float bt = b_r;
@@ -1232,11 +1236,18 @@ extern "C" __global__ void __launch_bounds__(32) gdn_recur_k128(
             }
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
-        // row r + 2 into the buffer row r - 1 used (its readers passed the previous barrier)
-        if (more) {
+        // row r + 2 into the buffer row r - 1 used (its readers passed the previous barrier),
+        // then the loads a row ahead: row r + 3's k and q, row r + 2's scalars
+        if (r + 2 < t) {
             ((float4*)sk[far])[threadIdx.x] = pk;
             ((float4*)sq[far])[threadIdx.x] = pq;
         }
+        if (r + 3 < t) {
+            pk = kp[(R + 3) * kstride];
+            pq = qp[(R + 3) * kstride];
+        }
+        sc0 = sc1;
+        if (r + 2 < t) sc1 = scalars(R + 2);
         __syncthreads();
     }
     if (live) {
