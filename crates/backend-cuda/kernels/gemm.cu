@@ -153,17 +153,66 @@ extern "C" __global__ void moe_group_count(const unsigned int* __restrict__ ids,
 }
 
 // One block: offsets[e] = sum of counts before e, tiles[e] = sum of ceil(counts / tm) before e
-// (tiles[E] = the total; tm slots a tile), cursor[e] = 0. E <= 1024.
+// (tiles[E] = the total; tm slots a tile), cursor[e] = 0. E <= 1024; blockDim a multiple of 32.
+// Thread i takes experts [i per, (i + 1) per): its sums, a warp scan and a scan of the warps'
+// totals give its start, then it writes its experts' prefix sums in order (integers: the same
+// values as one thread's walk, which took ~17 us at 256 experts).
 extern "C" __global__ void moe_group_scan(const int* __restrict__ counts, int* __restrict__ offsets,
                                           int* __restrict__ tiles, int* __restrict__ cursor, int E, int tm) {
-    if (threadIdx.x == 0) {
-        int o = 0, tl = 0;
-        for (int e = 0; e < E; ++e) {
+    __shared__ int wo[32], wt[32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int per = (E + blockDim.x - 1) / blockDim.x;
+    const int e0 = threadIdx.x * per;
+    int so = 0, st = 0;
+    for (int i = 0; i < per; ++i) {
+        const int e = e0 + i;
+        if (e < E) {
+            const int c = counts[e];
+            so += c;
+            st += (c + tm - 1) / tm;
+        }
+    }
+    // inclusive scans within the warp, then over the warps' totals
+    int io = so, it = st;
+    for (int d = 1; d < 32; d <<= 1) {
+        const int a = __shfl_up_sync(0xffffffffu, io, d), b = __shfl_up_sync(0xffffffffu, it, d);
+        if (lane >= d) {
+            io += a;
+            it += b;
+        }
+    }
+    if (lane == 31) {
+        wo[w] = io;
+        wt[w] = it;
+    }
+    __syncthreads();
+    if (w == 0) {
+        int a = lane < nw ? wo[lane] : 0, b = lane < nw ? wt[lane] : 0;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int pa = __shfl_up_sync(0xffffffffu, a, d), pb = __shfl_up_sync(0xffffffffu, b, d);
+            if (lane >= d) {
+                a += pa;
+                b += pb;
+            }
+        }
+        if (lane < nw) {
+            wo[lane] = a;
+            wt[lane] = b;
+        }
+    }
+    __syncthreads();
+    int o = (w > 0 ? wo[w - 1] : 0) + io - so, tl = (w > 0 ? wt[w - 1] : 0) + it - st;
+    for (int i = 0; i < per; ++i) {
+        const int e = e0 + i;
+        if (e < E) {
             offsets[e] = o;
             tiles[e] = tl;
-            o += counts[e];
-            tl += (counts[e] + tm - 1) / tm;
+            const int c = counts[e];
+            o += c;
+            tl += (c + tm - 1) / tm;
         }
+    }
+    if (threadIdx.x == blockDim.x - 1) {
         offsets[E] = o;
         tiles[E] = tl;
     }
