@@ -4342,16 +4342,28 @@ mod tests {
             gemv_tile_min: usize::MAX,
             ..d
         };
-        assert_eq!(bf16_gemv_grid(&tc2, 110, 2048, 2048), ("gemv_tc2_g4_v2", (128, 4, 1)));
-        assert_eq!(bf16_gemv_grid(&tc2, 32, 2048, 2048), ("gemv_tc2_g4_v2", (128, 1, 1)));
-        assert_eq!(bf16_gemv_grid(&tc2, 5, 2048, 2048), ("gemv_tc2_g1_v2", (128, 1, 1)));
+        assert_eq!(
+            bf16_gemv_grid(&tc2, 110, 2048, 2048),
+            ("gemv_tc2_g4_v2", (128, 4, 1))
+        );
+        assert_eq!(
+            bf16_gemv_grid(&tc2, 32, 2048, 2048),
+            ("gemv_tc2_g4_v2", (128, 1, 1))
+        );
+        assert_eq!(
+            bf16_gemv_grid(&tc2, 5, 2048, 2048),
+            ("gemv_tc2_g1_v2", (128, 1, 1))
+        );
         let off = CudaOptions {
             gemv_slabs: false,
             ..tc2
         };
         assert_eq!(bf16_gemv_grid(&off, 110, 2048, 2048).1, (128, 1, 1));
         // the 64-row tiles keep their own row tiles
-        assert_eq!(bf16_gemv_grid(&d, 130, 2048, 12288), ("gemv_tt", (192, 3, 1)));
+        assert_eq!(
+            bf16_gemv_grid(&d, 130, 2048, 12288),
+            ("gemv_tt", (192, 3, 1))
+        );
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "16").moe_tc_warps, 16);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "0").moe_tc_warps, 1);
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_GROUP", "0").moe_tc_group_rows, 1);

@@ -810,7 +810,11 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
             gemv_slabs: false,
             ..tt_opts(usize::MAX)
         };
-        let whole = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, whole))?;
+        let whole = run(&CudaBackend::with_gpu(
+            c.shared.clone(),
+            Variant::Exact,
+            whole,
+        ))?;
         let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n);
         let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
         c.push(
@@ -819,7 +823,11 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
             slabbed && bits_equal(&tc2, &whole),
             format!(
                 "grid {grid:?}, {}",
-                if bits_equal(&tc2, &whole) { "same bits" } else { "BITS DIFFER" }
+                if bits_equal(&tc2, &whole) {
+                    "same bits"
+                } else {
+                    "BITS DIFFER"
+                }
             ),
         );
         let wd = plain.weight_bf16(n, k, &w)?;
