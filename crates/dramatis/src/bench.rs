@@ -93,26 +93,30 @@ struct RunResult {
     audio_seconds: f64,
 }
 
+/// The request every lane of a run submits (`seed` differs).
+fn bench_request(a: &BenchArgs, seed: u64) -> SynthesisRequest {
+    SynthesisRequest {
+        text: a.text.clone(),
+        seed: Some(seed),
+        max_frames: Some(a.frames),
+        split: speech::Split::None,
+        references: if a.reference_frames > 0 {
+            vec![synthetic_reference(a.reference_frames)]
+        } else {
+            vec![]
+        },
+        ..Default::default()
+    }
+}
+
 fn one_run(eng: &Arc<Engine>, lanes: usize, a: &BenchArgs, run: usize) -> Result<RunResult> {
-    let (frames, text) = (a.frames, a.text.as_str());
     let t0 = Instant::now();
     let handles = (0..lanes)
         .map(|i| {
             let at = t0.elapsed().as_secs_f64();
-            eng.submit(SynthesisRequest {
-                text: text.to_string(),
-                seed: Some((run * 1000 + i) as u64),
-                max_frames: Some(frames),
-                split: speech::Split::None,
-                references: if a.reference_frames > 0 {
-                    vec![synthetic_reference(a.reference_frames)]
-                } else {
-                    vec![]
-                },
-                ..Default::default()
-            })
-            .map(|h| (at, h))
-            .map_err(|e| anyhow!("refused: {}", e.message))
+            eng.submit(bench_request(a, (run * 1000 + i) as u64))
+                .map(|h| (at, h))
+                .map_err(|e| anyhow!("refused: {}", e.message))
         })
         .collect::<Result<Vec<_>>>()?;
     let mut total = 0u64;
@@ -579,6 +583,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                       "starts_per_round": a.starts_per_round, "codec_on_host": a.codec_on_host,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),
+                      "prompt_rows": eng.prompt_rows(&bench_request(&a, 0)).map_err(|e| anyhow!("{}", e.message))?,
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
         "results": results,
         "prefill": prefill,
