@@ -1118,6 +1118,16 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
     }
 }
 
+// A state value after a row of the delta rule, from its old value s, the row's key value k, decay
+// alpha and delta (gdn_recur's update; PLANT 1: the decay after the update).
+__device__ __forceinline__ float gdn_new_s(float alpha, float s, float k, float delta) {
+#if PLANT == 1
+    return lowp(alpha * fmaf(k, delta, s));
+#else
+    return lowp(fmaf(alpha, s, k * delta));
+#endif
+}
+
 // gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a
 // column are in flight at once (the generic kernel's column walk waits on them a few at a time)
 // and the update reuses them instead of reading S again. One warp a block, a head's dv columns
@@ -1212,12 +1222,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
                 float Sk2 = 0.0f, Sq2 = 0.0f;
 #pragma unroll
                 for (int i = 0; i < DK; ++i) {
-#if PLANT == 1
-                    float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
-#else
-                    float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
-#endif
-                    s[i] = lowp(ns);
+                    s[i] = gdn_new_s(alpha, s[i], sk[cur][i], delta);
                     Sk2 = fmaf(s[i], sk[nxt][i], Sk2);
                     Sq2 = fmaf(s[i], sq[nxt][i], Sq2);
                 }
@@ -1225,14 +1230,7 @@ extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
                 Sq = Sq2;
             } else {
 #pragma unroll
-                for (int i = 0; i < DK; ++i) {
-#if PLANT == 1
-                    float ns = alpha * fmaf(sk[cur][i], delta, s[i]);
-#else
-                    float ns = fmaf(alpha, s[i], sk[cur][i] * delta);
-#endif
-                    s[i] = lowp(ns);
-                }
+                for (int i = 0; i < DK; ++i) s[i] = gdn_new_s(alpha, s[i], sk[cur][i], delta);
             }
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
