@@ -237,6 +237,12 @@ impl Backend for CpuBackend {
         Ok(CpuGdn::new(dims))
     }
 
+    fn gdn_fits(&self, st: &CpuGdn, dims: &GdnDims) -> bool {
+        // the sizes `CpuGdn::new` gives, without making one
+        st.conv.len() == dims.conv_kernel.saturating_sub(1) * dims.channels()
+            && st.s.len() == dims.v_heads * dims.k_dim * dims.v_dim
+    }
+
     fn kv_copy(&self, src: &CpuKv, dst: &mut CpuKv) -> BResult<()> {
         if dst.len != 0 || dst.width != src.width || dst.capacity < src.len {
             return Err(BackendError::Shape {

@@ -750,4 +750,18 @@ fn gdn_prefill_lanes_checks_every_input_before_any_lane_moves() {
         );
         assert_eq!(call(&mut states, &a_log, &dt, &conv).unwrap().data, want);
     }
+    // a lane state of another layer's dims (the last lane's): refused before the first moves
+    let other = GdnDims {
+        v_dim: d.v_dim + 1,
+        ..d
+    };
+    let mut states = vec![CpuGdn::new(&d), CpuGdn::new(&other)];
+    let err = call(&mut states, &a_log, &dt, &conv)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("lane 1's state"), "{err}");
+    assert!(
+        states[0].conv.iter().all(|&v| v == 0.0) && states[0].s.iter().all(|&v| v == 0.0),
+        "a refused call moved lane 0's state: {err}"
+    );
 }

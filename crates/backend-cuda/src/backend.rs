@@ -2946,6 +2946,10 @@ impl Backend for CudaBackend {
         self.dtod(dst.s.ptr, src.s.ptr, src.s.bytes)
     }
 
+    fn gdn_fits(&self, st: &CudaGdn, dims: &GdnDims) -> bool {
+        st.dims == *dims
+    }
+
     fn gdn_new(&self, d: &GdnDims) -> BResult<CudaGdn> {
         if d.conv_kernel == 0 {
             return Err(shape_err("gdn_new", "conv kernel of 0 taps".into()));

@@ -297,7 +297,9 @@ fn cpu_bench_receipt_has_no_device_memory() {
     // the settings name the backend options in the environment (none set here)
     assert!(v["settings"]["backend_env"].is_object(), "{v}");
     // and the measured request's prompt rows (one segment)
-    let rows = v["settings"]["prompt_rows"].as_array().expect("prompt_rows");
+    let rows = v["settings"]["prompt_rows"]
+        .as_array()
+        .expect("prompt_rows");
     assert!(rows.len() == 1 && rows[0].as_u64().unwrap() > 5, "{v}");
 }
 

@@ -361,6 +361,12 @@ pub fn gdn_prefill_each<B: Backend>(
         be.vector_len(dt_bias),
         dims,
     )?;
+    if let Some(i) = states.iter().position(|s| !be.gdn_fits(s, dims)) {
+        return Err(bad(format!(
+            "lane {i}'s state is not a layer of {} key / {} value heads of {} x {}, conv {}",
+            dims.k_heads, dims.v_heads, dims.k_dim, dims.v_dim, dims.conv_kernel
+        )));
+    }
     let mut outs = Vec::with_capacity(lens.len());
     let mut off = 0;
     for (&n, state) in lens.iter().zip(states.iter_mut()) {
@@ -459,6 +465,9 @@ pub trait Backend: Send + Sync + Sized {
     fn kv_new(&self, capacity: usize, kv_heads: usize, head_dim: usize) -> BResult<Self::Kv>;
     fn kv_len(&self, kv: &Self::Kv) -> usize;
     fn gdn_new(&self, dims: &GdnDims) -> BResult<Self::Gdn>;
+    /// Whether a lane state is one layer of `dims`'s (what `gdn_new(dims)` makes): the joined
+    /// prefill checks every lane's before any moves.
+    fn gdn_fits(&self, st: &Self::Gdn, dims: &GdnDims) -> bool;
     /// Copies every row of `src` into `dst`, which must be empty with room for them (lane fork:
     /// the reference prefill cache).
     fn kv_copy(&self, src: &Self::Kv, dst: &mut Self::Kv) -> BResult<()>;
