@@ -830,7 +830,8 @@ __device__ __forceinline__ long long xt_tile(const unsigned int* __restrict__ id
 }
 
 // h[s, i] = silu(gate_e . x[s / k]) * (up_e . x[s / k]) for the tile's slots. Grid (I / 16,
-// slots (direct) or an upper bound on the 8-slot tiles (grouped)), block 32 min(16, H / 128).
+// slots (direct) or an upper bound on the 8-slot tiles (grouped)), block 32 w threads, w from
+// ceil(H / 2048) (the 2 H / 128 scales are staged one a thread) to min(16, H / 128).
 // A direct slot naming an expert without weights gets NaN and sets bit 1 of *err (grouped
 // launches never list one: moe_group_count reports it and moe_group_combine writes the NaN).
 extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
@@ -900,7 +901,7 @@ __device__ __forceinline__ float xt_chain(const float* sc, const float* part, in
 }
 
 // obuf[s, n] = down_e . h[s] for the tile's slots (the per-slot dot the rank-ordered sum takes).
-// Grid (H / 16, tiles as moe_tc_gate_up), block 32 min(16, I / 128).
+// Grid (H / 16, tiles as moe_tc_gate_up), block 32 w threads, w up to min(16, I / 128).
 extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
     const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ obuf, int I, int H, int E,

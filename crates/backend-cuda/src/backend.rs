@@ -255,6 +255,16 @@ fn tc_experts_fit(i: usize, h: usize, k: usize) -> bool {
     fits(i) && fits(h) && (1..=64).contains(&(k * (i / 128)))
 }
 
+/// Threads a block of `moe_tc_gate_up` and of the grouped `moe_tc_down` (I, H multiples of
+/// 128): a warp a key block up to `warps` (1 to 16); gate/up at least one thread for each of
+/// the 2 H / 128 scales it stages.
+fn tc_expert_blocks(warps: usize, i: usize, h: usize) -> (usize, usize) {
+    let most = warps.clamp(1, 16);
+    let (hk, ik) = (h / 128, i / 128);
+    let gu = hk.clamp(1, most.max((2 * hk).div_ceil(32)));
+    (32 * gu, 32 * ik.clamp(1, most))
+}
+
 /// Grid for a grid-stride loop over `n` elements with 256-thread blocks.
 fn stride_grid(n: usize) -> (u32, u32, u32) {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20);
@@ -715,7 +725,8 @@ pub struct CudaOptions {
     pub moe_tc_group_rows: usize,
     /// Warps a block of the grouped tensor-core experts (`moe_tc_gate_up`, `moe_tc_down`) at
     /// most, each taking key blocks w, w + warps, ...: fewer warps give a multiprocessor more
-    /// blocks whose loads and chains overlap. The same bits at every count (a block's warps only
+    /// blocks whose loads and chains overlap (gate/up keeps at least one thread per scale it
+    /// stages, 2 H / 128). The same bits at every count (a block's warps only
     /// share out the key blocks): `DRAMATIS_CUDA_MOE_TC_WARPS`, 1 to 16, default 4 (an
     /// uncached ~150-row first audio, session 15: 16 warps 0.118 s, 8 0.110, 4 0.107, 2 0.113).
     pub moe_tc_warps: usize,
@@ -1012,7 +1023,8 @@ struct Bf16Gemv {
     /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
     /// the input loads (`Act`).
     act: Option<(&'static str, &'static str)>,
-    /// `gemv_tt*`: rows a block (grid y walks the row tiles); otherwise every block takes all rows.
+    /// `gemv_tt*`: rows a block (grid y walks the row tiles); otherwise every block takes all
+    /// rows, or a slab of them (`row_slabs`).
     row_tile: Option<usize>,
     /// `gemv_tc2_*` over more than 32 rows: grid y cuts the rows into slabs of one 32-row pass
     /// each (gemv.cu `gemv_slab`), so few output blocks still fill the device.
@@ -1024,7 +1036,8 @@ impl Bf16Gemv {
     fn grid(&self, op: &'static str, blocks: usize, rows: usize) -> BResult<(u32, u32, u32)> {
         let y = match self.row_tile {
             Some(t) => rows.div_ceil(t).max(1),
-            None if self.row_slabs && rows > 32 => rows.div_ceil(32),
+            // gemv_slab sizes the slabs from grid y, so a cap only makes them longer
+            None if self.row_slabs && rows > 32 => rows.div_ceil(32).min(MAX_GRID_Y),
             None => 1,
         };
         Ok((u32v(op, blocks)?, u32v(op, y)?, 1))
@@ -2165,8 +2178,8 @@ impl CudaBackend {
         let (e32, i32_, h32, k32) = (i32v(op, e)?, i32v(op, i)?, i32v(op, h)?, i32v(op, k)?);
         let ep = self.err_ptr()?;
         let block = |kb: usize, most: usize| u32v(op, 32 * kb.clamp(1, most));
-        let most = self.opts.moe_tc_warps.clamp(1, 16);
-        let (gu_block, dn_block) = (block(h / 128, most)?, block(i / 128, most)?);
+        let (gu_block, dn_block) = tc_expert_blocks(self.opts.moe_tc_warps, i, h);
+        let (gu_block, dn_block) = (u32v(op, gu_block)?, u32v(op, dn_block)?);
         let (gx, dx) = (u32v(op, i / 16)?, u32v(op, h / 16)?);
         if !grouped {
             let null = 0u64;
@@ -4341,6 +4354,13 @@ mod tests {
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(d.moe_tc_warps, 4);
         assert!(d.gemv_slabs && !one("DRAMATIS_CUDA_GEMV_SLABS", "0").gemv_slabs);
+        // the tensor-core experts' blocks: Drama 3 (I 512, H 2048) at 4 warps, 1 and 16; the
+        // contract's H 2560 at one warp keeps 64 threads for gate/up's 40 scales
+        assert_eq!(tc_expert_blocks(4, 512, 2048), (128, 128));
+        assert_eq!(tc_expert_blocks(1, 512, 2048), (32, 32));
+        assert_eq!(tc_expert_blocks(16, 512, 2048), (512, 128));
+        assert_eq!(tc_expert_blocks(1, 640, 2560), (64, 32));
+        assert_eq!(tc_expert_blocks(0, 128, 128), (32, 32));
         // gemv_tc2 past 32 rows: a 32-row slab a block row (grid y); up to 32 rows, one
         let tc2 = CudaOptions {
             gemv_tile_min: usize::MAX,

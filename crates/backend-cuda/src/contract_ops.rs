@@ -2844,7 +2844,9 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
         let few = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
         same_bits(
             c,
-            format!("{case}: grouped, {warps} warps a block = {default_warps}"),
+            format!(
+                "{case}: grouped, {warps} warps a block (gate/up: a thread a scale at least) = {default_warps}"
+            ),
             &few,
             &g,
         );
