@@ -728,7 +728,7 @@ pub struct CudaOptions {
     /// blocks whose loads and chains overlap (gate/up keeps at least one thread per scale it
     /// stages, 2 H / 128). The same bits at every count (a block's warps only
     /// share out the key blocks): `DRAMATIS_CUDA_MOE_TC_WARPS`, 1 to 16, default 4 (an
-    /// uncached ~150-row first audio, session 15: 16 warps 0.118 s, 8 0.110, 4 0.107, 2 0.113).
+    /// uncached 181-row first audio, session 15: 16 warps 0.118 s, 8 0.110, 4 0.107, 2 0.113).
     pub moe_tc_warps: usize,
 }
 
