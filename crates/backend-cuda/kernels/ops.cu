@@ -1139,7 +1139,8 @@ __device__ __forceinline__ float gdn_new_s(float alpha, float s, float k, float 
 // shared buffers (rows r and r + 1 in use, row r + 2 stored at the end of row r); every global
 // load is issued a whole row before its use (row r + 3's k and q and row r + 2's scalars at the
 // end of row r), so a row waits on no global load, and one barrier a row suffices. At most 168
-// registers (12 blocks a multiprocessor, as before the loads moved ahead; 250 without the bound).
+// registers and 16 bytes spilled (12 blocks a multiprocessor, as before the loads moved ahead;
+// 250 registers without the bound).
 // Each thread runs the same operations in the same order as gdn_recur (the dots of a row over
 // its state before the update, in key order, from zero), so the same bits. Rows per lane from
 // rt, as gdn_recur's (at least one: the host never builds an empty lane's table).
