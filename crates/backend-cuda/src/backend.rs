@@ -258,7 +258,7 @@ fn tc_experts_fit(i: usize, h: usize, k: usize) -> bool {
 /// Threads a block of `moe_tc_gate_up` and of the grouped `moe_tc_down` (I, H multiples of
 /// 128): a warp a key block up to `warps` (1 to 16); gate/up at least one thread for each of
 /// the 2 H / 128 scales it stages.
-fn tc_expert_blocks(warps: usize, i: usize, h: usize) -> (usize, usize) {
+pub(crate) fn tc_expert_blocks(warps: usize, i: usize, h: usize) -> (usize, usize) {
     let most = warps.clamp(1, 16);
     let (hk, ik) = (h / 128, i / 128);
     let gu = hk.clamp(1, most.max((2 * hk).div_ceil(32)));
@@ -1075,8 +1075,8 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 /// rows of the MoE group, 84 tiles, 49 against 117).
 pub const TT_MIN_BLOCKS: usize = 64;
 
-/// The launch grid `bf16_gemv` gives `rows` rows over `blocks` output blocks: for the
-/// contract's slab checks and the tests.
+/// The single-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs run with
+/// options `o` (`bf16_gemv`), and its launch grid: for the contract's dispatch and slab checks.
 pub(crate) fn bf16_gemv_grid(
     o: &CudaOptions,
     rows: usize,
@@ -1088,17 +1088,6 @@ pub(crate) fn bf16_gemv_grid(
         .grid("gemv", outs.div_ceil(gv.per_block), rows)
         .unwrap_or((0, 0, 0));
     (gv.single, g)
-}
-
-/// The single-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs run with
-/// options `o` (`bf16_gemv`): for the contract's dispatch checks.
-pub(crate) fn bf16_gemv_kernel(
-    o: &CudaOptions,
-    rows: usize,
-    k: usize,
-    outs: usize,
-) -> &'static str {
-    bf16_gemv(o, rows, k, outs).single
 }
 
 /// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
@@ -3519,7 +3508,7 @@ impl Backend for CudaBackend {
         // every check before any lane's history or state moves (the conv output has qkv's shape)
         check_conv(qkv, conv, d)?;
         check_gdn(qkv, b, a, a_log, dt_bias, d)?;
-        if let Some(i) = states.iter().position(|s| s.dims != *d) {
+        if let Some(i) = states.iter().position(|s| !self.gdn_fits(s, d)) {
             return Err(shape_err(
                 op,
                 format!(

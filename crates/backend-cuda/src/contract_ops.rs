@@ -790,8 +790,8 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         );
         // the comparisons below mean something only if the tiles run and gemv_tc2 is the other side
         let (tt, tc2) = (
-            crate::backend::bf16_gemv_kernel(&tt_opts(1), rows, k, n),
-            crate::backend::bf16_gemv_kernel(&tt_opts(usize::MAX), rows, k, n),
+            crate::backend::bf16_gemv_grid(&tt_opts(1), rows, k, n).0,
+            crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n).0,
         );
         c.push(
             format!("{case}: dispatched to gemv_tt, against gemv_tc2"),
@@ -817,17 +817,14 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         ))?;
         let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n);
         let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
+        let same = bits_equal(&tc2, &whole);
         c.push(
             format!("{case}: gemv_tc2 in 32-row slabs bitwise = whole-row blocks"),
             Kind::Check,
-            slabbed && bits_equal(&tc2, &whole),
+            slabbed && same,
             format!(
                 "grid {grid:?}, {}",
-                if bits_equal(&tc2, &whole) {
-                    "same bits"
-                } else {
-                    "BITS DIFFER"
-                }
+                if same { "same bits" } else { "BITS DIFFER" }
             ),
         );
         let wd = plain.weight_bf16(n, k, &w)?;
@@ -2845,8 +2842,13 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     let again = run(&grouped)?;
     same_bits(c, format!("{case}: grouped, a second run"), &again, &g);
     // fewer warps a block only share the key blocks out differently: the same bits
+    // (only counts whose blocks differ from the default's for this shape: others launch the same)
     let default_warps = base_opts(true).moe_tc_warps;
-    for warps in [16, 2, 1].into_iter().filter(|&w| w != default_warps) {
+    let blocks = |w| crate::backend::tc_expert_blocks(w, i, h);
+    for warps in [16, 2, 1]
+        .into_iter()
+        .filter(|&w| blocks(w) != blocks(default_warps))
+    {
         let o = CudaOptions {
             moe_tc: true,
             moe_tc_group_rows: 1,
@@ -3536,12 +3538,13 @@ mod tests {
     fn gemv_tt_case_runs_the_tiles() {
         for (n, k, rows) in GEMV_TT_SHAPES {
             assert_eq!(
-                crate::backend::bf16_gemv_kernel(&tt_opts(1), rows, k, n),
+                crate::backend::bf16_gemv_grid(&tt_opts(1), rows, k, n).0,
                 "gemv_tt",
                 "{rows} x {k} into {n}"
             );
             assert!(
-                crate::backend::bf16_gemv_kernel(&tt_opts(usize::MAX), rows, k, n)
+                crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n)
+                    .0
                     .starts_with("gemv_tc2_"),
                 "{rows} x {k} into {n}"
             );
@@ -3552,7 +3555,7 @@ mod tests {
             .map(|n| n.div_ceil(64) * 64)
             .sum();
         assert_eq!(
-            crate::backend::bf16_gemv_kernel(&tt_opts(1), 77, 2048, total),
+            crate::backend::bf16_gemv_grid(&tt_opts(1), 77, 2048, total).0,
             "gemv_tt"
         );
     }

@@ -444,6 +444,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .then(speech::device_pool_used)
         .flatten()
         .map(|(_, used)| used);
+    // the measured request's prompt rows per segment (refused here, before any run, if at all)
+    let prompt_rows = eng
+        .prompt_rows(&bench_request(&a, 0))
+        .map_err(|e| anyhow!("refused: {}", e.message))?;
     let mut results = Vec::new();
     for &lanes in &a.lanes {
         // One warm-up run, then the measured ones.
@@ -583,7 +587,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                       "starts_per_round": a.starts_per_round, "codec_on_host": a.codec_on_host,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),
-                      "prompt_rows": eng.prompt_rows(&bench_request(&a, 0)).map_err(|e| anyhow!("{}", e.message))?,
+                      "prompt_rows": prompt_rows,
                       "note": "random-weight checkpoints may end early on EOS; frames/s counts frames generated"},
         "results": results,
         "prefill": prefill,
