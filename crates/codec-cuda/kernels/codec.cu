@@ -182,6 +182,12 @@ __device__ __forceinline__ void step3(float (&acc)[4], const unsigned int (&ah)[
 }
 
 #define TC_BK 32
+// x = hi + lo in TF32 (hi = tf32(x), lo = tf32(x - hi)): every tensor-core GEMM's split.
+__device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
+    h = tf32_of(v);
+    l = tf32_of(v - __uint_as_float(h));
+}
+
 template <int BM>
 __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A, long long rsa, int cin,
                                              long long jstride, const float* B, float* C,
@@ -237,9 +243,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                 const int r = i / TC_BK, kk = i - r * TC_BK;
                 const int gr = row0 + r, gk = k0 + kk;
                 const float v = (gr < M && gk < kend) ? load_a(A, gr, gk, rsa, cin, jstride) : 0.0f;
-                const unsigned int h = tf32_of(v);
-                Ah[kk][r] = h;
-                Al[kk][r] = tf32_of(v - __uint_as_float(h));
+                tf32_split(v, Ah[kk][r], Al[kk][r]);
             }
             __syncthreads();
 #pragma unroll
@@ -250,8 +254,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                 for (int j = 0; j < 2; ++j)
 #pragma unroll
                     for (int q = 0; q < 2; ++q) {
-                        bh[j][q] = tf32_of(bv[s][j][q]);
-                        bl[j][q] = tf32_of(bv[s][j][q] - __uint_as_float(bh[j][q]));
+                        tf32_split(bv[s][j][q], bh[j][q], bl[j][q]);
                     }
                 const int kk = 8 * s + t;
 #pragma unroll
@@ -316,10 +319,6 @@ gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long
 // are read).
 #define TCW_BK 16
 #define TCW_AS 20  // A row stride in floats: fragment reads (20g + t) hit 32 distinct banks
-__device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
-    h = tf32_of(v);
-    l = tf32_of(v - __uint_as_float(h));
-}
 // 16 bytes global -> shared, asynchronously; src_bytes 0 fills the 16 bytes with zeros.
 __device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
     const unsigned int d = (unsigned int)__cvta_generic_to_shared(dst);
