@@ -39,12 +39,8 @@ impl Shape {
     /// allocated at offset 0).
     fn staged(&self) -> bool {
         let ks = crate::exec::split_len(self.k(), self.n);
-        self.cin.is_multiple_of(16)
-            && self.k().is_multiple_of(16)
-            && ks.is_multiple_of(16)
-            && self.n.is_multiple_of(4)
-            && (self.stride * self.cin).is_multiple_of(4)
-            && (self.dil * self.cin).is_multiple_of(4)
+        let (rsa, jstride) = (self.stride * self.cin, self.dil * self.cin);
+        crate::cuda::staged(self.cin, self.k(), ks, self.n, rsa, jstride, 0, 0)
     }
     /// A elements the GEMM may read: rows `m` at `stride·cin`, taps at `dil·cin`.
     fn a_len(&self) -> usize {

@@ -107,6 +107,31 @@ pub struct CudaExec {
 /// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
 pub(crate) const WIDE_MIN_ROWS: usize = 64;
 
+/// Whether the cp.async tiles (`gemm_tcw*`, `gemm_tcs`) may take a GEMM: they copy 16-key
+/// chunks as aligned float4s (see gemm_tcw), so cin, K and the segment length `ks` are
+/// multiples of 16, N, the row stride `rsa` and the tap stride `jstride` of 4 floats, and the
+/// operands' device addresses `a`, `b` of 16 bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn staged(
+    cin: usize,
+    k: usize,
+    ks: usize,
+    n: usize,
+    rsa: usize,
+    jstride: usize,
+    a: u64,
+    b: u64,
+) -> bool {
+    cin.is_multiple_of(16)
+        && k.is_multiple_of(16)
+        && ks.is_multiple_of(16)
+        && n.is_multiple_of(4)
+        && rsa.is_multiple_of(4)
+        && jstride.is_multiple_of(4)
+        && a.is_multiple_of(16)
+        && b.is_multiple_of(16)
+}
+
 /// The wide tensor-core kernel from `DRAMATIS_CODEC_TCW`: unset or `2`, `gemm_tcw2` (two blocks
 /// a multiprocessor, a few registers spilled: 2344 against 2200 frames/s in 16-frame pushes at
 /// Drama 3 geometry, session 14); `1`, `gemm_tcw`; `0`, none (`gemm_tc64` for every GEMM of
@@ -403,15 +428,7 @@ impl Exec for CudaExec {
         // (kernel, rows and columns a block, threads, K segments across blocks: 1 = a block
         // sums all of its segments itself). Either way an output is the same arithmetic.
         let (name, bm, bn, threads, zs) = if self.tc {
-            // the cp.async tiles copy 16-key chunks as aligned float4s (see gemm_tcw)
-            let staged = g.cin.is_multiple_of(16)
-                && g.k.is_multiple_of(16)
-                && ks.is_multiple_of(16)
-                && g.n.is_multiple_of(4)
-                && g.rsa.is_multiple_of(4)
-                && g.jstride.is_multiple_of(4)
-                && a.is_multiple_of(16)
-                && b.is_multiple_of(16);
+            let staged = staged(g.cin, g.k, ks, g.n, g.rsa, g.jstride, a, b);
             let wide = self.wide.get().filter(|_| staged && g.m > WIDE_MIN_ROWS);
             let small = staged && g.m <= 16 && self.small.get();
             let (name, bm, threads) = match wide {
