@@ -947,6 +947,62 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
     }
 }
 
+// moe_tc_down with four 16-output tiles a block (64 outputs, grid (H / 64, tiles)): one
+// activation fragment a key block feeds the four tiles' MMAs (xt_block<4>), so a block's table,
+// pointer and activation loads serve four times the outputs. Each output's MMAs, partials and
+// chain are moe_tc_down's, so the same bits. The 64 outputs share one 128-row scale block (64
+// divides 128). I / 128 <= XT_DN4_KB; block 32 w threads, w up to min(16, I / 128); warp m < 4
+// (and m + w ...) runs tile m's chains.
+#define XT_DN4_KB 8
+extern "C" __global__ void __launch_bounds__(512) moe_tc_down4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ obuf, int I, int H, int E,
+    int* __restrict__ err) {
+    __shared__ float red[XT_DN4_KB][4][32][4];
+    __shared__ float scale_sh[XT_DN4_KB];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 64;
+    int first, count;
+    const long long e = xt_tile(ids, order, tinfo, first, count);
+    if (e < 0) return;
+    if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
+        for (int q = threadIdx.x; q < 64; q += blockDim.x) obuf[(long long)first * H + n0 + q] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const int nkb = I >> 7;
+    for (int q = threadIdx.x; q < nkb; q += blockDim.x)
+        scale_sh[q] = ((const float*)tab[6 * e + 5])[(long long)(n0 >> 7) * nkb + xt_sb(q, nkb)];
+    const float* xr = nullptr;
+    if (g < count) xr = hbuf + (long long)(order ? order[first + g] : first) * I + 32 * t;
+    for (int b = warp; b < nkb; b += nw) {
+        const long long kk = 128LL * b + 32 * t;
+        const fp8_t* const wa[4] = {down + (long long)(n0 + g) * I + kk, down + (long long)(n0 + 16 + g) * I + kk,
+                                    down + (long long)(n0 + 32 + g) * I + kk, down + (long long)(n0 + 48 + g) * I + kk};
+        const fp8_t* const wb[4] = {down + (long long)(n0 + 8 + g) * I + kk, down + (long long)(n0 + 24 + g) * I + kk,
+                                    down + (long long)(n0 + 40 + g) * I + kk, down + (long long)(n0 + 56 + g) * I + kk};
+        float p[4][4];
+        xt_block<4>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int e4 = 0; e4 < 4; ++e4) red[b][m][lane][e4] = p[m][e4];
+    }
+    __syncthreads();
+    for (int m = warp; m < 4; m += nw) {
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+            const int c = 2 * t + (e4 & 1);
+            if (c >= count) continue;
+            const long long n = n0 + 16 * m + g + (e4 < 2 ? 0 : 8);
+            const float d = xt_chain(scale_sh, &red[0][m][lane][e4], 4 * 32 * 4, nkb);
+            const long long s = order ? order[first + c] : first;
+            obuf[s * H + n] = lowp(d);
+        }
+    }
+}
+
 // y[row, n] = sum_j wts[row, j] (down_{e_j} . h[row, j]), j in rank order: moe_tc_down then
 // moe_group_combine in one launch, bit for bit, for rows whose slots go one a tile. Grid
 // (H / 16, rows), block 32 min(32, k I / 128); k I / 128 <= XT_MAX_PAIRS. Warp w takes the

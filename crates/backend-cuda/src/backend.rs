@@ -730,6 +730,10 @@ pub struct CudaOptions {
     /// share out the key blocks): `DRAMATIS_CUDA_MOE_TC_WARPS`, 1 to 16, default 4 (an
     /// uncached 181-row first audio, session 15: 16 warps 0.118 s, 8 0.110, 4 0.107, 2 0.113).
     pub moe_tc_warps: usize,
+    /// The grouped tensor-core experts' down projection four 16-output tiles a block
+    /// (`moe_tc_down4`, where I / 128 <= 8), the same bits: `DRAMATIS_CUDA_MOE_TC_DOWN4=0` gives
+    /// one tile a block (`moe_tc_down`).
+    pub moe_tc_down4: bool,
 }
 
 impl CudaOptions {
@@ -784,6 +788,7 @@ impl CudaOptions {
             moe_tc_bulk: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
             moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
             moe_tc_warps: num("DRAMATIS_CUDA_MOE_TC_WARPS", 4).clamp(1, 16),
+            moe_tc_down4: get("DRAMATIS_CUDA_MOE_TC_DOWN4").is_none_or(|v| v.trim() != "0"),
         }
     }
 }
@@ -2216,7 +2221,13 @@ impl CudaBackend {
                 &offsets, &tiles, &tinfo, &e32, &b32);
             go!(self, Source::Moe, "moe_tc_gate_up", (gx, tile_bound, 1), gu_block, 0;
                 &tab, &ids, &xp, &order, &tinfo, &hbuf, &i32_, &h32, &k32, &e32, &ep);
-            go!(self, Source::Moe, "moe_tc_down", (dx, tile_bound, 1), dn_block, 0;
+            // four 16-output tiles a block where their key blocks fit its partials
+            let (down, dgx) = if self.opts.moe_tc_down4 && i / 128 <= 8 {
+                ("moe_tc_down4", u32v(op, h / 64)?)
+            } else {
+                ("moe_tc_down", dx)
+            };
+            go!(self, Source::Moe, down, (dgx, tile_bound, 1), dn_block, 0;
                 &tab, &ids, &hbuf, &order, &tinfo, &obuf, &i32_, &h32, &e32, &ep);
             Ok(())
         })
