@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One bounded device pass for a change to the kernels (fits one device call; the whole contract
 # of scripts/gpu-verify.sh does not): the contract of the named kernel groups, the codec's GPU
-# check and A/B (examples/codec_gpu), the goldens, `say`'s PCM hash, Drama 3 parity, and a bench
-# at 1, 8 and 32 lanes. Every step is bounded by the time left (LIMIT seconds, default 540), so
-# a slow step cuts the pass short instead of the device call; `summary.txt` says which steps ran.
+# check and A/B (examples/codec_gpu), the goldens, `say`'s PCM hash, Drama 3 parity, a bench
+# at 1, 8 and 32 lanes, and first audio of a 181- and a 100-row prompt with a reference. Every
+# step is bounded by the time left (LIMIT seconds, default 540), so a slow step cuts the pass
+# short instead of the device call; `summary.txt` says which steps ran.
 #
 # Usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]
 #   BIN_DIR holds dramatis (--features cuda) and, optionally, codec_gpu and parity (the
@@ -74,5 +75,25 @@ PY
   grep -E '^device (memory|state)|prefill' "$L/bench.log" | head -4 >> "$S"
   cp "$L/bench.json" "$out/" 2>/dev/null
 fi
+# first audio of prompts with a reference, prefix cached and prefilled from nothing: the bench
+# text after 60 frames (181 rows) and "Hello there." after 6 frames (100 rows)
+ttfa() { # ttfa NAME ARGS...: one lane, first audio median of 5 runs
+  local n=$1
+  shift
+  if run 40 "$n" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 5 "$@" \
+    --out "$L/$n.json"; then
+    python3 - "$L/$n.json" "$n" >> "$S" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+r = d["results"][0]
+print(f"{sys.argv[2]}: {d['settings'].get('prompt_rows')} prompt rows, first audio "
+      f"{r['time_to_first_audio_s_median']:.4f} s")
+PY
+  fi
+}
+ttfa ttfa181_cached --reference-frames 60
+ttfa ttfa181_uncached --reference-frames 60 --prompt-cache-gib 0
+ttfa ttfa100_cached --text "Hello there." --reference-frames 6
+ttfa ttfa100_uncached --text "Hello there." --reference-frames 6 --prompt-cache-gib 0
 (cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
 cat "$S"

@@ -1882,7 +1882,8 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
             let x = c.rng.normals_f32(total * ch, 1.0);
             let b = c.rng.normals_f32(total * nv, 1.0);
             let a = c.rng.normals_f32(total * nv, 1.0);
-            let run = |joined: bool| -> Result<Vec<f32>> {
+            // (outputs, histories, states; launches of the GDN calls themselves)
+            let run = |joined: bool| -> Result<(Vec<f32>, u64)> {
                 let be = backend(c, Variant::Exact, false);
                 let wv = be.vector_f32(&w)?;
                 let (al, dtv) = (be.vector_f32(&a_log)?, be.vector_f32(&dt)?);
@@ -1898,6 +1899,7 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
                     be.gdn_prefill(&u, &br, &ar, &al, &dtv, &gd, st, true)?;
                 }
                 let mut out = Vec::new();
+                let before = be.launch_count();
                 if joined {
                     let (xd, bd, ad) = (
                         be.upload(&x, total, ch)?,
@@ -1921,14 +1923,15 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
                         off += n;
                     }
                 }
+                let launches = be.launch_count() - before;
                 for st in &sts {
                     let (hist, s) = be.gdn_download(st)?;
                     out.extend(hist);
                     out.extend(s);
                 }
-                Ok(out)
+                Ok((out, launches))
             };
-            let (joined, solo) = (run(true)?, run(false)?);
+            let ((joined, joined_l), (solo, solo_l)) = (run(true)?, run(false)?);
             let shown: Vec<usize> = lens.iter().take(6).copied().collect();
             same_bits(
                 c,
@@ -1937,6 +1940,15 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
                 ),
                 &joined,
                 &solo,
+            );
+            // the joined path ran: its kernels launch once a 32-lane chunk, not once a lane
+            c.push(
+                format!(
+                    "{nk}/{nv} heads x {d}, {lanes} lanes: one launch a kernel a 32-lane chunk"
+                ),
+                Kind::Check,
+                joined_l * 2 <= solo_l,
+                format!("{joined_l} launches joined, {solo_l} lane by lane"),
             );
         }
     }
