@@ -748,19 +748,10 @@ __device__ __forceinline__ void xt_frag(const unsigned int (&wa)[8], const unsig
     a[3] = __float_as_uint(fb.y);
 }
 
-// One key block of NM weight matrices (rows wa[m], wb[m]) against one activation block:
-// p[m][e] = hi + lo, as the header says.
+// xt_block's MMAs over weights already in registers (va, vb) and the block's activations xs.
 template <int NM>
-__device__ __forceinline__ void xt_block(const fp8_t* const (&wa)[NM], const fp8_t* const (&wb)[NM],
-                                         const float* __restrict__ xr, float (&p)[NM][4]) {
-    unsigned int va[NM][8], vb[NM][8];
-#pragma unroll
-    for (int m = 0; m < NM; ++m) {
-        xt_load_w(wa[m], va[m]);
-        xt_load_w(wb[m], vb[m]);
-    }
-    float xs[32];
-    xt_load_x(xr, xs);
+__device__ __forceinline__ void xt_mma(const unsigned int (&va)[NM][8], const unsigned int (&vb)[NM][8],
+                                       const float (&xs)[32], float (&p)[NM][4]) {
     float hi[NM][4], lo[NM][4];
 #pragma unroll
     for (int m = 0; m < NM; ++m)
@@ -793,6 +784,29 @@ __device__ __forceinline__ void xt_block(const fp8_t* const (&wa)[NM], const fp8
     for (int m = 0; m < NM; ++m)
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[m][e] = hi[m][e] + lo[m][e];
+}
+
+// The NM weight matrices' rows wa[m], wb[m] of one key block into registers.
+template <int NM>
+__device__ __forceinline__ void xt_load_ws(const fp8_t* const (&wa)[NM], const fp8_t* const (&wb)[NM],
+                                          unsigned int (&va)[NM][8], unsigned int (&vb)[NM][8]) {
+#pragma unroll
+    for (int m = 0; m < NM; ++m) {
+        xt_load_w(wa[m], va[m]);
+        xt_load_w(wb[m], vb[m]);
+    }
+}
+
+// One key block of NM weight matrices (rows wa[m], wb[m]) against one activation block:
+// p[m][e] = hi + lo, as the header says.
+template <int NM>
+__device__ __forceinline__ void xt_block(const fp8_t* const (&wa)[NM], const fp8_t* const (&wb)[NM],
+                                         const float* __restrict__ xr, float (&p)[NM][4]) {
+    unsigned int va[NM][8], vb[NM][8];
+    xt_load_ws<NM>(wa, wb, va, vb);
+    float xs[32];
+    xt_load_x(xr, xs);
+    xt_mma<NM>(va, vb, xs, p);
 }
 
 // tinfo[3 b + {0, 1, 2}] = the expert, first slot (in `order`) and slot count of 8-slot tile b
@@ -834,7 +848,10 @@ __device__ __forceinline__ long long xt_tile(const unsigned int* __restrict__ id
 // ceil(H / 2048) (the 2 H / 128 scales are staged one a thread) to min(16, H / 128).
 // A direct slot naming an expert without weights gets NaN and sets bit 1 of *err (grouped
 // launches never list one: moe_group_count reports it and moe_group_combine writes the NaN).
-extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
+// PF: each warp loads its next key block's weights while the current one's MMAs run (two key
+// blocks' loads in flight a warp; the same operations on the same values, so the same bits).
+template <bool PF>
+__device__ __forceinline__ void moe_tc_gate_up_body(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ x,
     const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ h, int I, int H, int k,
     int E, int* __restrict__ err) {
@@ -863,16 +880,60 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
     const long long ra = n0 + g, rb = n0 + g + 8;
     const float* xr = nullptr;
     if (g < count) xr = x + (long long)((order ? order[first + g] : first) / k) * H + 32 * t;
-    for (int b = warp; b < nkb; b += nw) {
+    auto rows_of = [&](int b, const fp8_t* (&wa)[2], const fp8_t* (&wb)[2]) {
         const long long kk = 128LL * b + 32 * t;
-        const fp8_t* const wa[2] = {gate + ra * H + kk, up + ra * H + kk};
-        const fp8_t* const wb[2] = {gate + rb * H + kk, up + rb * H + kk};
-        float p[2][4];
-        xt_block<2>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+        wa[0] = gate + ra * H + kk;
+        wa[1] = up + ra * H + kk;
+        wb[0] = gate + rb * H + kk;
+        wb[1] = up + rb * H + kk;
+    };
+    if (PF) {
+        unsigned int va[2][8], vb[2][8];
+        if (warp < nkb) {
+            const fp8_t* wa[2];
+            const fp8_t* wb[2];
+            rows_of(warp, wa, wb);
+            xt_load_ws<2>(wa, wb, va, vb);
+        }
+        for (int b = warp; b < nkb; b += nw) {
+            unsigned int na[2][8], nb[2][8];
+            if (b + nw < nkb) {
+                const fp8_t* wa[2];
+                const fp8_t* wb[2];
+                rows_of(b + nw, wa, wb);
+                xt_load_ws<2>(wa, wb, na, nb);
+            }
+            float xs[32];
+            xt_load_x(xr ? xr + 128 * b : nullptr, xs);
+            float p[2][4];
+            xt_mma<2>(va, vb, xs, p);
 #pragma unroll
-        for (int e4 = 0; e4 < 4; ++e4) {
-            red[b][0][lane][e4] = p[0][e4];
-            red[b][1][lane][e4] = p[1][e4];
+            for (int e4 = 0; e4 < 4; ++e4) {
+                red[b][0][lane][e4] = p[0][e4];
+                red[b][1][lane][e4] = p[1][e4];
+            }
+            if (b + nw < nkb) {
+#pragma unroll
+                for (int m = 0; m < 2; ++m)
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) {
+                        va[m][q] = na[m][q];
+                        vb[m][q] = nb[m][q];
+                    }
+            }
+        }
+    } else {
+        for (int b = warp; b < nkb; b += nw) {
+            const fp8_t* wa[2];
+            const fp8_t* wb[2];
+            rows_of(b, wa, wb);
+            float p[2][4];
+            xt_block<2>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+#pragma unroll
+            for (int e4 = 0; e4 < 4; ++e4) {
+                red[b][0][lane][e4] = p[0][e4];
+                red[b][1][lane][e4] = p[1][e4];
+            }
         }
     }
     __syncthreads();
@@ -890,6 +951,19 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
         const long long s = order ? order[first + c] : first;
         h[s * I + n] = lowp(silu(ag) * au);
     }
+}
+extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ x,
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ h, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    moe_tc_gate_up_body<false>(tab, ids, x, order, tinfo, h, I, H, k, E, err);
+}
+// moe_tc_gate_up with the next key block's weights loaded a step ahead (the same bits)
+extern "C" __global__ void __launch_bounds__(512) moe_tc_gate_up_pf(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ x,
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ h, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    moe_tc_gate_up_body<true>(tab, ids, x, order, tinfo, h, I, H, k, E, err);
 }
 
 // The chain of one output over its key blocks' partials (stride between blocks' partials: st),
@@ -944,6 +1018,62 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
         const float d = xt_chain(scale_sh, &red[0][lane][e4], 32 * 4, nkb);
         const long long s = order ? order[first + c] : first;
         obuf[s * H + n] = lowp(d);
+    }
+}
+
+// moe_tc_down with four 16-output tiles a block (64 outputs, grid (H / 64, tiles)): one
+// activation fragment a key block feeds the four tiles' MMAs (xt_block<4>), so a block's table,
+// pointer and activation loads serve four times the outputs. Each output's MMAs, partials and
+// chain are moe_tc_down's, so the same bits. The 64 outputs share one 128-row scale block (64
+// divides 128). I / 128 <= XT_DN4_KB; block 32 w threads, w up to min(16, I / 128); warp m < 4
+// (and m + w ...) runs tile m's chains.
+#define XT_DN4_KB 8
+extern "C" __global__ void __launch_bounds__(512) moe_tc_down4(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
+    const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ obuf, int I, int H, int E,
+    int* __restrict__ err) {
+    __shared__ float red[XT_DN4_KB][4][32][4];
+    __shared__ float scale_sh[XT_DN4_KB];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 64;
+    int first, count;
+    const long long e = xt_tile(ids, order, tinfo, first, count);
+    if (e < 0) return;
+    if (!order && !expert_ok(tab, 6, e, E, err, lane)) {
+        for (int q = threadIdx.x; q < 64; q += blockDim.x) obuf[(long long)first * H + n0 + q] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+    const int nkb = I >> 7;
+    for (int q = threadIdx.x; q < nkb; q += blockDim.x)
+        scale_sh[q] = ((const float*)tab[6 * e + 5])[(long long)(n0 >> 7) * nkb + xt_sb(q, nkb)];
+    const float* xr = nullptr;
+    if (g < count) xr = hbuf + (long long)(order ? order[first + g] : first) * I + 32 * t;
+    for (int b = warp; b < nkb; b += nw) {
+        const long long kk = 128LL * b + 32 * t;
+        const fp8_t* const wa[4] = {down + (long long)(n0 + g) * I + kk, down + (long long)(n0 + 16 + g) * I + kk,
+                                    down + (long long)(n0 + 32 + g) * I + kk, down + (long long)(n0 + 48 + g) * I + kk};
+        const fp8_t* const wb[4] = {down + (long long)(n0 + 8 + g) * I + kk, down + (long long)(n0 + 24 + g) * I + kk,
+                                    down + (long long)(n0 + 40 + g) * I + kk, down + (long long)(n0 + 56 + g) * I + kk};
+        float p[4][4];
+        xt_block<4>(wa, wb, xr ? xr + 128 * b : nullptr, p);
+#pragma unroll
+        for (int m = 0; m < 4; ++m)
+#pragma unroll
+            for (int e4 = 0; e4 < 4; ++e4) red[b][m][lane][e4] = p[m][e4];
+    }
+    __syncthreads();
+    for (int m = warp; m < 4; m += nw) {
+#pragma unroll
+        for (int e4 = 0; e4 < 4; ++e4) {
+            const int c = 2 * t + (e4 & 1);
+            if (c >= count) continue;
+            const long long n = n0 + 16 * m + g + (e4 < 2 ? 0 : 8);
+            const float d = xt_chain(scale_sh, &red[0][m][lane][e4], 4 * 32 * 4, nkb);
+            const long long s = order ? order[first + c] : first;
+            obuf[s * H + n] = lowp(d);
+        }
     }
 }
 

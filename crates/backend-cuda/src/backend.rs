@@ -730,6 +730,14 @@ pub struct CudaOptions {
     /// share out the key blocks): `DRAMATIS_CUDA_MOE_TC_WARPS`, 1 to 16, default 4 (an
     /// uncached 181-row first audio, session 15: 16 warps 0.118 s, 8 0.110, 4 0.107, 2 0.113).
     pub moe_tc_warps: usize,
+    /// The grouped tensor-core experts' down projection four 16-output tiles a block
+    /// (`moe_tc_down4`, where I / 128 <= 8), the same bits: `DRAMATIS_CUDA_MOE_TC_DOWN4=0` gives
+    /// one tile a block (`moe_tc_down`).
+    pub moe_tc_down4: bool,
+    /// The tensor-core experts' gate/up with each warp's next key block loaded while the current
+    /// one computes (`moe_tc_gate_up_pf`), the same bits: `DRAMATIS_CUDA_MOE_TC_PREFETCH=0` gives
+    /// `moe_tc_gate_up`.
+    pub moe_tc_prefetch: bool,
 }
 
 impl CudaOptions {
@@ -784,6 +792,8 @@ impl CudaOptions {
             moe_tc_bulk: get("DRAMATIS_CUDA_MOE_TC").is_none_or(|v| v.trim() != "0"),
             moe_tc_group_rows: num("DRAMATIS_CUDA_MOE_TC_GROUP", 8).max(1),
             moe_tc_warps: num("DRAMATIS_CUDA_MOE_TC_WARPS", 4).clamp(1, 16),
+            moe_tc_down4: get("DRAMATIS_CUDA_MOE_TC_DOWN4").is_none_or(|v| v.trim() != "0"),
+            moe_tc_prefetch: get("DRAMATIS_CUDA_MOE_TC_PREFETCH").is_none_or(|v| v.trim() != "0"),
         }
     }
 }
@@ -2170,6 +2180,11 @@ impl CudaBackend {
         let (gu_block, dn_block) = tc_expert_blocks(self.opts.moe_tc_warps, i, h);
         let (gu_block, dn_block) = (u32v(op, gu_block)?, u32v(op, dn_block)?);
         let (gx, dx) = (u32v(op, i / 16)?, u32v(op, h / 16)?);
+        let gate_up = if self.opts.moe_tc_prefetch {
+            "moe_tc_gate_up_pf"
+        } else {
+            "moe_tc_gate_up"
+        };
         if !grouped {
             let null = 0u64;
             let chunk = (MAX_GRID_Y / k.max(1)).max(1);
@@ -2180,7 +2195,7 @@ impl CudaBackend {
                 let ids = route.ids.at(r0 * k * 4)?;
                 let wts = route.wts.at(r0 * k * 4)?;
                 let (xp, yp) = (x.row_ptr(r0)?, y.row_ptr(r0)?);
-                go!(self, Source::Moe, "moe_tc_gate_up", (gx, u32v(op, rn * k)?, 1), gu_block, 0;
+                go!(self, Source::Moe, gate_up, (gx, u32v(op, rn * k)?, 1), gu_block, 0;
                     &tab, &ids, &xp, &null, &null, &hw.ptr, &i32_, &h32, &k32, &e32, &ep);
                 go!(self, Source::Moe, "moe_tc_down_rows", (dx, u32v(op, rn)?, 1),
                     block(k * (i / 128), 32)?, 0;
@@ -2203,9 +2218,15 @@ impl CudaBackend {
             let (tile_bound, b32) = (u32v(op, p.bound)?, i32v(op, p.bound)?);
             go!(self, Source::Moe, "moe_tc_tiles", (u32v(op, p.bound.div_ceil(256))?, 1, 1), 256, 0;
                 &offsets, &tiles, &tinfo, &e32, &b32);
-            go!(self, Source::Moe, "moe_tc_gate_up", (gx, tile_bound, 1), gu_block, 0;
+            go!(self, Source::Moe, gate_up, (gx, tile_bound, 1), gu_block, 0;
                 &tab, &ids, &xp, &order, &tinfo, &hbuf, &i32_, &h32, &k32, &e32, &ep);
-            go!(self, Source::Moe, "moe_tc_down", (dx, tile_bound, 1), dn_block, 0;
+            // four 16-output tiles a block where their key blocks fit its partials
+            let (down, dgx) = if self.opts.moe_tc_down4 && i / 128 <= 8 {
+                ("moe_tc_down4", u32v(op, h / 64)?)
+            } else {
+                ("moe_tc_down", dx)
+            };
+            go!(self, Source::Moe, down, (dgx, tile_bound, 1), dn_block, 0;
                 &tab, &ids, &hbuf, &order, &tinfo, &obuf, &i32_, &h32, &e32, &ep);
             Ok(())
         })

@@ -41,6 +41,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         moe_tc_bulk: false,
         moe_tc_group_rows: usize::MAX,
         moe_tc_warps: CudaOptions::from_lookup(|_| None).moe_tc_warps,
+        moe_tc_down4: CudaOptions::from_lookup(|_| None).moe_tc_down4,
+        moe_tc_prefetch: CudaOptions::from_lookup(|_| None).moe_tc_prefetch,
     }
 }
 
@@ -2841,6 +2843,26 @@ fn experts_tc_case(c: &mut Ctx, e: usize, i: usize, h: usize, rows: usize, k: us
     );
     let again = run(&grouped)?;
     same_bits(c, format!("{case}: grouped, a second run"), &again, &g);
+    // the down projection one 16-output tile a block against four (the default), and gate/up
+    // without the next key block's weights loaded ahead
+    for (label, down4, prefetch) in [
+        ("the down projection one tile a block = four", false, true),
+        (
+            "gate/up without the loads a key block ahead = with",
+            true,
+            false,
+        ),
+    ] {
+        let o = CudaOptions {
+            moe_tc: true,
+            moe_tc_group_rows: 1,
+            moe_tc_down4: down4,
+            moe_tc_prefetch: prefetch,
+            ..base_opts(true)
+        };
+        let other = run(&CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o))?;
+        same_bits(c, format!("{case}: grouped, {label}"), &other, &g);
+    }
     // fewer warps a block only share the key blocks out differently: the same bits
     // (only counts whose blocks differ from the default's for this shape: others launch the same)
     let default_warps = base_opts(true).moe_tc_warps;
