@@ -365,19 +365,31 @@ GEMV_TC2_SILU(4, 2)
 // running total in chunk order (gemv_tc2's red[0] + red[1] + ...). So a row's result equals
 // its one-row gemv_tc2 launch bit for bit, whatever the other rows and the tiling.
 // Warp w: outputs 32 (w & 1) .. + 32 (two 16-output MMA tiles), rows 16 (w >> 1) .. + 16 (two
-// 8-row tiles). Shared layout: weight word (keys 16 t + 2 s, + 1) of output o at Ws[o][4 s + t]
-// (row stride 36 words), activation key 16 t + 2 s + b of row r at X[r][4 (2 s + b) + t] (row
-// stride 68): a warp's fragment reads hit 32 distinct banks.
+// 8-row tiles). Shared layout, one 16-byte read per fragment: the weight words (keys 16 t + 2 s,
+// + 1) of outputs 32 h + g + 8 q, q = 0..3, at Wv[h][s][g][t].q (a thread's both MMA tiles); the
+// activation words of keys 16 t + 2 s + b of row r at Xv[r][s][t] = (hi b 0, hi b 1, lo b 0,
+// lo b 1) (row stride 36: the 8 threads of each quarter-warp read distinct 16-byte bank
+// groups). (Session 12's layout read the same words one at a time: 12 reads a step s.)
 // PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
-#define TT_WS 36
-#define TT_XS 68
+#define TT_XS 36
+// Two blocks a multiprocessor (128 registers, a few bytes spilled outside the MMAs): at one
+// block (148 registers) a multiprocessor held 8 warps, 2 a scheduler, and the tiles issued at
+// ~18% of the rate (session 12's ncu). -DTT_OCC=0 (DRAMATIS_CUDA_TT_OCC=0) builds the old
+// bound (none). Register allocation moves no bits.
+#ifndef TT_OCC
+#define TT_OCC 2
+#endif
+#if TT_OCC
+#define LB_TT __launch_bounds__(256, TT_OCC)
+#else
+#define LB_TT __launch_bounds__(256)
+#endif
 template <int ACT>
 __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                              float* __restrict__ y, int n_out, int K, int rows, int o0,
                                              int kc, const float* __restrict__ u) {
-    __shared__ unsigned int Ws[64][TT_WS];
-    __shared__ unsigned int Xh[64][TT_XS];
-    __shared__ unsigned int Xl[64][TT_XS];
+    __shared__ uint4 Wv[2][8][8][4];
+    __shared__ uint4 Xv[64][TT_XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wo = warp & 1, wr = warp >> 1;
@@ -402,24 +414,26 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int q = tid + 256 * i, o = q >> 3, c = q & 7;
+            const int h = o >> 5, oq = (o >> 3) & 3, og = o & 7;
             const unsigned int wv[4] = {wreg[i].x, wreg[i].y, wreg[i].z, wreg[i].w};
+            unsigned int* base = (unsigned int*)&Wv[h][0][og][0] + oq;
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 const int wd = 4 * c + m;  // word of keys 2 wd, 2 wd + 1 = 16 t + 2 s
-                Ws[o][4 * (wd & 7) + (wd >> 3)] = wv[m];
+                base[4 * (4 * (8 * (wd & 7)) + (wd >> 3))] = wv[m];
             }
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int q = tid + 256 * i, r = q >> 4, c = q & 15;
-            const float xs[4] = {xreg[i].x, xreg[i].y, xreg[i].z, xreg[i].w};
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int kk = 4 * c + m, tt = kk >> 4, s = (kk >> 1) & 7, b = kk & 1;
-                const unsigned int h = to_tf32(xs[m]);
-                Xh[r][4 * (2 * s + b) + tt] = h;
-                Xl[r][4 * (2 * s + b) + tt] = to_tf32(xs[m] - __uint_as_float(h));
-            }
+            // keys 4 c .. 4 c + 3: s = (c & 3) * 2 + {0, 1} (two keys each), t = c >> 2
+            const int tt = c >> 2, s0 = 2 * (c & 3);
+            const unsigned int h0 = to_tf32(xreg[i].x), h1 = to_tf32(xreg[i].y);
+            const unsigned int h2 = to_tf32(xreg[i].z), h3 = to_tf32(xreg[i].w);
+            Xv[r][4 * s0 + tt] = make_uint4(h0, h1, to_tf32(xreg[i].x - __uint_as_float(h0)),
+                                            to_tf32(xreg[i].y - __uint_as_float(h1)));
+            Xv[r][4 * (s0 + 1) + tt] = make_uint4(h2, h3, to_tf32(xreg[i].z - __uint_as_float(h2)),
+                                                  to_tf32(xreg[i].w - __uint_as_float(h3)));
         }
     };
     float hi[2][2][4], lo[2][2][4], tot[2][2][4];
@@ -448,16 +462,16 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
                 unsigned int bh[2][2], bl[2][2];
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    const int r = 16 * wr + 8 * j + g;
-                    bh[j][0] = Xh[r][4 * (2 * s) + t];
-                    bh[j][1] = Xh[r][4 * (2 * s + 1) + t];
-                    bl[j][0] = Xl[r][4 * (2 * s) + t];
-                    bl[j][1] = Xl[r][4 * (2 * s + 1) + t];
+                    const uint4 v = Xv[16 * wr + 8 * j + g][4 * s + t];
+                    bh[j][0] = v.x;
+                    bh[j][1] = v.y;
+                    bl[j][0] = v.z;
+                    bl[j][1] = v.w;
                 }
+                const uint4 wq = Wv[wo][s][g][t];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    const int o = 32 * wo + 16 * i + g;
-                    const unsigned int wa = Ws[o][4 * s + t], wb = Ws[o + 8][4 * s + t];
+                    const unsigned int wa = i ? wq.z : wq.x, wb = i ? wq.w : wq.y;
                     const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
 #pragma unroll
                     for (int j = 0; j < 2; ++j) {
@@ -501,24 +515,24 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
             }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
+extern "C" __global__ void LB_TT gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                                           float* __restrict__ y, int n_out, int K, int rows, int kc) {
     gemv_tt_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr);
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows,
+extern "C" __global__ void LB_TT gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows,
                                                                 int kc) {
     int j = 0;
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
     gemv_tt_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
                     kc, nullptr);
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_tt_silu(const bf16_t* __restrict__ W,
+extern "C" __global__ void LB_TT gemv_tt_silu(const bf16_t* __restrict__ W,
                                                                const float* __restrict__ x,
                                                                const float* __restrict__ u, float* __restrict__ y,
                                                                int n_out, int K, int rows, int kc) {
     gemv_tt_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_tt_sigm(const bf16_t* __restrict__ W,
+extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W,
                                                                const float* __restrict__ x,
                                                                const float* __restrict__ u, float* __restrict__ y,
                                                                int n_out, int K, int rows, int kc) {

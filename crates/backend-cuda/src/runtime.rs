@@ -198,6 +198,10 @@ pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
     if !gemv_prefetch() {
         o.push("-DGEMV_PF=0".to_string());
     }
+    // gemv_tt's blocks a multiprocessor (gemv.cu TT_OCC): 2, or 0 for no bound (before s16)
+    if std::env::var("DRAMATIS_CUDA_TT_OCC").is_ok_and(|v| v.trim() == "0") {
+        o.push("-DTT_OCC=0".to_string());
+    }
     o
 }
 
