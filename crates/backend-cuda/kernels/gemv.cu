@@ -281,20 +281,6 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
     }
 }
 
-// A block's 16 weight rows from n0 asked of L2 as it starts (PDL_EARLY: before the wait); the
-// first slab's blocks only, since the others read the same rows.
-__device__ __forceinline__ void gemv_pf(const bf16_t* W, int n_out, int K, int n0) {
-    if (blockIdx.y != 0 || n0 >= n_out) return;
-    const int nr = n_out - n0 < 16 ? n_out - n0 : 16;
-    l2_prefetch(W + (long long)n0 * K, (unsigned int)nr * (unsigned int)K * 2u);
-}
-
-__device__ __forceinline__ void gemv_pf_multi(const Multi& m, int K) {
-    int j = 0;
-    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_pf((const bf16_t*)m.w[j], m.n_out[j], K, ((int)blockIdx.x - m.start[j]) * 16);
-}
-
 // The rows a block takes: all of them (grid.y 1), or for many rows a slab of whole 32-row passes,
 // grid.y slabs (blocks few against the multiprocessors then cover more of them). A row's
 // operations are the same in any slab, so the bits are too.
@@ -306,7 +292,6 @@ __device__ __forceinline__ int gemv_slab(int rows) {
     extern "C" __global__ void LB_GEMV gemv_tc2_g##G##_v##V(                                              \
         const bf16_t* __restrict__ W, const float* __restrict__ x, float* __restrict__ y, int n_out, int K, \
         int rows, int kc) {                                                                               \
-        PDL_EARLY(gemv_pf(W, n_out, K, blockIdx.x * 16));                                                 \
         const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
         if (rs >= rows) return;                                                                           \
         gemv_tc2_body<G, V>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,                \
@@ -314,7 +299,6 @@ __device__ __forceinline__ int gemv_slab(int rows) {
     }                                                                                                     \
     extern "C" __global__ void LB_GEMV gemv_tc2_multi_g##G##_v##V(Multi m, const float* __restrict__ x,   \
                                                                   int K, int rows, int kc) {              \
-        PDL_EARLY(gemv_pf_multi(m, K));                                                                   \
         int j = 0;                                                                                        \
         while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;                                 \
         const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
@@ -332,7 +316,6 @@ GEMV_TC2(4, 2)
     extern "C" __global__ void LB_GEMV gemv_tc2_silu_g##G##_v##V(                                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
-        PDL_EARLY(gemv_pf(W, n_out, K, blockIdx.x * 16));                                                 \
         const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
         if (rs >= rows) return;                                                                           \
         gemv_tc2_body<G, V, 1>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,             \
@@ -341,7 +324,6 @@ GEMV_TC2(4, 2)
     extern "C" __global__ void LB_GEMV gemv_tc2_sigm_g##G##_v##V(                                         \
         const bf16_t* __restrict__ W, const float* __restrict__ x, const float* __restrict__ u,           \
         float* __restrict__ y, int n_out, int K, int rows, int kc) {                                      \
-        PDL_EARLY(gemv_pf(W, n_out, K, blockIdx.x * 16));                                                 \
         const int slab = gemv_slab(rows), rs = blockIdx.y * slab;                                         \
         if (rs >= rows) return;                                                                           \
         gemv_tc2_body<G, V, 2>(W, x + (long long)rs * K, y + (long long)rs * n_out, n_out, K,             \

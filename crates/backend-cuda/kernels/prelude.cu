@@ -126,36 +126,6 @@ __device__ __forceinline__ int group_tile(const int* __restrict__ offsets, const
 #else
 #define PDL_WAIT()
 #endif
-// A kernel whose body opens with PDL_EARLY(statement); runs that statement before the wait
-// (runtime.rs puts the wait after it): only for work that touches nothing a kernel writes, such
-// as asking L2 for weights, so it overlaps the grid ahead of it.
-#define PDL_EARLY(s) s
-
-// Asks L2 for bytes [p, p + bytes) of weights (read-only for the process's life), so the loads
-// that follow find them there or on their way: a block's whole share is in flight at once,
-// started before the dependent-launch wait. Moves no data into registers and no bits; off with
-// -DGEMV_PF=0 (DRAMATIS_CUDA_GEMV_PF=0). p 16-byte aligned; a tail of bytes below 16 is left
-// out (never past the weights).
-#ifndef GEMV_PF
-#define GEMV_PF 1
-#endif
-__device__ __forceinline__ void l2_prefetch(const void* p, unsigned int bytes) {
-#if GEMV_PF && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // 16 KiB pieces, one a thread of the first warp
-    const unsigned int piece = 16384u, n = (bytes + piece - 1) / piece;
-    for (unsigned int i = threadIdx.x; i < n; i += 32) {
-        if (threadIdx.x >= 32) break;
-        const unsigned int off = i * piece;
-        const unsigned int len = (bytes - off < piece ? bytes - off : piece) & ~15u;
-        if (len == 0) break;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((const char*)p + off), "r"(len)
-                     : "memory");
-    }
-#elif GEMV_PF
-    for (unsigned int off = threadIdx.x * 128u; off < bytes; off += blockDim.x * 128u)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + off));
-#endif
-}
 
 // Blocks a multiprocessor must hold for the streaming kernels (the BF16 decode GEMVs and the
 // per-row FP8 experts), in their __launch_bounds__: the build's -DOCC=N (DRAMATIS_CUDA_OCC).

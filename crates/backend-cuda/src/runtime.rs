@@ -69,12 +69,9 @@ impl Source {
 /// `PDL_WAIT();` as the first statement of every `extern "C" __global__` function of `body`: the
 /// first `{` after each such declaration opens its body. With programmatic dependent launch a
 /// kernel may start before the one ahead of it has finished, and must wait before it touches
-/// memory; putting the wait in mechanically means no kernel can miss it. One exception, also
-/// mechanical: a body that opens with a `PDL_EARLY(...);` statement gets the wait right after
-/// it. Such a statement may only touch what no kernel writes (the weights: prelude.cu).
+/// memory; putting the wait in mechanically means no kernel can miss it.
 pub fn with_pdl_waits(body: &str) -> String {
     const KERNEL: &str = "extern \"C\" __global__";
-    const EARLY: &str = "PDL_EARLY(";
     let mut out = String::with_capacity(body.len() + 16 * 128);
     let mut rest = body;
     while let Some(i) = rest.find(KERNEL) {
@@ -82,23 +79,7 @@ pub fn with_pdl_waits(body: &str) -> String {
         let Some(j) = rest[after..].find('{') else {
             break;
         };
-        let mut open = after + j + 1;
-        // the early statement: PDL_EARLY( balanced parentheses ) ;
-        let lead = rest[open..].len() - rest[open..].trim_start_matches([' ', '\\', '\n']).len();
-        if rest[open + lead..].starts_with(EARLY) {
-            let mut depth = 0usize;
-            for (k, c) in rest[open + lead..].char_indices() {
-                match c {
-                    '(' => depth += 1,
-                    ')' => depth -= 1,
-                    ';' if depth == 0 => {
-                        open += lead + k + 1;
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-        }
+        let open = after + j + 1;
         out.push_str(&rest[..open]);
         out.push_str(" PDL_WAIT();");
         rest = &rest[open..];
@@ -195,22 +176,11 @@ pub fn arch_for(major: i32, minor: i32) -> String {
 /// NVRTC options for one source variant in this process (`pdl_for`).
 pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
     let mut o = compile_options_with(arch, variant, pdl_for(arch), occupancy());
-    if !gemv_prefetch() {
-        o.push("-DGEMV_PF=0".to_string());
-    }
     // gemv_tt's blocks a multiprocessor (gemv.cu TT_OCC): 2, or 0 for no bound (before s16)
     if std::env::var("DRAMATIS_CUDA_TT_OCC").is_ok_and(|v| v.trim() == "0") {
         o.push("-DTT_OCC=0".to_string());
     }
     o
-}
-
-/// Whether the one-row GEMVs ask L2 for their blocks' weights as they start, before the
-/// dependent-launch wait (prelude.cu `gemv_l2_prefetch`; on unless `DRAMATIS_CUDA_GEMV_PF=0`).
-/// Read once per process. A prefetch moves no bits.
-pub fn gemv_prefetch() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| pdl_from(std::env::var("DRAMATIS_CUDA_GEMV_PF").ok().as_deref()))
 }
 
 /// NVRTC options for one source variant, with or without the dependent-launch wait, for `occ`
@@ -590,10 +560,6 @@ mod tests {
         assert!(out.contains("void a(int x) { PDL_WAIT(); x++; }"));
         assert!(out.contains("int y) { PDL_WAIT(); \\"));
         assert!(out.contains("void helper() { }"));
-        // an early statement (balanced parentheses) keeps its place before the wait
-        let early = "extern \"C\" __global__ void b(int* w) {\n    PDL_EARLY(pf(w, (1 + 2)));\n    w[0] = 1; }";
-        assert!(with_pdl_waits(early)
-            .contains("{\n    PDL_EARLY(pf(w, (1 + 2))); PDL_WAIT();\n    w[0] = 1; }"));
         for s in Source::ALL {
             let kernels = s.body().matches("extern \"C\" __global__").count();
             assert!(kernels > 0, "{}", s.name());
