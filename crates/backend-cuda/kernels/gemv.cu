@@ -520,3 +520,203 @@ extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W,
                                                                int n_out, int K, int rows, int kc) {
     gemv_tt_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
 }
+
+
+// ---------------------------------------------------------------- one to eight rows: gemv_tc2 bits, streamed by TMA
+// gemv_tc2_g1_v2 (up to 8 rows, layout 2) as a persistent kernel: a block per multiprocessor
+// walks the 16-output tiles (tile, tile + gridDim.x, ...) over the weights of a Multi. One
+// producer thread (the last warp's lane 0) copies each tile's 16 weight rows into shared memory
+// with bulk copies (cp.async.bulk, the tensor memory accelerator: one instruction a row) into a
+// ring of `ns` stages, signalled through mbarriers, so a multiprocessor keeps up to ns tiles of
+// weights in flight whatever its warps are doing; session 11's persistent kernel (per-thread
+// 16-byte cp.async, one tile ahead) ran at half the speed of a block a tile. The consumer warps
+// (one per K chunk, nc = ceil(K / kc)) compute a tile with exactly gemv_tc2_body<1, 2, ACT>'s
+// operations in its order (the same words into the same MMA operands, the chunk partials added
+// in chunk order), so the bits are gemv_tc2_g1_v2's, which the contract checks.
+// Shared memory: ns stages of 16 rows at a pitch of 2 K + 16 bytes (the 16 keep a quarter-warp's
+// 16-byte reads of rows g and g + 1 on distinct banks), then the chunk partials (two tiles'
+// worth, so one barrier a tile suffices). The caller launches 32 (nc + 1) threads and
+// TM_SMEM(ns, K, nc) bytes of dynamic shared memory; K a multiple of 64 (16-byte rows).
+// PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
+#define TM_NS_MAX 8
+// (sm_90's bulk copies and transaction-counted mbarriers; the host launches gemv_tm_* only there,
+// and older builds compile these to traps.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TM_OK 0
+#else
+#define TM_OK 1
+#endif
+#if TM_OK
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"((unsigned int)__cvta_generic_to_shared(b)),
+                 "r"(count)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long* b, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     (unsigned int)__cvta_generic_to_shared(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"((unsigned int)__cvta_generic_to_shared(b))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned int parity) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(b);
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(a), "r"(parity)
+            : "memory");
+    }
+}
+// bytes (a multiple of 16) from global src to shared dst (both 16-byte aligned), completing on b
+__device__ __forceinline__ void tma_row(void* dst, const void* src, unsigned int bytes, unsigned long long* b) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+            (unsigned int)__cvta_generic_to_shared(dst)),
+        "l"(src), "r"(bytes), "r"((unsigned int)__cvta_generic_to_shared(b))
+        : "memory");
+}
+#else
+__device__ __forceinline__ void mbar_init(unsigned long long*, unsigned int) { __trap(); }
+__device__ __forceinline__ void mbar_expect_tx(unsigned long long*, unsigned int) { __trap(); }
+__device__ __forceinline__ void mbar_arrive(unsigned long long*) { __trap(); }
+__device__ __forceinline__ void mbar_wait(unsigned long long*, unsigned int) { __trap(); }
+__device__ __forceinline__ void tma_row(void*, const void*, unsigned int, unsigned long long*) { __trap(); }
+#endif
+// the weight (index into m) and first output of tile `tile`
+__device__ __forceinline__ int tm_weight(const Multi& m, int tile) {
+    int j = 0;
+    while (j + 1 < m.count && tile >= m.start[j + 1]) ++j;
+    return j;
+}
+template <int ACT>
+__device__ __forceinline__ void gemv_tm_body(const Multi& m, const float* __restrict__ x,
+                                             const float* __restrict__ u, int K, int rows, int kc, int ns) {
+    extern __shared__ __align__(128) unsigned char tm_smem[];
+    __shared__ __align__(8) unsigned long long full[TM_NS_MAX], empty[TM_NS_MAX];
+    constexpr int SK = 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nc = (K + kc - 1) / kc;  // consumer warps; warp nc is the producer
+    const int pitch = 2 * K + 16;      // bytes a weight row in shared memory
+    const int stage_bytes = 16 * pitch;
+    float* red = (float*)(tm_smem + (long long)ns * stage_bytes);  // [2][nc][32][4]
+    const int total = m.start[m.count];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ns; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], nc);
+        }
+#if TM_OK
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+    }
+    __syncthreads();
+    if (warp == nc) {
+        // the producer: tile i of this block into stage i % ns once its consumers are done with
+        // tile i - ns
+        if (lane == 0) {
+            int i = 0;
+            for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++i) {
+                const int s = i % ns;
+                if (i >= ns) mbar_wait(&empty[s], ((i / ns) - 1) & 1);
+                const int j = tm_weight(m, tile);
+                const int n0 = (tile - m.start[j]) * 16, n_out = m.n_out[j];
+                const int nr = n_out - n0 < 16 ? n_out - n0 : 16;
+                mbar_expect_tx(&full[s], (unsigned int)(nr * 2 * K));
+                const bf16_t* W = (const bf16_t*)m.w[j] + (long long)n0 * K;
+                unsigned char* dst = tm_smem + (long long)s * stage_bytes;
+                for (int r = 0; r < nr; ++r) tma_row(dst + r * pitch, W + (long long)r * K, 2 * K, &full[s]);
+            }
+        }
+        return;
+    }
+    const int g = lane >> 2, t = lane & 3;
+    const int c = warp;  // this warp's chunk: one a warp, as gemv_tc2 is launched
+    const int kb0 = c * kc;
+    int kb1 = kb0 + kc < K ? kb0 + kc : K;
+#if PLANT == 1
+    kb1 -= SK;
+#endif
+    int i = 0;
+    for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++i) {
+        const int s = i % ns;
+        mbar_wait(&full[s], (i / ns) & 1);
+        const unsigned char* wt = tm_smem + (long long)s * stage_bytes;
+        const unsigned char* wa = wt + g * pitch;
+        const unsigned char* wb = wt + (g + 8) * pitch;
+        float hi[4] = {0.0f, 0.0f, 0.0f, 0.0f}, lo[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int kb = kb0; kb < kb1; kb += SK) {
+            const int k = kb + 16 * t;
+            unsigned int wav[8], wbv[8];
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const uint4 ua = *(const uint4*)(wa + 2 * (k + 8 * v));
+                const uint4 ub = *(const uint4*)(wb + 2 * (k + 8 * v));
+                wav[4 * v] = ua.x; wav[4 * v + 1] = ua.y; wav[4 * v + 2] = ua.z; wav[4 * v + 3] = ua.w;
+                wbv[4 * v] = ub.x; wbv[4 * v + 1] = ub.y; wbv[4 * v + 2] = ub.z; wbv[4 * v + 3] = ub.w;
+            }
+            float xs[16];
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const float4 xv = act_load4<ACT>(x, u, g, rows, K, k + 4 * v);
+                xs[4 * v] = xv.x; xs[4 * v + 1] = xv.y; xs[4 * v + 2] = xv.z; xs[4 * v + 3] = xv.w;
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const unsigned int a[4] = {wav[q] << 16, wbv[q] << 16, wav[q] & 0xffff0000u, wbv[q] & 0xffff0000u};
+                const unsigned int h0 = to_tf32(xs[2 * q]), h1 = to_tf32(xs[2 * q + 1]);
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_tf32(d, a, h0, h1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) hi[e] += d[e];
+#ifndef LOWP
+                const unsigned int l0 = to_tf32(xs[2 * q] - __uint_as_float(h0));
+                const unsigned int l1 = to_tf32(xs[2 * q + 1] - __uint_as_float(h1));
+                float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_tf32(dl, a, l0, l1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) lo[e] += dl[e];
+#endif
+            }
+        }
+        // this warp is done with the stage's weights
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+        float* rd = red + (long long)(i & 1) * nc * 128;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) rd[(c * 32 + lane) * 4 + e] = hi[e] + lo[e];
+        // the consumers only (the producer does not take part): named barrier 1
+        asm volatile("bar.sync 1, %0;" ::"r"(nc * 32) : "memory");
+        const int j = tm_weight(m, tile);
+        const int n0 = (tile - m.start[j]) * 16, n_out = m.n_out[j];
+        float* y = (float*)m.y[j];
+        for (int q = threadIdx.x; q < 128; q += nc * 32) {
+            const int l = (q >> 2) & 31, e = q & 3;
+            float acc = rd[l * 4 + e];
+            for (int w = 1; w < nc; ++w) acc += rd[(w * 32 + l) * 4 + e];
+            const int n = n0 + (l >> 2) + (e < 2 ? 0 : 8);
+            const int r = 2 * (l & 3) + (e & 1);
+            if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(544) gemv_tm_multi(Multi m, const float* __restrict__ x, int K, int rows,
+                                                                int kc, int ns) {
+    gemv_tm_body<0>(m, x, nullptr, K, rows, kc, ns);
+}
+extern "C" __global__ void __launch_bounds__(544) gemv_tm_silu(Multi m, const float* __restrict__ x,
+                                                               const float* __restrict__ u, int K, int rows, int kc,
+                                                               int ns) {
+    gemv_tm_body<1>(m, x, u, K, rows, kc, ns);
+}
+extern "C" __global__ void __launch_bounds__(544) gemv_tm_sigm(Multi m, const float* __restrict__ x,
+                                                               const float* __restrict__ u, int K, int rows, int kc,
+                                                               int ns) {
+    gemv_tm_body<2>(m, x, u, K, rows, kc, ns);
+}
