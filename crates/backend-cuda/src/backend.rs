@@ -679,11 +679,6 @@ pub struct CudaOptions {
     /// 2048-output weight) then use the whole device in a prompt's prefill. The same bits (a
     /// row's operations do not depend on its block): `DRAMATIS_CUDA_GEMV_SLABS=0` turns it off.
     pub gemv_slabs: bool,
-    /// Up to 8 rows of `gemv_tc2_*` layout 2 with K up to 2048 stream their weights through a
-    /// persistent block a multiprocessor that copies 16-row tiles into a ring of shared-memory
-    /// stages with bulk copies (`gemv_tm_*`, sm_90+): the same bits (`DRAMATIS_CUDA_GEMV_TM=0`
-    /// turns it off).
-    pub gemv_tm: bool,
     /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
     /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
     pub gdn_lanes: bool,
@@ -786,7 +781,6 @@ impl CudaOptions {
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
-            gemv_tm: get("DRAMATIS_CUDA_GEMV_TM").is_none_or(|v| v.trim() != "0"),
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
@@ -1045,24 +1039,6 @@ struct Bf16Gemv {
     /// `gemv_tc2_*` over more than 32 rows: grid y cuts the rows into slabs of one 32-row pass
     /// each (gemv.cu `gemv_slab`), so few output blocks still fill the device.
     row_slabs: bool,
-    /// `gemv_tm_*` instead (`CudaOptions::gemv_tm`): its stages and dynamic shared memory.
-    tm: Option<(i32, u32)>,
-}
-
-/// Most stages of a `gemv_tm_*` ring (gemv.cu `TM_NS_MAX`).
-const TM_NS_MAX: usize = 8;
-/// Dynamic shared memory `gemv_tm_*` may take: the sm_90 opt-in limit less the kernel's static
-/// barriers (128 bytes) and some room.
-const TM_SMEM_MAX: usize = 227 * 1024 - 1024;
-
-/// A `gemv_tm_*` launch for K `k` and `chunks` consumer warps: the ring's stages (as many
-/// 16-row tiles as fit, at most `TM_NS_MAX`; at least 2) and its dynamic shared memory (the
-/// stages at a row pitch of 2 K + 16 bytes, then two tiles' chunk partials).
-fn tm_plan(k: usize, chunks: usize) -> Option<(i32, u32)> {
-    let stage = 16 * (2 * k + 16);
-    let red = 2 * chunks * 128 * 4;
-    let ns = (TM_SMEM_MAX.saturating_sub(red) / stage).min(TM_NS_MAX);
-    (ns >= 2).then(|| (ns as i32, (ns * stage + red) as u32))
 }
 
 impl Bf16Gemv {
@@ -1181,7 +1157,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 act: Some(("gemv_tt_silu", "gemv_tt_sigm")),
                 row_tile: Some(64),
                 row_slabs: false,
-                tm: None,
             };
         }
         let chunks = k.div_ceil(kc);
@@ -1193,10 +1168,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             0 => chunks,
             w => w.min(chunks),
         };
-        // a warp a chunk, as the persistent kernel takes them
-        let tm = (o.gemv_tm && rows <= 8 && v == 2 && k <= 2048 && warps == chunks)
-            .then(|| tm_plan(k, chunks))
-            .flatten();
         Bf16Gemv {
             single,
             multi,
@@ -1206,7 +1177,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: Some((silu, sigm)),
             row_tile: None,
             row_slabs: o.gemv_slabs,
-            tm,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1218,7 +1188,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: None,
             row_tile: None,
             row_slabs: false,
-            tm: None,
         }
     } else {
         Bf16Gemv {
@@ -1230,7 +1199,6 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: None,
             row_tile: None,
             row_slabs: false,
-            tm: None,
         }
     }
 }
@@ -1337,10 +1305,8 @@ impl CudaBackend {
 
     /// A backend over an opened device running the given kernel builds (the contract uses the
     /// low-precision and planted builds).
-    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, mut opts: CudaOptions) -> Self {
+    pub fn with_gpu(gpu: Arc<Gpu>, variant: Variant, opts: CudaOptions) -> Self {
         keep_pool_memory(&gpu);
-        // the bulk copies and mbarriers of gemv_tm_* are sm_90's
-        opts.gemv_tm &= gpu.info.compute_capability.0 >= 9;
         // a dependent launch is safe only for kernels built with the wait at their top, which
         // runtime::compile_options decides by the same call
         let pdl = crate::runtime::pdl_for(&gpu.arch);
@@ -2466,73 +2432,6 @@ impl CudaBackend {
     /// Whether a linear of `n` rows in `mode` takes the bulk GEMM tiles (else the per-row
     /// GEMVs): the one rule for `linear`, `linear_many` and the fused-input linears, so that a
     /// fused linear and its composed ops run the same kernel class.
-    /// One `gemv_tm_*` launch over the weights of `m` (`name`: `gemv_tm_multi`, or the `_silu`
-    /// / `_sigm` forms with `u`): a block a multiprocessor (at most one a 16-output tile), a
-    /// warp a chunk of `consumers` (`Bf16Gemv::block`) plus the copying warp, `plan` from
-    /// `tm_plan`.
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_tm(
-        &self,
-        op: &'static str,
-        name: &'static str,
-        m: &Multi,
-        x: &CudaBuf,
-        u: Option<&CudaBuf>,
-        kc: i32,
-        consumers: u32,
-        plan: (i32, u32),
-    ) -> BResult<()> {
-        let (ns, smem) = plan;
-        let tiles = usize::try_from(m.start[m.count as usize]).unwrap_or(0);
-        if tiles == 0 {
-            return Ok(());
-        }
-        if smem as u64 > self.gpu.info.max_smem_optin {
-            return Err(dev(format!(
-                "{name}: {smem} bytes of shared memory past the device's {}",
-                self.gpu.info.max_smem_optin
-            )));
-        }
-        self.gpu
-            .func(Source::Gemv, self.variant, name)
-            .map_err(dev)?
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                i32v(op, smem as usize)?,
-            )
-            .map_err(dev)?;
-        let grid = tiles.min(self.gpu.info.sm_count.max(1) as usize);
-        let g = (u32v(op, grid)?, 1, 1);
-        let (k32, r32) = (i32v(op, x.cols)?, i32v(op, x.rows)?);
-        let block = consumers + 32;
-        match u {
-            Some(u) => go!(self, Source::Gemv, name, g, block, smem;
-                m, &x.ptr(), &u.ptr(), &k32, &r32, &kc, &ns),
-            None => go!(self, Source::Gemv, name, g, block, smem;
-                m, &x.ptr(), &k32, &r32, &kc, &ns),
-        }
-        Ok(())
-    }
-
-    /// A `Multi` of one BF16 weight `[n_out, K]` at `mem` writing `out`, in 16-output tiles.
-    fn multi_one(op: &'static str, mem: u64, out: &CudaBuf, n_out: usize) -> BResult<Multi> {
-        let mut m = Multi {
-            w: [0; MULTI_MAX],
-            y: [0; MULTI_MAX],
-            n_out: [0; MULTI_MAX],
-            start: [0; MULTI_MAX + 1],
-            count: 1,
-        };
-        m.w[0] = mem;
-        m.y[0] = out.ptr();
-        m.n_out[0] = i32v(op, n_out)?;
-        let tiles = i32v(op, n_out.div_ceil(16))?;
-        for s in m.start.iter_mut().skip(1) {
-            *s = tiles;
-        }
-        Ok(m)
-    }
-
     fn bulk_rows(&self, mode: Rows, n: usize) -> bool {
         mode == Rows::Bulk && n >= self.opts.gemm_min_rows
     }
@@ -2566,15 +2465,6 @@ impl CudaBackend {
         check::linear(x.shape(), (n_out, w.cols()))?;
         let out = self.buf(x.rows, n_out)?;
         if x.rows == 0 || n_out == 0 {
-            return Ok(Some(out));
-        }
-        if let Some(plan) = gv.tm {
-            let name = match act {
-                Act::Silu => "gemv_tm_silu",
-                Act::Sigmoid => "gemv_tm_sigm",
-            };
-            let m = Self::multi_one(op, mem.ptr, &out, n_out)?;
-            self.gemv_tm(op, name, &m, x, Some(u), kc, gv.block, plan)?;
             return Ok(Some(out));
         }
         let name = match act {
@@ -3333,10 +3223,7 @@ impl Backend for CudaBackend {
                 }
                 let gv = bf16_gemv(&self.opts, x.rows, k, n_out);
                 let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
-                if let (Some(kc), Some(plan)) = (gv.kc, gv.tm) {
-                    let m = Self::multi_one(op, mem.ptr, &out, n_out)?;
-                    self.gemv_tm(op, "gemv_tm_multi", &m, x, None, kc, gv.block, plan)?;
-                } else if let Some(kc) = gv.kc {
+                if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
                 } else {
@@ -3415,7 +3302,6 @@ impl Backend for CudaBackend {
             per_block,
             block,
             kc,
-            tm,
             ..
         } = gv;
         let mut blocks = 0usize;
@@ -3440,9 +3326,7 @@ impl Backend for CudaBackend {
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
         let g = gv.grid(op, blocks, x.rows)?;
-        if let (Some(kc), Some(plan)) = (kc, tm) {
-            self.gemv_tm(op, "gemv_tm_multi", &m, x, None, kc, block, plan)?;
-        } else if let Some(kc) = kc {
+        if let Some(kc) = kc {
             go!(self, Source::Gemv, name, g, block, 0;
                 &m, &x.ptr(), &k32, &r32, &kc);
         } else {
@@ -4506,7 +4390,6 @@ mod tests {
         );
         let off = CudaOptions {
             gemv_slabs: false,
-            gemv_tm: false,
             ..tc2
         };
         assert_eq!(bf16_gemv_grid(&off, 110, 2048, 2048).1, (128, 1, 1));

@@ -29,7 +29,6 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_tile_min: CudaOptions::from_lookup(|_| None).gemv_tile_min,
         gemv_tile_blocks: CudaOptions::from_lookup(|_| None).gemv_tile_blocks,
         gemv_slabs: CudaOptions::from_lookup(|_| None).gemv_slabs,
-        gemv_tm: CudaOptions::from_lookup(|_| None).gemv_tm,
         gdn_lanes: true,
         gdn_generic: false,
         kept_rounds: true,
@@ -656,10 +655,6 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             (40, 8192, 3),
             (2048, 6144, 1),
             (2048, 512, 8),
-            // the streamed kernel (gemv_tm) over more tiles than blocks a ring of stages holds,
-            // with a short last tile; K 512 with 8 stages, K 2048 with 3
-            (6002, 2048, 2),
-            (17000, 512, 3),
         ] {
             let (w, x, u, reference) = gated_case(c, n, k, rows);
             let make = |c: &Ctx, var| {
@@ -749,24 +744,6 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
             same_bits(
                 c,
                 format!("{case}: three and one warps a block bitwise = the default"),
-                &got,
-                &exact,
-            );
-            // the streamed kernel (the default up to 8 rows where K allows; every one-row
-            // launch above with K <= 2048 took it) against a block a tile
-            let per_tile = CudaBackend::with_gpu(
-                c.shared.clone(),
-                Variant::Exact,
-                CudaOptions {
-                    gemv_v: v,
-                    gemv_tm: false,
-                    ..base_opts(false)
-                },
-            );
-            let got = run(&per_tile)?;
-            same_bits(
-                c,
-                format!("{case}: streamed tiles (gemv_tm) bitwise = a block a tile"),
                 &got,
                 &exact,
             );
