@@ -1082,8 +1082,11 @@ fn gemv_tc2_keys(base: usize, v: usize, k: usize) -> usize {
 
 /// The default of `CudaOptions::gemv_tile_blocks` (`gemvbench`, session 12: 64 rows of the
 /// 2048 x 4096 out-projection, 32 tiles, took 103 us tiled against 44 us on `gemv_tc2`; 256
-/// rows of the MoE group, 84 tiles, 49 against 117).
-pub const TT_MIN_BLOCKS: usize = 64;
+/// rows of the MoE group, 84 tiles, 49 against 117). Session 16, with `gemv_tc2` in 32-row
+/// slabs: 128 rows of that out-projection (64 tiles) took 140 us tiled against 39 us for 64
+/// rows in slabs, and a 100-row prompt's first audio from nothing was 0.094 s at 64 tiles,
+/// 0.079 at 128 and at 256 (NOTES.md, session 16 call 3).
+pub const TT_MIN_BLOCKS: usize = 128;
 
 /// The single-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs run with
 /// options `o` (`bf16_gemv`), and its launch grid: for the contract's dispatch and slab checks.
