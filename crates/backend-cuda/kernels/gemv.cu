@@ -354,10 +354,10 @@ GEMV_TC2_SILU(4, 2)
 // groups). (Session 12's layout read the same words one at a time: 12 reads a step s.)
 // PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
 #define TT_XS 36
-// Two blocks a multiprocessor (128 registers, a few bytes spilled outside the MMAs): at one
-// block (148 registers) a multiprocessor held 8 warps, 2 a scheduler, and the tiles issued at
-// ~18% of the rate (session 12's ncu). -DTT_OCC=0 (DRAMATIS_CUDA_TT_OCC=0) builds the old
-// bound (none). Register allocation moves no bits.
+// Two blocks a multiprocessor (128 registers; a few addresses spill, reloaded once a 64-key
+// step, outside the MMAs): at one block (148 registers) a multiprocessor held 8 warps, 2 a
+// scheduler, and the tiles issued at ~18% of the rate (session 12's ncu). -DTT_OCC=0
+// (DRAMATIS_CUDA_TT_OCC=0) builds the old bound (none). Register allocation moves no bits.
 #ifndef TT_OCC
 #define TT_OCC 2
 #endif
@@ -402,7 +402,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 #pragma unroll
             for (int m = 0; m < 4; ++m) {
                 const int wd = 4 * c + m;  // word of keys 2 wd, 2 wd + 1 = 16 t + 2 s
-                base[4 * (4 * (8 * (wd & 7)) + (wd >> 3))] = wv[m];
+                base[4 * (32 * (wd & 7) + (wd >> 3))] = wv[m];  // Wv[h][s][og][t].oq
             }
         }
 #pragma unroll
