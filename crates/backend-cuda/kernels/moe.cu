@@ -1027,7 +1027,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_tc_down(
 // chain are moe_tc_down's, so the same bits. The 64 outputs share one 128-row scale block (64
 // divides 128). I / 128 <= XT_DN4_KB; block 32 w threads, w up to min(16, I / 128); warp m < 4
 // (and m + w ...) runs tile m's chains.
-#define XT_DN4_KB 8
+#define XT_DN4_KB 8  // backend.rs DN4_MAX_KB: the host picks this kernel only up to it
 extern "C" __global__ void __launch_bounds__(512) moe_tc_down4(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids, const float* __restrict__ hbuf,
     const int* __restrict__ order, const int* __restrict__ tinfo, float* __restrict__ obuf, int I, int H, int E,

@@ -265,6 +265,10 @@ pub(crate) fn tc_expert_blocks(warps: usize, i: usize, h: usize) -> (usize, usiz
     (32 * gu, 32 * ik.clamp(1, most))
 }
 
+/// Most 128-key blocks of I `moe_tc_down4` takes (moe.cu `XT_DN4_KB`, the size of its partials
+/// in shared memory); larger I runs `moe_tc_down`.
+const DN4_MAX_KB: usize = 8;
+
 /// Grid for a grid-stride loop over `n` elements with 256-thread blocks.
 fn stride_grid(n: usize) -> (u32, u32, u32) {
     let blocks = n.div_ceil(256).clamp(1, 1 << 20);
@@ -2224,7 +2228,7 @@ impl CudaBackend {
             go!(self, Source::Moe, gate_up, (gx, tile_bound, 1), gu_block, 0;
                 &tab, &ids, &xp, &order, &tinfo, &hbuf, &i32_, &h32, &k32, &e32, &ep);
             // four 16-output tiles a block where their key blocks fit its partials
-            let (down, dgx) = if self.opts.moe_tc_down4 && i / 128 <= 8 {
+            let (down, dgx) = if self.opts.moe_tc_down4 && i / 128 <= DN4_MAX_KB {
                 ("moe_tc_down4", u32v(op, h / 64)?)
             } else {
                 ("moe_tc_down", dx)
@@ -3515,39 +3519,16 @@ impl Backend for CudaBackend {
         states: &mut [&mut CudaGdn],
     ) -> BResult<CudaBuf> {
         let _p = self.prof.guard("gdn_prefill_lanes");
-        let op = "gdn_prefill_lanes";
-        if lens.len() != states.len() {
-            return Err(shape_err(
-                op,
-                format!("{} row counts for {} lane states", lens.len(), states.len()),
-            ));
-        }
-        let total: usize = lens.iter().sum();
-        if total != qkv.rows {
-            return Err(shape_err(
-                op,
-                format!("lanes of {total} rows in all, qkv of {} rows", qkv.rows),
-            ));
-        }
-        // every check before any lane's history or state moves (the conv output has qkv's shape)
-        check_conv(qkv, conv, d)?;
-        check_gdn(qkv, b, a, a_log, dt_bias, d)?;
-        if let Some(i) = states.iter().position(|s| !self.gdn_fits(s, d)) {
-            return Err(shape_err(
-                op,
-                format!(
-                    "lane {i}'s state is {:?}, the call's dims {d:?}",
-                    states[i].dims
-                ),
-            ));
-        }
         if !self.opts.gdn_lanes || lens.contains(&0) {
-            // lane by lane: for comparison, or where a lane brings no rows (its solo calls
-            // return at once; the row tables take lanes of at least one row)
+            // lane by lane (it checks every input first): for comparison, or where a lane
+            // brings no rows (its solo calls return at once; the row tables take lanes of at
+            // least one row)
             return model::backend::gdn_prefill_each(
                 self, qkv, b, a, conv, a_log, dt_bias, d, lens, states,
             );
         }
+        // every check before any lane's history or state moves
+        model::backend::check_gdn_lanes(self, qkv, b, a, conv, a_log, dt_bias, d, lens, states)?;
         let u = self.buf(qkv.rows, qkv.cols)?;
         let mut row0 = 0;
         for (lc, sc) in lens.chunks(MAX_LANES).zip(states.chunks_mut(MAX_LANES)) {
@@ -4261,6 +4242,17 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn down4_limit_is_the_kernels() {
+        // moe_tc_down4's partials hold XT_DN4_KB key blocks: the host's limit must be that
+        assert!(
+            Source::Moe
+                .body()
+                .contains(&format!("#define XT_DN4_KB {DN4_MAX_KB}  //")),
+            "moe.cu's XT_DN4_KB differs from backend.rs's DN4_MAX_KB"
+        );
+    }
 
     #[test]
     fn norm_blocks_hold_every_group() {

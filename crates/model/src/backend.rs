@@ -315,10 +315,11 @@ pub fn gather_row(
     }
 }
 
-/// `gdn_conv` then `gdn_prefill` (chunked) lane by lane over lanes' rows laid one after
-/// another: `Backend::gdn_prefill_lanes`'s default, and a backend's fallback to it.
+/// Every check of a `gdn_prefill_lanes` call, for a backend to make before any lane's history
+/// or state moves: one row count a lane state, the lanes' rows in all = each input's rows, the
+/// conv and GDN shapes, and every lane state a layer of `dims` (`Backend::gdn_fits`).
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_prefill_each<B: Backend>(
+pub fn check_gdn_lanes<B: Backend>(
     be: &B,
     qkv: &B::Buf,
     b: &B::Buf,
@@ -328,8 +329,8 @@ pub fn gdn_prefill_each<B: Backend>(
     dt_bias: &B::Vector,
     dims: &GdnDims,
     lens: &[usize],
-    states: &mut [&mut B::Gdn],
-) -> BResult<B::Buf> {
+    states: &[&mut B::Gdn],
+) -> BResult<()> {
     let bad = |why: String| BackendError::Shape {
         op: "gdn_prefill_lanes",
         why,
@@ -341,7 +342,6 @@ pub fn gdn_prefill_each<B: Backend>(
             states.len()
         )));
     }
-    // the row counts and every input's shape before any lane's history or state moves
     let total: usize = lens.iter().sum();
     for (name, buf) in [("qkv", qkv), ("b", b), ("a", a)] {
         let (rows, _) = be.shape(buf);
@@ -367,6 +367,26 @@ pub fn gdn_prefill_each<B: Backend>(
             dims.k_heads, dims.v_heads, dims.k_dim, dims.v_dim, dims.conv_kernel
         )));
     }
+    Ok(())
+}
+
+/// `gdn_conv` then `gdn_prefill` (chunked) lane by lane over lanes' rows laid one after
+/// another, every input checked first (`check_gdn_lanes`): `Backend::gdn_prefill_lanes`'s
+/// default, and a backend's fallback to it.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_prefill_each<B: Backend>(
+    be: &B,
+    qkv: &B::Buf,
+    b: &B::Buf,
+    a: &B::Buf,
+    conv: &B::Vector,
+    a_log: &B::Vector,
+    dt_bias: &B::Vector,
+    dims: &GdnDims,
+    lens: &[usize],
+    states: &mut [&mut B::Gdn],
+) -> BResult<B::Buf> {
+    check_gdn_lanes(be, qkv, b, a, conv, a_log, dt_bias, dims, lens, states)?;
     let mut outs = Vec::with_capacity(lens.len());
     let mut off = 0;
     for (&n, state) in lens.iter().zip(states.iter_mut()) {
