@@ -175,17 +175,19 @@ pub fn arch_for(major: i32, minor: i32) -> String {
 
 /// NVRTC options for one source variant in this process (`pdl_for`).
 pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
-    let mut o = compile_options_with(arch, variant, pdl_for(arch), occupancy());
-    // gemv_tt's blocks a multiprocessor (gemv.cu TT_OCC): 2, or 0 for no bound (before s16)
-    if std::env::var("DRAMATIS_CUDA_TT_OCC").is_ok_and(|v| v.trim() == "0") {
-        o.push("-DTT_OCC=0".to_string());
-    }
-    o
+    compile_options_with(arch, variant, pdl_for(arch), occupancy(), tile_occupancy())
 }
 
 /// NVRTC options for one source variant, with or without the dependent-launch wait, for `occ`
-/// blocks a multiprocessor of the streaming kernels (`occupancy`).
-pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool, occ: u32) -> Vec<String> {
+/// blocks a multiprocessor of the streaming kernels (`occupancy`) and `tt_occ` of the many-row
+/// GEMV tiles (`tile_occupancy`).
+pub fn compile_options_with(
+    arch: &str,
+    variant: Variant,
+    pdl: bool,
+    occ: u32,
+    tt_occ: u32,
+) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
@@ -198,7 +200,26 @@ pub fn compile_options_with(arch: &str, variant: Variant, pdl: bool, occ: u32) -
     if occ != 1 {
         o.push(format!("-DOCC={occ}"));
     }
+    if tt_occ != 2 {
+        o.push(format!("-DTT_OCC={tt_occ}"));
+    }
     o
+}
+
+/// Blocks a multiprocessor `gemv_tt` asks for (gemv.cu `TT_OCC`), from `DRAMATIS_CUDA_TT_OCC`:
+/// 2 unless it is `0` (no bound, the build before session 16). Read once per process.
+pub fn tile_occupancy() -> u32 {
+    static OCC: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *OCC.get_or_init(|| tile_occupancy_from(std::env::var("DRAMATIS_CUDA_TT_OCC").ok().as_deref()))
+}
+
+/// The `TT_OCC` setting from `DRAMATIS_CUDA_TT_OCC`'s value: 0 when it is `0`, else 2.
+pub fn tile_occupancy_from(v: Option<&str>) -> u32 {
+    if v.is_some_and(|v| v.trim() == "0") {
+        0
+    } else {
+        2
+    }
 }
 
 /// Blocks a multiprocessor must hold for the streaming kernels (prelude.cu `OCC`), from
@@ -512,14 +533,14 @@ mod tests {
 
     #[test]
     fn cache_key_depends_on_every_part() {
-        let o = compile_options_with("compute_90a", Variant::Exact, false, 1);
+        let o = compile_options_with("compute_90a", Variant::Exact, false, 1, 2);
         let base = cache_key("src", &o, "compute_90a", (13, 0));
         assert_eq!(base.len(), 64);
         assert_eq!(base, cache_key("src", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src2", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_89", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_90a", (13, 1)));
-        let p = compile_options_with("compute_90a", Variant::Planted, false, 1);
+        let p = compile_options_with("compute_90a", Variant::Planted, false, 1, 2);
         assert_ne!(base, cache_key("src", &p, "compute_90a", (13, 0)));
         // options are separated, so moving a byte across the boundary changes the key
         assert_ne!(
@@ -532,16 +553,25 @@ mod tests {
     fn arch_and_variant_options() {
         assert_eq!(arch_for(9, 0), "compute_90a");
         assert_eq!(arch_for(8, 9), "compute_89");
-        let opts = |v| compile_options_with("compute_90a", v, false, 1);
+        let opts = |v| compile_options_with("compute_90a", v, false, 1, 2);
         assert!(opts(Variant::Planted).contains(&"-DPLANT=1".into()));
         assert!(opts(Variant::LowPrecision).contains(&"-DLOWP=1".into()));
         assert!(!opts(Variant::Exact).iter().any(|o| o.starts_with("-D")));
-        assert!(compile_options_with("compute_90a", Variant::Exact, true, 1)
-            .contains(&"-DDRAMATIS_PDL=1".into()));
         assert!(
-            compile_options_with("compute_90a", Variant::Exact, false, 2)
+            compile_options_with("compute_90a", Variant::Exact, true, 1, 2)
+                .contains(&"-DDRAMATIS_PDL=1".into())
+        );
+        assert!(
+            compile_options_with("compute_90a", Variant::Exact, false, 2, 2)
                 .contains(&"-DOCC=2".into())
         );
+        assert!(
+            compile_options_with("compute_90a", Variant::Exact, false, 1, 0)
+                .contains(&"-DTT_OCC=0".into())
+        );
+        assert_eq!(tile_occupancy_from(None), 2);
+        assert_eq!(tile_occupancy_from(Some(" 0 ")), 0);
+        assert_eq!(tile_occupancy_from(Some("1")), 2);
     }
 
     #[test]
@@ -604,7 +634,8 @@ mod tests {
                         let opts = cudarc::nvrtc::CompileOptions {
                             // with and without the wait, whatever this process's setting
                             // (the build with it also takes the streaming kernels' OCC 2, the
-                            // planted build OCC 0, so every OCC compiles)
+                            // planted build OCC 0 and the tiles' TT_OCC 0, so every bound
+                            // compiles)
                             options: compile_options_with(
                                 "compute_90a",
                                 v,
@@ -614,6 +645,7 @@ mod tests {
                                     (false, Variant::Planted) => 0,
                                     _ => 1,
                                 },
+                                if v == Variant::Planted { 0 } else { 2 },
                             ),
                             ..Default::default()
                         };
