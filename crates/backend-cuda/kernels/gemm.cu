@@ -152,6 +152,17 @@ extern "C" __global__ void moe_group_count(const unsigned int* __restrict__ ids,
     atomicAdd(&counts[e], 1);
 }
 
+// Inclusive prefix sums of two values over a warp's lanes (all 32 lanes take part).
+__device__ __forceinline__ void warp_scan2(int& a, int& b, int lane) {
+    for (int d = 1; d < 32; d <<= 1) {
+        const int pa = __shfl_up_sync(0xffffffffu, a, d), pb = __shfl_up_sync(0xffffffffu, b, d);
+        if (lane >= d) {
+            a += pa;
+            b += pb;
+        }
+    }
+}
+
 // One block: offsets[e] = sum of counts before e, tiles[e] = sum of ceil(counts / tm) before e
 // (tiles[E] = the total; tm slots a tile), cursor[e] = 0. E <= 1024; blockDim a multiple of 32.
 // Thread i takes experts [i per, (i + 1) per): its sums, a warp scan and a scan of the warps'
@@ -174,13 +185,7 @@ extern "C" __global__ void moe_group_scan(const int* __restrict__ counts, int* _
     }
     // inclusive scans within the warp, then over the warps' totals
     int io = so, it = st;
-    for (int d = 1; d < 32; d <<= 1) {
-        const int a = __shfl_up_sync(0xffffffffu, io, d), b = __shfl_up_sync(0xffffffffu, it, d);
-        if (lane >= d) {
-            io += a;
-            it += b;
-        }
-    }
+    warp_scan2(io, it, lane);
     if (lane == 31) {
         wo[w] = io;
         wt[w] = it;
@@ -188,13 +193,7 @@ extern "C" __global__ void moe_group_scan(const int* __restrict__ counts, int* _
     __syncthreads();
     if (w == 0) {
         int a = lane < nw ? wo[lane] : 0, b = lane < nw ? wt[lane] : 0;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int pa = __shfl_up_sync(0xffffffffu, a, d), pb = __shfl_up_sync(0xffffffffu, b, d);
-            if (lane >= d) {
-                a += pa;
-                b += pb;
-            }
-        }
+        warp_scan2(a, b, lane);
         if (lane < nw) {
             wo[lane] = a;
             wt[lane] = b;

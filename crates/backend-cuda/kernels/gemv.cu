@@ -498,25 +498,22 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 }
 
 extern "C" __global__ void LB_TT gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                                          float* __restrict__ y, int n_out, int K, int rows, int kc) {
+                                         float* __restrict__ y, int n_out, int K, int rows, int kc) {
     gemv_tt_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr);
 }
-extern "C" __global__ void LB_TT gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows,
-                                                                int kc) {
+extern "C" __global__ void LB_TT gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc) {
     int j = 0;
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
     gemv_tt_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
                     kc, nullptr);
 }
-extern "C" __global__ void LB_TT gemv_tt_silu(const bf16_t* __restrict__ W,
-                                                               const float* __restrict__ x,
-                                                               const float* __restrict__ u, float* __restrict__ y,
-                                                               int n_out, int K, int rows, int kc) {
+extern "C" __global__ void LB_TT gemv_tt_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
     gemv_tt_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
 }
-extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W,
-                                                               const float* __restrict__ x,
-                                                               const float* __restrict__ u, float* __restrict__ y,
-                                                               int n_out, int K, int rows, int kc) {
+extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
     gemv_tt_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
 }

@@ -1059,6 +1059,29 @@ extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __
     }
 }
 
+// A row of the delta rule for one state column, shared by gdn_recur and gdn_recur_k128 (the
+// same operations, so the same bits): from decay alpha, beta bt, the value vj and the column's
+// dots with the row's key (Sk) and query (Sq), the rule's delta and the output (kq: the query's
+// scale on the new key term); PLANT 1 applies the decay after the update.
+__device__ __forceinline__ void gdn_row(float alpha, float bt, float vj, float Sk, float Sq, float kq, float& delta,
+                                        float& oj) {
+#if PLANT == 1
+    delta = bt * (vj - Sk);
+    oj = alpha * fmaf(delta, kq, Sq);
+#else
+    delta = bt * (vj - alpha * Sk);
+    oj = fmaf(delta, kq, alpha * Sq);
+#endif
+}
+// A state value after the row, from its old value s and the row's key value k.
+__device__ __forceinline__ float gdn_new_s(float alpha, float s, float k, float delta) {
+#if PLANT == 1
+    return lowp(alpha * fmaf(k, delta, s));
+#else
+    return lowp(fmaf(alpha, s, k * delta));
+#endif
+}
+
 // The delta rule over each lane's rows (rt: lane i's rows start[i] .. start[i] + len[i] of qn,
 // kn, kq, u, beta, gate and o), value head h (key head h / (nv / nk)): per row
 // S <- alpha S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q, computed as
@@ -1096,36 +1119,16 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
                 Sq = fmaf(s, sq[i], Sq);
             }
             float vj = u[R * C + 2LL * nk * dk + (long long)h * dv + j];
-#if PLANT == 1
-            float delta = bt * (vj - Sk);
-            float oj = alpha * fmaf(delta, kq[R * nk + kh], Sq);
-#else
-            float delta = bt * (vj - alpha * Sk);
-            float oj = fmaf(delta, kq[R * nk + kh], alpha * Sq);
-#endif
+            float delta, oj;
+            gdn_row(alpha, bt, vj, Sk, Sq, kq[R * nk + kh], delta, oj);
             for (int i = 0; i < dk; ++i) {
                 float s = S[(long long)i * dv + j];
-#if PLANT == 1
-                float ns = alpha * fmaf(sk[i], delta, s);
-#else
-                float ns = fmaf(alpha, s, sk[i] * delta);
-#endif
-                S[(long long)i * dv + j] = lowp(ns);
+                S[(long long)i * dv + j] = gdn_new_s(alpha, s, sk[i], delta);
             }
             o[R * nv * dv + (long long)h * dv + j] = oj;
         }
         __syncthreads();
     }
-}
-
-// A state value after a row of the delta rule, from its old value s, the row's key value k, decay
-// alpha and delta (gdn_recur's update; PLANT 1: the decay after the update).
-__device__ __forceinline__ float gdn_new_s(float alpha, float s, float k, float delta) {
-#if PLANT == 1
-    return lowp(alpha * fmaf(k, delta, s));
-#else
-    return lowp(fmaf(alpha, s, k * delta));
-#endif
 }
 
 // gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a
@@ -1211,13 +1214,8 @@ extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
             float alpha = expf(g_r);
             float bt = b_r;
             float vj = v_r;
-#if PLANT == 1
-            float delta = bt * (vj - Sk);
-            float oj = alpha * fmaf(delta, kq_r, Sq);
-#else
-            float delta = bt * (vj - alpha * Sk);
-            float oj = fmaf(delta, kq_r, alpha * Sq);
-#endif
+            float delta, oj;
+            gdn_row(alpha, bt, vj, Sk, Sq, kq_r, delta, oj);
             if (r + 1 < t) {
                 // row r's update, each new value into row r + 1's dots
                 float Sk2 = 0.0f, Sq2 = 0.0f;
