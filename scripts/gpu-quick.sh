@@ -55,6 +55,13 @@ run 60 say "$D" say "Hello there. A second sentence." --backend cuda --frames 48
 grep -o 'pcm_sha256 [0-9a-f]*' "$L/say.log" >> "$S"
 while [ ! -f "$L/fixture.rc" ] && [ "$(left)" -gt 30 ]; do sleep 2; done
 cat "$L/fixture.rc" >> "$S" 2>/dev/null
+if ! grep -qx 'fixture rc=0' "$L/fixture.rc" 2>/dev/null; then
+  # every step below reads /tmp/d3
+  echo "the Drama 3 fixture is missing or failed: parity, bench and first audio skipped" >> "$S"
+  (cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
+  cat "$S"
+  exit 1
+fi
 if [ -x "$bins/parity" ]; then
   run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"
   grep -E "PASS|FAIL|JOINED" "$L/parity.log" | tail -4 >> "$S"

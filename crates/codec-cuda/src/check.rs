@@ -73,7 +73,8 @@ pub struct TcCheck {
     pub shapes: Vec<(usize, usize, usize)>,
     /// Largest |got − ref| / Σ|a·b| (+|bias| + |res|) of the exact build over every output.
     pub exact_worst: f64,
-    /// The same for the lower-precision twin on the default kernels (must exceed [`TOLERANCE`]).
+    /// The same for the lower-precision twin without `gemm_tcs` (the default kernels unless
+    /// `DRAMATIS_CODEC_TCS=1`; must exceed [`TOLERANCE`]).
     pub twin_worst: f64,
     /// The twin on `gemm_tcs` (off by default), over the shapes that reach it (must exceed
     /// [`TOLERANCE`] too: kept apart, so the default kernels' error cannot stand in for it).
@@ -321,7 +322,8 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
-        // the twin on the default kernels, and on gemm_tcs (off by default) where it runs
+        // the twin without gemm_tcs (the default build's kernels unless DRAMATIS_CODEC_TCS=1),
+        // and on gemm_tcs where it runs
         twin.set_small(false);
         out.twin_worst = out.twin_worst.max(case.worst(&twin.run_case(&case)?));
         if s.staged() && s.m <= 16 {

@@ -368,6 +368,20 @@ fn wide_kernel_setting() {
     assert_eq!(cuda::wide_from(Some("1")), Some("gemm_tcw"));
     assert_eq!(cuda::wide_from(Some(" 2 ")), Some("gemm_tcw2"));
     assert_eq!(cuda::wide_from(Some("0")), None);
+    // every name the GEMM dispatch can pick is a kernel the decoder loads
+    for k in [cuda::wide_from(None), cuda::wide_from(Some("1"))] {
+        let k = k.expect("a wide kernel");
+        assert!(cuda::KERNELS.contains(&k), "{k} is not a loaded kernel");
+    }
+    for k in [
+        "gemm_tcs",
+        "gemm_tc16",
+        "gemm_tc64",
+        "gemm_small",
+        "gemm_big",
+    ] {
+        assert!(cuda::KERNELS.contains(&k), "{k} is not a loaded kernel");
+    }
 }
 
 /// `DRAMATIS_CODEC_TCS`: `gemm_tcs` only when asked for (`1`).
