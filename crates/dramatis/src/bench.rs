@@ -51,6 +51,10 @@ pub struct BenchArgs {
     /// measures what the GPU codec costs the frame rounds.
     #[arg(long)]
     pub codec_on_host: bool,
+    /// Frames one codec call gathers for a job whose audio is well ahead of real time (the
+    /// engine's `codec_min_chunk`; 1: every frame as it comes).
+    #[arg(long, default_value_t = speech::DEFAULT_CODEC_MIN_CHUNK)]
+    pub codec_min_chunk: usize,
     /// Receipt path (JSON); without it the receipt goes to stdout.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -414,6 +418,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         prompt_cache_gib: a.prompt_cache_gib,
         starts_per_round: a.starts_per_round,
         codec_on_host: a.codec_on_host,
+        codec_min_chunk: a.codec_min_chunk,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,
@@ -585,6 +590,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
                       "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
                       "starts_per_round": a.starts_per_round, "codec_on_host": a.codec_on_host,
+                      "codec_min_chunk": a.codec_min_chunk,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),
                       "prompt_rows": prompt_rows,

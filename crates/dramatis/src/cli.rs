@@ -91,6 +91,10 @@ struct EngineArgs {
     /// slower at Drama 3 geometry).
     #[arg(long)]
     codec_on_host: bool,
+    /// Frames one codec call gathers for a job whose audio is well ahead of real time (1:
+    /// every frame as it comes; the first audio always goes out at once).
+    #[arg(long, default_value_t = speech::DEFAULT_CODEC_MIN_CHUNK)]
+    codec_min_chunk: usize,
 }
 
 #[derive(Subcommand)]
@@ -261,6 +265,7 @@ fn engine_options(a: &EngineArgs) -> Result<EngineOptions> {
         host_gib: a.host_gib,
         device_gib: a.device_gib,
         codec_on_host: a.codec_on_host,
+        codec_min_chunk: a.codec_min_chunk,
         cfg: speech::CfgOptions {
             gamma: a.cfg_gamma,
             batched: a.cfg_batched,

@@ -72,6 +72,11 @@ pub struct EngineOptions {
     /// The host codec is far slower at Drama 3 geometry. The memory plan is unchanged (it
     /// still counts the codec on the device).
     pub codec_on_host: bool,
+    /// Frames one decoder call gathers for a job whose audio is well ahead of real time (held
+    /// at most 100 ms, and never while the job's audio is less than 0.25 s ahead, so a
+    /// streaming caller never waits on it); 1 decodes every frame as it comes. The first audio
+    /// always goes out at once.
+    pub codec_min_chunk: usize,
 }
 
 /// Which compute backend runs the model.
@@ -100,6 +105,7 @@ impl Default for EngineOptions {
             max_pause_seconds: DEFAULT_MAX_PAUSE_SECONDS,
             starts_per_round: 0,
             codec_on_host: false,
+            codec_min_chunk: DEFAULT_CODEC_MIN_CHUNK,
         }
     }
 }
@@ -421,7 +427,13 @@ impl Engine {
         geom.codec.sample_rate = u64::from(codec.sample_rate());
         geom.codec.frame_length = codec.frame_length() as u64;
         geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
-        geom.codec.workspace_bytes_per_lane = codec.decoder_workspace_bytes(1) as u64;
+        // each lane's share of the decoder workspace: one frame, or more where one lane's
+        // share of `codec_min_chunk` frames needs it (the codec thread decodes one chunk at a
+        // time, of at most lanes x this many frames)
+        let codec_min_chunk = opts.codec_min_chunk.clamp(1, CODEC_MAX_CHUNK);
+        let codec_lane_frames = codec_min_chunk.div_ceil(lanes);
+        geom.codec.workspace_bytes_per_lane =
+            codec.decoder_workspace_bytes(codec_lane_frames) as u64;
         // The codec's weights as stored (f32 in codec.pth): an upper bound on what the codec
         // keeps resident, on the host (CPU codec) or the device (GPU decoder and encoder).
         geom.codec.weight_bytes = std::fs::metadata(dir.join("codec.pth"))
@@ -560,6 +572,7 @@ impl Engine {
             starts_most: Arc::clone(&starts_most),
             prefills_joined: Arc::clone(&prefills_joined),
             codec_meter: Arc::clone(&codec_meter),
+            codec_chunks: (lanes * codec_lane_frames, codec_min_chunk),
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -1341,63 +1354,150 @@ struct CodecJob {
     hasher: PcmHasher,
     samples: u64,
     first_audio: Option<f64>,
+    /// When the first audio was sent (the holding's real-time clock starts there).
+    first_audio_at: Option<Instant>,
     failed: bool,
 }
 
 /// Most frames one decoder call takes when a backlog is coalesced. The engine caps it further
-/// at its lane count: the plan reserves one frame of decoder workspace per lane, and the codec
-/// thread decodes one chunk at a time, so a chunk of `lanes` frames stays inside it.
+/// at the frames of decoder workspace its plan reserves (one a lane, or `codec_min_chunk`
+/// in all if more), and the codec thread decodes one chunk at a time, so a chunk stays
+/// inside it.
 const CODEC_MAX_CHUNK: usize = 64;
+
+/// Default of [`EngineOptions::codec_min_chunk`]: a decoder call has a fixed cost (about 150
+/// launches and a read-back on the GPU, ~2 ms of the codec thread for one frame against ~0.4 ms
+/// a frame more in a 16-frame call), and the GPU codec's kernels share the device with the
+/// frame rounds, so one call a frame at one lane took about a tenth of each round.
+pub const DEFAULT_CODEC_MIN_CHUNK: usize = 8;
+
+/// A job's frames wait for company only while the audio it has been sent is at least this far
+/// ahead of real time since its first audio (seconds): a caller playing the stream as it
+/// arrives never runs dry because of the wait.
+const CODEC_HOLD_AHEAD_S: f64 = 0.25;
+
+/// The longest a frame waits for company.
+const CODEC_MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// One job's frames waiting for the decoder.
+struct Pending {
+    key: u64,
+    frames: Vec<Vec<u32>>,
+    /// When the oldest of them arrived.
+    since: Instant,
+    /// Held for company until then (set after each batch), else decoded after the batch.
+    until: Option<Instant>,
+}
+
+/// Until when a job's waiting frames may wait for more (`None`: decode them now). A job's
+/// first audio goes out at once, and so do frames whose job's audio is less than
+/// `CODEC_HOLD_AHEAD_S` ahead of real time; the rest wait until `min_chunk` frames have come,
+/// `CODEC_MAX_HOLD` has passed, or the audio ahead would fall to that margin.
+fn hold_until(
+    jobs: &std::collections::HashMap<u64, CodecJob>,
+    p: &Pending,
+    min_chunk: usize,
+    rate: f64,
+    now: Instant,
+) -> Option<Instant> {
+    if p.frames.len() >= min_chunk {
+        return None;
+    }
+    let j = jobs.get(&p.key)?;
+    let first = j.first_audio_at?;
+    let ahead =
+        j.samples as f64 / rate - now.duration_since(first).as_secs_f64() - CODEC_HOLD_AHEAD_S;
+    if j.failed || ahead <= 0.0 {
+        return None;
+    }
+    let until = (p.since + CODEC_MAX_HOLD).min(now + std::time::Duration::from_secs_f64(ahead));
+    (until > now).then_some(until)
+}
 
 /// Streams every job's frames through its own decoder state (so streamed PCM equals a whole
 /// decode), hashes the s16 samples and sends audio and final events in order.
 ///
 /// When the thread falls behind (many lanes), the frames waiting for one job are decoded as one
 /// chunk: streamed decoding is bit-identical whatever the chunking, and one call over several
-/// frames costs far less than one call per frame. A job's messages keep their order.
+/// frames costs far less than one call per frame. When it keeps up (few lanes), a job whose
+/// audio is well ahead of real time has its frames held until `min_chunk` of them have come
+/// (`hold_until`), for the same saving. A job's messages keep their order; its end, failure or
+/// drop first decodes what it holds.
 fn codec_loop(
     new_decoder: DecoderFactory,
     rate: u32,
     max_chunk: usize,
+    min_chunk: usize,
     rx: std::sync::mpsc::Receiver<CodecMsg>,
     meter: &CodecMeter,
 ) {
     let max_chunk = max_chunk.clamp(1, CODEC_MAX_CHUNK);
+    let min_chunk = min_chunk.clamp(1, max_chunk);
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
     let rate = f64::from(rate);
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
+    // frames waiting per job, in arrival order of the jobs
+    let mut pending: Vec<Pending> = Vec::new();
+    loop {
+        let wake = pending.iter().filter_map(|p| p.until).min();
+        let first = match wake {
+            None => match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => break,
+            },
+            Some(t) => match rx.recv_timeout(t.saturating_duration_since(Instant::now())) {
+                Ok(m) => Some(m),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            },
+        };
+        let mut batch: Vec<CodecMsg> = first.into_iter().collect();
         while batch.len() < 4096 {
             match rx.try_recv() {
                 Ok(m) => batch.push(m),
                 Err(_) => break,
             }
         }
-        // frames waiting per job, in arrival order of the jobs
-        let mut pending: Vec<(u64, Vec<Vec<u32>>)> = Vec::new();
         for msg in batch {
             let key = msg.key();
             if let CodecMsg::Frame { codes, .. } = msg {
-                match pending.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, f)) if f.len() < max_chunk => f.push(codes),
-                    Some((_, f)) => {
-                        let full = std::mem::replace(f, vec![codes]);
+                match pending.iter_mut().find(|p| p.key == key) {
+                    Some(p) if p.frames.len() < max_chunk => p.frames.push(codes),
+                    Some(p) => {
+                        let full = std::mem::replace(&mut p.frames, vec![codes]);
+                        p.since = Instant::now();
                         decode_frames(&mut jobs, key, full, meter);
                     }
-                    None => pending.push((key, vec![codes])),
+                    None => pending.push(Pending {
+                        key,
+                        frames: vec![codes],
+                        since: Instant::now(),
+                        until: None,
+                    }),
                 }
                 continue;
             }
             // this job's earlier frames go first
-            if let Some(i) = pending.iter().position(|(k, _)| *k == key) {
-                let (_, frames) = pending.remove(i);
-                decode_frames(&mut jobs, key, frames, meter);
+            if let Some(i) = pending.iter().position(|p| p.key == key) {
+                let p = pending.remove(i);
+                decode_frames(&mut jobs, key, p.frames, meter);
             }
             codec_event(&mut jobs, &new_decoder, rate, msg, meter);
         }
-        for (key, frames) in pending {
-            decode_frames(&mut jobs, key, frames, meter);
+        // decode what is due, in arrival order; hold the rest
+        let mut held = Vec::with_capacity(pending.len());
+        for mut p in pending.drain(..) {
+            p.until = hold_until(&jobs, &p, min_chunk, rate, Instant::now());
+            if p.until.is_some() {
+                held.push(p);
+            } else {
+                decode_frames(&mut jobs, p.key, p.frames, meter);
+            }
         }
+        pending = held;
+    }
+    // the engine is gone: what is held is decoded (its audio still reaches any reader)
+    for p in pending {
+        decode_frames(&mut jobs, p.key, p.frames, meter);
     }
 }
 
@@ -1432,6 +1532,7 @@ fn decode_frames(
         Ok(pcm) => {
             if j.first_audio.is_none() {
                 j.first_audio = Some(j.submitted.elapsed().as_secs_f64());
+                j.first_audio_at = Some(Instant::now());
             }
             j.hasher.update_s16(&crate::pcm::to_s16_vec(&pcm));
             j.samples += pcm.len() as u64;
@@ -1474,6 +1575,7 @@ fn codec_event(
                     hasher: PcmHasher::new(),
                     samples: 0,
                     first_audio: None,
+                    first_audio_at: None,
                     failed,
                 },
             );
@@ -1552,6 +1654,8 @@ struct WorkerCtx {
     starts_most: Arc<AtomicU64>,
     prefills_joined: Arc<AtomicU64>,
     codec_meter: Arc<CodecMeter>,
+    /// The most and the fewest frames a decoder call gathers (`codec_loop`).
+    codec_chunks: (usize, usize),
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1592,11 +1696,11 @@ fn spawn_worker<B: Backend + 'static>(
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
-    let lanes = ctx.lanes;
+    let (max_chunk, min_chunk) = ctx.codec_chunks;
     let meter = ctx.codec_meter;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(factory, rate, lanes, codec_rx, &meter))
+        .spawn(move || codec_loop(factory, rate, max_chunk, min_chunk, codec_rx, &meter))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -2280,7 +2384,7 @@ mod codec_thread_tests {
         drop(tx);
         // a cap below the backlog, as the engine's lane-count cap is
         let cap = 5;
-        codec_loop(factory, 44_100, cap, rx, &CodecMeter::default());
+        codec_loop(factory, 44_100, cap, 1, rx, &CodecMeter::default());
         for (key, erx) in streams.iter_mut().enumerate() {
             let mut audio = Vec::new();
             let mut done = None;
@@ -2311,5 +2415,152 @@ mod codec_thread_tests {
             sizes.iter().any(|&n| n > 1),
             "the backlog was coalesced: {sizes:?}"
         );
+    }
+
+    /// The codec loop on its own thread (`rate` samples a second: the fake decoder makes one
+    /// sample a frame), one started job, its event receiver and the decoder's chunk sizes.
+    #[allow(clippy::type_complexity)]
+    fn spawn_loop(
+        rate: u32,
+        max_chunk: usize,
+        min_chunk: usize,
+    ) -> (
+        std::sync::mpsc::Sender<CodecMsg>,
+        mpsc::UnboundedReceiver<JobEvent>,
+        Arc<Mutex<Vec<usize>>>,
+        std::thread::JoinHandle<()>,
+    ) {
+        let chunks = Arc::new(Mutex::new(Vec::new()));
+        let c2 = chunks.clone();
+        let factory: DecoderFactory =
+            Box::new(move || Ok(Box::new(Fake(c2.clone())) as Box<dyn StreamDecoder>));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (etx, erx) = mpsc::unbounded_channel();
+        tx.send(CodecMsg::Start {
+            key: 0,
+            events: etx,
+            submitted: Instant::now(),
+        })
+        .unwrap();
+        let h = std::thread::spawn(move || {
+            codec_loop(
+                factory,
+                rate,
+                max_chunk,
+                min_chunk,
+                rx,
+                &CodecMeter::default(),
+            )
+        });
+        (tx, erx, chunks, h)
+    }
+
+    fn frame(tx: &std::sync::mpsc::Sender<CodecMsg>, f: u32) {
+        tx.send(CodecMsg::Frame {
+            key: 0,
+            codes: vec![0, f, 7, 7],
+        })
+        .unwrap();
+    }
+
+    /// The audio events received so far, flattened (one sample a frame).
+    fn audio_so_far(erx: &mut mpsc::UnboundedReceiver<JobEvent>, audio: &mut Vec<f32>) {
+        while let Ok(ev) = erx.try_recv() {
+            if let JobEvent::Audio(p) = ev {
+                audio.extend(p);
+            }
+        }
+    }
+
+    /// Frame 0, and its audio back (so the next frames find the first audio out).
+    fn first_audio(
+        tx: &std::sync::mpsc::Sender<CodecMsg>,
+        erx: &mut mpsc::UnboundedReceiver<JobEvent>,
+        audio: &mut Vec<f32>,
+    ) {
+        frame(tx, 0);
+        let t0 = Instant::now();
+        while audio.is_empty() && t0.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            audio_so_far(erx, audio);
+        }
+        assert_eq!(*audio, vec![0.0], "the first audio at once");
+    }
+
+    /// A job whose audio is far ahead of real time (one second a frame) has its first frame
+    /// decoded at once and the next ones gathered `min_chunk` to a call, every frame in order
+    /// and the rest decoded at its end.
+    #[test]
+    fn frames_ahead_of_real_time_are_gathered() {
+        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4);
+        let mut audio = Vec::new();
+        first_audio(&tx, &mut erx, &mut audio);
+        for f in 1..14u32 {
+            frame(&tx, f);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        tx.send(CodecMsg::Finish {
+            key: 0,
+            summary: summary(),
+        })
+        .unwrap();
+        drop(tx);
+        h.join().unwrap();
+        audio_so_far(&mut erx, &mut audio);
+        let want: Vec<f32> = (0..14).map(|f| f as f32).collect();
+        assert_eq!(audio, want, "every frame, in order");
+        let sizes = chunks.lock().unwrap().clone();
+        assert_eq!(sizes[0], 1, "the first audio goes out alone: {sizes:?}");
+        assert!(sizes.iter().all(|&n| n <= 8), "{sizes:?}");
+        // 2 ms apart, four frames come well inside the 100 ms hold
+        assert!(sizes.contains(&4), "frames gathered 4 a call: {sizes:?}");
+    }
+
+    /// A held frame goes out once the hold's limit has passed, with no further frame and no
+    /// end to push it.
+    #[test]
+    fn a_held_frame_goes_out_after_the_hold() {
+        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4);
+        let mut audio = Vec::new();
+        first_audio(&tx, &mut erx, &mut audio);
+        frame(&tx, 1);
+        let t0 = Instant::now();
+        while audio.len() < 2 && t0.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            audio_so_far(&mut erx, &mut audio);
+        }
+        assert_eq!(audio, vec![0.0, 1.0], "both frames out before the job ends");
+        assert!(
+            t0.elapsed() >= CODEC_MAX_HOLD / 2,
+            "the second frame was held ({:?})",
+            t0.elapsed()
+        );
+        drop(tx);
+        h.join().unwrap();
+        assert_eq!(chunks.lock().unwrap().clone(), vec![1, 1]);
+    }
+
+    /// A job whose audio is behind real time (one sample a frame at 44.1 kHz) is never held:
+    /// each frame's audio is out well inside the hold's limit.
+    #[test]
+    fn frames_behind_real_time_are_not_held() {
+        let (tx, mut erx, _chunks, h) = spawn_loop(44_100, 8, 4);
+        let mut audio = Vec::new();
+        for f in 0..3u32 {
+            frame(&tx, f);
+            let t0 = Instant::now();
+            while audio.len() <= f as usize && t0.elapsed() < std::time::Duration::from_secs(5) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                audio_so_far(&mut erx, &mut audio);
+            }
+            assert!(
+                t0.elapsed() < CODEC_MAX_HOLD,
+                "frame {f} waited {:?}",
+                t0.elapsed()
+            );
+        }
+        drop(tx);
+        h.join().unwrap();
+        assert_eq!(audio, vec![0.0, 1.0, 2.0]);
     }
 }

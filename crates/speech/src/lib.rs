@@ -20,7 +20,7 @@ pub use device_memory::{
 };
 pub use engine::{
     BackendChoice, CfgOptions, CodecCounts, Engine, EngineOptions, EngineStats, JobHandle,
-    DEFAULT_MAX_PAUSE_SECONDS, DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
+    DEFAULT_CODEC_MIN_CHUNK, DEFAULT_MAX_PAUSE_SECONDS, DEFAULT_MAX_UNREAD_AUDIO_SECONDS,
 };
 
 #[derive(Debug, thiserror::Error)]
