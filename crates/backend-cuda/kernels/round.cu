@@ -132,40 +132,108 @@ __device__ int block_argmax(const float* row, int n, float* sv, int* si) {
     return r;
 }
 
+// The block's keys [n] sorted ascending: a stable least-significant-digit radix sort of their
+// high 32 bits (the value's order key), 4 bits a pass, through tmp [n] and back (8 passes).
+// Keys are unique (the index is in the low bits) and come in index order, so a stable sort of
+// the high bits is the full keys' ascending order: the bitonic network's order before it
+// (session 11's ncu: that network was ~40 of a head draw's 51 us, every stage reading and
+// writing every key in shared memory). Element e = r * 1024 + thread (round r of `rounds`);
+// within a round a warp's equal digits are ranked by __match_any_sync, and the counts are
+// scanned in (digit, round, warp) order, which is element order within each digit: stable.
+// cnt: 16 * rounds * 32 ints. Needs blockDim.x == 1024 and rounds <= RADIX_MAX_ROUNDS.
+#define RADIX_MAX_ROUNDS 16
+__device__ void block_radix_sort(unsigned long long* keys, unsigned long long* tmp, int* cnt, int n, int rounds) {
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int m = 16 * rounds * 32;
+    const int per = (m + 1023) >> 10;  // scan entries a thread
+    __shared__ int wsum[32];
+    unsigned long long* src = keys;
+    unsigned long long* dst = tmp;
+    for (int shift = 32; shift < 64; shift += 4) {
+        for (int i = tid; i < m; i += 1024) cnt[i] = 0;
+        __syncthreads();
+        unsigned int slot[RADIX_MAX_ROUNDS];  // digit << 8 | rank in the warp
+#pragma unroll
+        for (int r = 0; r < RADIX_MAX_ROUNDS; ++r) {
+            slot[r] = 0;
+            if (r >= rounds) break;
+            const int e = r * 1024 + tid;
+            const bool valid = e < n;
+            const unsigned int act = __ballot_sync(0xffffffffu, valid);
+            if (valid) {
+                const unsigned int d = (unsigned int)(src[e] >> shift) & 15u;
+                const unsigned int peers = __match_any_sync(act, d);
+                const unsigned int rank = __popc(peers & ((1u << lane) - 1u));
+                if (rank == 0) cnt[((int)d * rounds + r) * 32 + w] = __popc(peers);
+                slot[r] = d << 8 | rank;
+            }
+        }
+        __syncthreads();
+        // exclusive scan of cnt in place: a thread's run of `per` entries, then the runs' sums
+        int run = 0;
+        for (int j = 0; j < per; ++j) {
+            const int i = tid * per + j;
+            if (i < m) run += cnt[i];
+        }
+        int inc = run;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += v;
+        }
+        if (lane == 31) wsum[w] = inc;
+        __syncthreads();
+        if (w == 0) {
+            int x = wsum[lane];
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, x, o);
+                if (lane >= o) x += v;
+            }
+            wsum[lane] = x;
+        }
+        __syncthreads();
+        int base = inc - run + (w > 0 ? wsum[w - 1] : 0);
+        for (int j = 0; j < per; ++j) {
+            const int i = tid * per + j;
+            if (i < m) {
+                const int c = cnt[i];
+                cnt[i] = base;
+                base += c;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < RADIX_MAX_ROUNDS; ++r) {
+            if (r >= rounds) break;
+            const int e = r * 1024 + tid;
+            if (e < n) {
+                const int d = (int)(slot[r] >> 8);
+                dst[cnt[(d * rounds + r) * 32 + w] + (int)(slot[r] & 255u)] = src[e];
+            }
+        }
+        __syncthreads();
+        unsigned long long* t = src;
+        src = dst;
+        dst = t;
+    }
+    // 8 passes: the sorted keys are back in `keys`
+}
+
 // sampling::sample with uniform u, for the whole block (every thread returns the index).
-// keys: npad u64 (reused as the f64 exps), order: npad ints.
-__device__ int block_draw(const float* row, int n, int npad, float temperature, int top_k, float top_p,
-                          bool keep_crossing, double u, unsigned long long* keys, int* order, float* sv,
-                          int* si, int* result) {
+// keys: n u64 (reused as the f64 exps), tmp: n u64 (the sort's second buffer, then the order
+// as n ints), cnt: the sort's counts.
+__device__ int block_draw(const float* row, int n, int rounds, float temperature, int top_k, float top_p,
+                          bool keep_crossing, double u, unsigned long long* keys, unsigned long long* tmp, int* cnt,
+                          float* sv, int* si, int* result) {
     if (temperature <= 0.0f || n <= 1) return block_argmax(row, n, sv, si);
     const float t = fmaxf(temperature, 1e-5f);
-    for (int i = threadIdx.x; i < npad; i += blockDim.x) {
-        unsigned long long key = ~0ull;
-        if (i < n) {
-            unsigned int b = __float_as_uint(scaled(row, i, t));
-            unsigned int ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-            key = ((unsigned long long)(~ord) << 32) | (unsigned int)i;
-        }
-        keys[i] = key;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        unsigned int b = __float_as_uint(scaled(row, i, t));
+        unsigned int ord = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+        keys[i] = ((unsigned long long)(~ord) << 32) | (unsigned int)i;
     }
     __syncthreads();
-    // bitonic sort, ascending (keys are unique: the index is in the low bits)
-    for (int k = 2; k <= npad; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < npad; i += blockDim.x) {
-                int ixj = i ^ j;
-                if (ixj > i) {
-                    unsigned long long a = keys[i], b = keys[ixj];
-                    bool up = (i & k) == 0;
-                    if ((a > b) == up) {
-                        keys[i] = b;
-                        keys[ixj] = a;
-                    }
-                }
-            }
-            __syncthreads();
-        }
-    }
+    block_radix_sort(keys, tmp, cnt, n, rounds);
+    int* order = (int*)tmp;
     for (int i = threadIdx.x; i < n; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffull);
     __syncthreads();
     real_t* exps = (real_t*)keys;
@@ -247,16 +315,17 @@ __device__ int block_draw(const float* row, int n, int npad, float temperature, 
 // tokens), columns 0 and 1, rows = every lane: an unconditional branch draws nothing, and a
 // guided lane first rewrites its row as l + gamma (l - l_u) (sampling::cfg_mix, each step
 // rounded once) from its branch's row, which no block writes. slot r >= 0: residual head r,
-// column 2 + r, rows = the drawing lanes. Dynamic shared memory: npad u64 keys and npad ints
-// (npad = n rounded up to a power of two).
-extern "C" __global__ void __launch_bounds__(1024) round_sample(float* __restrict__ logits, int n, int npad,
+// column 2 + r, rows = the drawing lanes. rounds = ceil(n / 1024) (at most RADIX_MAX_ROUNDS).
+// Dynamic shared memory: n u64 keys, n u64 for the sort's second buffer, 16 * rounds * 32 ints.
+extern "C" __global__ void __launch_bounds__(1024) round_sample(float* __restrict__ logits, int n, int rounds,
                                                                 const LaneIn* __restrict__ lanes,
                                                                 long long* __restrict__ frames,
                                                                 const unsigned int* __restrict__ cands, int slot,
                                                                 unsigned int sem_start, unsigned int sem_end) {
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned long long* keys = (unsigned long long*)smem;
-    int* order = (int*)(keys + npad);
+    unsigned long long* tmp = keys + n;
+    int* cnt = (int*)(tmp + n);
     __shared__ float sv[1024];
     __shared__ int si[1024];
     __shared__ int result;
@@ -276,15 +345,15 @@ extern "C" __global__ void __launch_bounds__(1024) round_sample(float* __restric
 #endif
     long long* f = frames + (long long)lane * ROW_W;
     if (slot < 0) {
-        int c = block_draw(row, n, npad, L.temperature, L.top_k, L.top_p, true, uniform01(L.seed, 0u, step), keys,
-                           order, sv, si, &result);
+        int c = block_draw(row, n, rounds, L.temperature, L.top_k, L.top_p, true, uniform01(L.seed, 0u, step), keys,
+                           tmp, cnt, sv, si, &result);
         long long tok = cands[c];
         bool sem = tok >= (long long)sem_start && tok <= (long long)sem_end;
         bool seen = false;
         for (int i = 0; i < L.n_recent && i < RAS_W; ++i) seen = seen || L.recent[i] == tok;
         if (L.ras && sem && seen) {
-            c = block_draw(row, n, npad, 1.0f, 30, 0.95f, true, uniform01(L.seed, 1u, step), keys, order, sv, si,
-                           &result);
+            c = block_draw(row, n, rounds, 1.0f, 30, 0.95f, true, uniform01(L.seed, 1u, step), keys, tmp, cnt, sv,
+                           si, &result);
             tok = cands[c];
         }
         if (threadIdx.x == 0) {
@@ -292,8 +361,8 @@ extern "C" __global__ void __launch_bounds__(1024) round_sample(float* __restric
             f[1] = tok - (long long)sem_start;
         }
     } else {
-        int c = block_draw(row, n, npad, L.temperature, L.top_k, L.top_p, false,
-                           uniform01(L.seed, 2u + (unsigned int)slot, step), keys, order, sv, si, &result);
+        int c = block_draw(row, n, rounds, L.temperature, L.top_k, L.top_p, false,
+                           uniform01(L.seed, 2u + (unsigned int)slot, step), keys, tmp, cnt, sv, si, &result);
         if (threadIdx.x == 0) f[2 + slot] = c;
     }
 }

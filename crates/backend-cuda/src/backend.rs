@@ -3953,7 +3953,7 @@ impl Backend for CudaBackend {
         };
         let p = kernels::plan_round_sample(logits.rows, n).map_err(dev)?;
         let (f, smem) = self.optin_func(Source::Round, &p)?;
-        let (n32, npad32) = (i32v(op, n)?, i32v(op, n.next_power_of_two())?);
+        let (n32, rounds32) = (i32v(op, n)?, i32v(op, kernels::round_sample_rounds(n))?);
         let cfg = LaunchConfig {
             grid_dim: (u32v(op, logits.rows)?, 1, 1),
             block_dim: (p.block as u32, 1, 1),
@@ -3965,15 +3965,15 @@ impl Backend for CudaBackend {
         }
         // SAFETY: the arguments match round_sample in kernels/round.cu: logits [rows, n] (rows
         // the covered lanes; a guided lane's row is rewritten in place), lane_in [lanes],
-        // frames [lanes, 11], cands [n] (main); the plan sized the shared memory for n rounded
-        // up to a power of two.
+        // frames [lanes, 11], cands [n] (main), rounds = ceil(n / 1024); the plan sized the
+        // shared memory for n and checked rounds against the kernel's most.
         unsafe {
             self.gpu
                 .stream
                 .launch_builder(&f)
                 .arg(&logits.ptr())
                 .arg(&n32)
-                .arg(&npad32)
+                .arg(&rounds32)
                 .arg(&round.lane_in.ptr)
                 .arg(&round.frames.ptr)
                 .arg(&round.cands.ptr)
@@ -4252,6 +4252,23 @@ mod tests {
                 .contains(&format!("#define XT_DN4_KB {DN4_MAX_KB}  //")),
             "moe.cu's XT_DN4_KB differs from backend.rs's DN4_MAX_KB"
         );
+    }
+
+    #[test]
+    fn round_sample_limit_is_the_kernels() {
+        // the sort's registers hold RADIX_MAX_ROUNDS rounds: the plan's limit must be that
+        assert!(
+            Source::Round.body().contains(&format!(
+                "#define RADIX_MAX_ROUNDS {}\n",
+                kernels::ROUND_SAMPLE_MAX_ROUNDS
+            )),
+            "round.cu's RADIX_MAX_ROUNDS differs from kernels.rs's ROUND_SAMPLE_MAX_ROUNDS"
+        );
+        assert_eq!(kernels::round_sample_rounds(1), 1);
+        assert_eq!(kernels::round_sample_rounds(1024), 1);
+        assert_eq!(kernels::round_sample_rounds(4097), 5);
+        assert!(kernels::plan_round_sample(32, 16 * 1024).is_ok());
+        assert!(kernels::plan_round_sample(1, 16 * 1024 + 1).is_err());
     }
 
     #[test]

@@ -647,19 +647,36 @@ pub fn plan_flash(
 /// rounded up to a power of two u64 keys in shared memory (with an int order array), plus the
 /// static argmax scratch (1024 floats and ints) and one int.
 pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
-    let npad = n.max(1).next_power_of_two();
-    let dyn_smem = mul("round_sample shared memory", &[npad, 12])? as u64;
+    let rounds = round_sample_rounds(n);
+    need("round_sample", rounds <= ROUND_SAMPLE_MAX_ROUNDS, || {
+        format!(
+            "{n} logits a row, the most is {} (its radix sort takes 1024 a round, at most \
+             {ROUND_SAMPLE_MAX_ROUNDS} rounds)",
+            1024 * ROUND_SAMPLE_MAX_ROUNDS
+        )
+    })?;
+    // keys and the sort's second buffer (n u64 each), its counts (16 digits x rounds x 32 warps)
+    let dyn_smem = (mul("round_sample shared memory", &[n.max(1), 16])?
+        + mul("round_sample shared memory", &[16, rounds, 32, 4])?) as u64;
     Ok(LaunchPlan {
         kernel: "round_sample",
         grid: [lanes as u64, 1, 1],
         block: 1024,
-        // sv, si, result, and block_draw's 32-entry f64 pbuf
-        smem: dyn_smem + 8 * 1024 + 4 + 32 * 8,
+        // sv, si, result, block_draw's 32-entry f64 pbuf and the sort's 32 warp sums
+        smem: dyn_smem + 8 * 1024 + 4 + 32 * 8 + 32 * 4,
         dyn_smem,
         optin: true,
-        i32_max: npad as u64,
+        i32_max: mul("round_sample logits", &[16, rounds, 32])?.max(n) as u64,
         offset_max: mul("round_sample logits", &[lanes, n])? as u64,
     })
+}
+
+/// The most 1024-element rounds `round_sample`'s radix sort takes (round.cu `RADIX_MAX_ROUNDS`).
+pub const ROUND_SAMPLE_MAX_ROUNDS: usize = 16;
+
+/// The 1024-element rounds of `round_sample`'s sort for `n` logits (its `rounds` argument).
+pub fn round_sample_rounds(n: usize) -> usize {
+    n.max(1).div_ceil(1024)
 }
 
 // ---------------------------------------------------------------- split-key decode
