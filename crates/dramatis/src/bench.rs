@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// `starts_per_round`).
     #[arg(long, default_value_t = 0)]
     pub starts_per_round: usize,
+    /// Prompt rows started between two frame rounds, at most (the engine's
+    /// `start_rows_per_round`; default the plan's prefill chunk, 0: no limit).
+    #[arg(long)]
+    pub start_rows_per_round: Option<usize>,
     /// Decode audio (and encode reference clips) on the host (the GPU runs the model alone):
     /// measures what the GPU codec costs the frame rounds.
     #[arg(long)]
@@ -417,6 +421,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         },
         prompt_cache_gib: a.prompt_cache_gib,
         starts_per_round: a.starts_per_round,
+        start_rows_per_round: a.start_rows_per_round,
         codec_on_host: a.codec_on_host,
         codec_min_chunk: a.codec_min_chunk,
         cfg: speech::CfgOptions {
@@ -589,7 +594,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_seconds": load_s,
         "settings": {"text": a.text, "frames": a.frames, "runs": a.runs, "lanes": a.lanes, "context": 4096,
                       "reference_frames": a.reference_frames, "prompt_cache_gib": a.prompt_cache_gib,
-                      "starts_per_round": a.starts_per_round, "codec_on_host": a.codec_on_host,
+                      "starts_per_round": a.starts_per_round,
+                      "start_rows_per_round": a.start_rows_per_round, "codec_on_host": a.codec_on_host,
                       "codec_min_chunk": a.codec_min_chunk,
                       "cfg_gamma": a.cfg_gamma, "cfg_batched": a.cfg_batched,
                       "backend_env": backend_env(),

@@ -159,6 +159,11 @@ enum Cmd {
         /// of the requests already started. Outputs are the same either way.
         #[arg(long, default_value_t = 0)]
         starts_per_round: usize,
+        /// Prompt rows started (prefilled) between two frame rounds, at most (default: the
+        /// plan's prefill chunk, one joined prefill a round; 0: no limit). At least one waiting
+        /// request starts each time. Outputs are the same either way.
+        #[arg(long)]
+        start_rows_per_round: Option<usize>,
         /// Bearer key(s) required on every route but /health.
         #[arg(long = "api-key")]
         api_keys: Vec<String>,
@@ -289,6 +294,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             max_unread_audio_seconds,
             max_pause_seconds,
             starts_per_round,
+            start_rows_per_round,
             api_keys,
         } => {
             let mut opts = engine_options(&engine)?;
@@ -298,6 +304,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             opts.max_unread_audio_seconds = max_unread_audio_seconds;
             opts.max_pause_seconds = max_pause_seconds;
             opts.starts_per_round = starts_per_round;
+            opts.start_rows_per_round = start_rows_per_round;
             let eng = Engine::load(opts).map_err(|e| anyhow!("start-up failed: {e}"))?;
             let rt = tokio::runtime::Runtime::new()?;
             let so = server::ServeOptions {

@@ -94,11 +94,12 @@ fn a_start_limit_defers_prefills_and_changes_no_output() {
         "Third one here!",
         "And a fourth.",
     ];
-    let run = |starts: usize| -> (Vec<String>, speech::EngineStats) {
+    let run = |starts: usize, rows: Option<usize>| -> (Vec<String>, speech::EngineStats) {
         let e = engine_with(EngineOptions {
             parallel: 4,
             queue: Some(4),
             starts_per_round: starts,
+            start_rows_per_round: rows,
             ..Default::default()
         });
         // the later three are queued while the first one's long prompt is prefilled, so the
@@ -116,8 +117,25 @@ fn a_start_limit_defers_prefills_and_changes_no_output() {
             .collect();
         (hashes, e.stats())
     };
-    let (free, free_stats) = run(0);
-    let (limited, limited_stats) = run(1);
+    let (free, free_stats) = run(0, Some(0));
+    let (limited, limited_stats) = run(1, Some(0));
+    // the default row limit (the plan's prefill chunk) holds the three short prompts together
+    let (chunked, chunked_stats) = run(0, None);
+    assert!(
+        chunked_stats.starts_most >= 2,
+        "{}",
+        chunked_stats.starts_most
+    );
+    assert_eq!(chunked, free, "the default row limit changes no output");
+    // a row limit of one starts one job a round (at least one always starts)
+    let (by_rows, rows_stats) = run(0, Some(1));
+    assert_eq!(rows_stats.starts_most, 1);
+    assert!(
+        rows_stats.starts_deferred >= 2,
+        "{}",
+        rows_stats.starts_deferred
+    );
+    assert_eq!(by_rows, free, "a row limit changes no output");
     // without a limit the three queued jobs start between the same two rounds, prefilled
     // joined (the lanes' PCM below equals the limited run's, where each starts alone)
     assert!(free_stats.starts_most >= 2, "{}", free_stats.starts_most);
