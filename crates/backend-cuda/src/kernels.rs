@@ -643,15 +643,16 @@ pub fn plan_flash(
 
 // ---------------------------------------------------------------- frame-round draws
 
-/// `round_sample` (round.cu): one block of 1024 threads per lane over `n` logits, sorting `n`
-/// rounded up to a power of two u64 keys in shared memory (with an int order array), plus the
-/// static argmax scratch (1024 floats and ints) and one int.
+/// `round_sample` (round.cu): one block of 1024 threads per lane over `n` logits, radix-sorting
+/// `n` u64 keys in shared memory through a second buffer of `n` (which then holds the order),
+/// with 16 digit counts per warp and round, plus the static argmax scratch (1024 floats and
+/// ints), the result, the cut's 32 f64 and the sort's 32 warp sums.
 pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
     let rounds = round_sample_rounds(n);
     need("round_sample", rounds <= ROUND_SAMPLE_MAX_ROUNDS, || {
         format!(
-            "{n} logits a row, the most is {} (its radix sort takes 1024 a round, at most \
-             {ROUND_SAMPLE_MAX_ROUNDS} rounds)",
+            "{n} logits a row, the most is {} (the radix sort's keys, second buffer and counts \
+             in shared memory: {ROUND_SAMPLE_MAX_ROUNDS} rounds of 1024)",
             1024 * ROUND_SAMPLE_MAX_ROUNDS
         )
     })?;
@@ -662,8 +663,7 @@ pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
         kernel: "round_sample",
         grid: [lanes as u64, 1, 1],
         block: 1024,
-        // sv, si, result, block_draw's 32-entry f64 pbuf and the sort's 32 warp sums
-        smem: dyn_smem + 8 * 1024 + 4 + 32 * 8 + 32 * 4,
+        smem: dyn_smem + ROUND_SAMPLE_STATIC_SMEM,
         dyn_smem,
         optin: true,
         i32_max: mul("round_sample logits", &[16, rounds, 32])?.max(n) as u64,
@@ -671,8 +671,15 @@ pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
     })
 }
 
-/// The most 1024-element rounds `round_sample`'s radix sort takes (round.cu `RADIX_MAX_ROUNDS`).
-pub const ROUND_SAMPLE_MAX_ROUNDS: usize = 16;
+/// `round_sample`'s static shared memory, at most: sv and si (8 KiB), the result, block_draw's
+/// 32-entry f64 pbuf and the sort's 32 warp sums (8592 bytes by ptxas in session 17, alignment
+/// included).
+const ROUND_SAMPLE_STATIC_SMEM: u64 = 9 * 1024;
+
+/// The most 1024-element rounds `round_sample` takes: 12 (12288 logits) keeps its shared memory
+/// (16 B a key, 2 KiB of counts a round, the static part) inside Hopper's 227 KiB a block; the
+/// kernel's registers hold up to round.cu's `RADIX_MAX_ROUNDS` (16).
+pub const ROUND_SAMPLE_MAX_ROUNDS: usize = 12;
 
 /// The 1024-element rounds of `round_sample`'s sort for `n` logits (its `rounds` argument).
 pub fn round_sample_rounds(n: usize) -> usize {

@@ -43,8 +43,8 @@ pub struct BenchArgs {
     /// Also measure prefill rows/s at these prompt lengths (comma separated).
     #[arg(long, value_delimiter = ',')]
     pub prefill_rows: Vec<usize>,
-    /// Waiting requests started between two frame rounds, at most (0: no limit; the engine's
-    /// `starts_per_round`).
+    /// Waiting requests started between two frame rounds, at most (0: no cap on their count;
+    /// the engine's `starts_per_round`).
     #[arg(long, default_value_t = 0)]
     pub starts_per_round: usize,
     /// Prompt rows started between two frame rounds, at most (the engine's

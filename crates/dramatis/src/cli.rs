@@ -154,9 +154,9 @@ enum Cmd {
         /// (the client gets an error naming the figures; its lane is freed).
         #[arg(long, default_value_t = speech::DEFAULT_MAX_PAUSE_SECONDS)]
         max_pause_seconds: f64,
-        /// Waiting requests started (prefilled) between two frame rounds, at most (0: every one
-        /// a free lane can take): a burst of prompts then no longer holds back the first audio
-        /// of the requests already started. Outputs are the same either way.
+        /// Waiting requests started (prefilled) between two frame rounds, at most (0: no cap on
+        /// their count; --start-rows-per-round still bounds their rows). Outputs are the same
+        /// either way.
         #[arg(long, default_value_t = 0)]
         starts_per_round: usize,
         /// Prompt rows started (prefilled) between two frame rounds, at most (default: the

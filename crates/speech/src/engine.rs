@@ -62,10 +62,10 @@ pub struct EngineOptions {
     /// (its caller then gets a `Failed` event naming the figures), so a stalled client cannot
     /// hold a lane and its KV rows for ever.
     pub max_pause_seconds: f64,
-    /// Waiting jobs started (prefilled) between two frame rounds, at most; 0: every job a free
-    /// lane can take. A limit lets the lanes already started get their first audio out while
-    /// a burst of prompts is still being prefilled; a lane's frames do not depend on the lanes
-    /// beside it, so no output changes.
+    /// Waiting jobs started (prefilled) between two frame rounds, at most; 0: no cap on their
+    /// count (`start_rows_per_round` still bounds their rows). A limit lets the lanes already
+    /// started get their first audio out while a burst of prompts is still being prefilled; a
+    /// lane's frames do not depend on the lanes beside it, so no output changes.
     pub starts_per_round: usize,
     /// Prompt rows started (prefilled) between two frame rounds, at most: `None` is the plan's
     /// prefill chunk (one joined prefill a round), `Some(0)` no limit. At least one waiting job
@@ -1253,6 +1253,11 @@ struct PrefixCache<B: Backend> {
 }
 
 impl<B: Backend> PrefixCache<B> {
+    /// Whether `key` is cached (no hit or miss counted, no recency changed).
+    fn contains(&self, key: &[u8; 32]) -> bool {
+        self.entries.contains_key(key)
+    }
+
     fn get(&mut self, key: &[u8; 32]) -> Option<&LaneState<B>> {
         self.tick += 1;
         let tick = self.tick;
@@ -1373,9 +1378,9 @@ struct CodecJob {
 }
 
 /// Most frames one decoder call takes when a backlog is coalesced. The engine caps it further
-/// at the frames of decoder workspace its plan reserves (one a lane, or `codec_min_chunk`
-/// in all if more), and the codec thread decodes one chunk at a time, so a chunk stays
-/// inside it.
+/// at the frames of decoder workspace its plan reserves (lanes x ceil(`codec_min_chunk` /
+/// lanes), at least one a lane), and the codec thread decodes one chunk at a time, so a chunk
+/// stays inside it.
 const CODEC_MAX_CHUNK: usize = 64;
 
 /// Default of [`EngineOptions::codec_min_chunk`]: a decoder call has a fixed cost (about 150
@@ -1392,6 +1397,17 @@ const CODEC_HOLD_AHEAD_S: f64 = 0.25;
 /// The longest a frame waits for company.
 const CODEC_MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How the codec thread sizes its decoder calls (`codec_loop`).
+#[derive(Debug, Clone, Copy)]
+struct CodecChunks {
+    /// The most frames a call takes (the plan's decoder workspace).
+    max: usize,
+    /// The frames a call gathers for a job well ahead of real time (1: no holding).
+    min: usize,
+    /// The longest a frame is held for company.
+    max_hold: std::time::Duration,
+}
+
 /// One job's frames waiting for the decoder.
 struct Pending {
     key: u64,
@@ -1404,16 +1420,16 @@ struct Pending {
 
 /// Until when a job's waiting frames may wait for more (`None`: decode them now). A job's
 /// first audio goes out at once, and so do frames whose job's audio is less than
-/// `CODEC_HOLD_AHEAD_S` ahead of real time; the rest wait until `min_chunk` frames have come,
-/// `CODEC_MAX_HOLD` has passed, or the audio ahead would fall to that margin.
+/// `CODEC_HOLD_AHEAD_S` ahead of real time; the rest wait until `chunks.min` frames have come,
+/// `chunks.max_hold` has passed, or the audio ahead would fall to that margin.
 fn hold_until(
     jobs: &std::collections::HashMap<u64, CodecJob>,
     p: &Pending,
-    min_chunk: usize,
+    chunks: &CodecChunks,
     rate: f64,
     now: Instant,
 ) -> Option<Instant> {
-    if p.frames.len() >= min_chunk {
+    if p.frames.len() >= chunks.min {
         return None;
     }
     let j = jobs.get(&p.key)?;
@@ -1423,7 +1439,7 @@ fn hold_until(
     if j.failed || ahead <= 0.0 {
         return None;
     }
-    let until = (p.since + CODEC_MAX_HOLD).min(now + std::time::Duration::from_secs_f64(ahead));
+    let until = (p.since + chunks.max_hold).min(now + std::time::Duration::from_secs_f64(ahead));
     (until > now).then_some(until)
 }
 
@@ -1433,19 +1449,23 @@ fn hold_until(
 /// When the thread falls behind (many lanes), the frames waiting for one job are decoded as one
 /// chunk: streamed decoding is bit-identical whatever the chunking, and one call over several
 /// frames costs far less than one call per frame. When it keeps up (few lanes), a job whose
-/// audio is well ahead of real time has its frames held until `min_chunk` of them have come
-/// (`hold_until`), for the same saving. A job's messages keep their order; its end, failure or
-/// drop first decodes what it holds.
+/// audio is well ahead of real time has its frames held until `chunks.min` of them have come
+/// (`hold_until`), for the same saving. A job's messages keep their order; its end or failure
+/// first decodes what it holds, its drop (no reader) discards it, and so does the engine's end
+/// (a job still holding frames then never finished: its caller was told it failed).
 fn codec_loop(
     new_decoder: DecoderFactory,
     rate: u32,
-    max_chunk: usize,
-    min_chunk: usize,
+    chunks: CodecChunks,
     rx: std::sync::mpsc::Receiver<CodecMsg>,
     meter: &CodecMeter,
 ) {
-    let max_chunk = max_chunk.clamp(1, CODEC_MAX_CHUNK);
-    let min_chunk = min_chunk.clamp(1, max_chunk);
+    let max_chunk = chunks.max.clamp(1, CODEC_MAX_CHUNK);
+    let chunks = CodecChunks {
+        max: max_chunk,
+        min: chunks.min.clamp(1, max_chunk),
+        ..chunks
+    };
     let mut jobs: std::collections::HashMap<u64, CodecJob> = std::collections::HashMap::new();
     let rate = f64::from(rate);
     // frames waiting per job, in arrival order of the jobs
@@ -1489,17 +1509,19 @@ fn codec_loop(
                 }
                 continue;
             }
-            // this job's earlier frames go first
+            // this job's earlier frames go first (a dropped job's have no reader)
             if let Some(i) = pending.iter().position(|p| p.key == key) {
                 let p = pending.remove(i);
-                decode_frames(&mut jobs, key, p.frames, meter);
+                if !matches!(msg, CodecMsg::Drop { .. }) {
+                    decode_frames(&mut jobs, key, p.frames, meter);
+                }
             }
             codec_event(&mut jobs, &new_decoder, rate, msg, meter);
         }
         // decode what is due, in arrival order; hold the rest
         let mut held = Vec::with_capacity(pending.len());
         for mut p in pending.drain(..) {
-            p.until = hold_until(&jobs, &p, min_chunk, rate, Instant::now());
+            p.until = hold_until(&jobs, &p, &chunks, rate, Instant::now());
             if p.until.is_some() {
                 held.push(p);
             } else {
@@ -1507,10 +1529,6 @@ fn codec_loop(
             }
         }
         pending = held;
-    }
-    // the engine is gone: what is held is decoded (its audio still reaches any reader)
-    for p in pending {
-        decode_frames(&mut jobs, p.key, p.frames, meter);
     }
 }
 
@@ -1716,7 +1734,14 @@ fn spawn_worker<B: Backend + 'static>(
     let meter = ctx.codec_meter;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(factory, rate, max_chunk, min_chunk, codec_rx, &meter))
+        .spawn(move || {
+            let chunks = CodecChunks {
+                max: max_chunk,
+                min: min_chunk,
+                max_hold: CODEC_MAX_HOLD,
+            };
+            codec_loop(factory, rate, chunks, codec_rx, &meter)
+        })
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -1826,9 +1851,7 @@ impl<B: Backend> Worker<B> {
                             s.queue.pop_front();
                             continue;
                         }
-                        let front_rows = front.segments.first().map_or(0, |(_, a)| {
-                            usize::try_from(a.prompt_rows.0).unwrap_or(usize::MAX)
-                        });
+                        let front_rows = self.prefill_rows(front);
                         let over_rows = !fresh.is_empty()
                             && fresh_rows.saturating_add(front_rows) > self.start_rows;
                         if over_rows
@@ -1960,6 +1983,28 @@ impl<B: Backend> Worker<B> {
                 let _ = self.codec_tx.send(msg);
             }
         }
+    }
+
+    /// The rows a job's first segment will prefill (`segment_rows`): its own rows, the
+    /// reference prefix unless the cache holds it, and the guidance prompt's rows; what the
+    /// start budget (`start_rows`) counts.
+    fn prefill_rows(&self, job: &Job) -> usize {
+        let Some((seg, _)) = job.segments.first() else {
+            return 0;
+        };
+        let p = seg.prefix_rows.min(job.prefix.len());
+        let cached = p > 0
+            && !seg.rows.is_empty()
+            && self
+                .cache
+                .borrow()
+                .contains(&prefix_key(&to_rows(&job.prefix[..p])));
+        let guide = job
+            .guidance
+            .as_ref()
+            .and_then(|(_, un)| un.first())
+            .map_or(0, |u| u.rows.len());
+        seg.rows.len() + if cached { 0 } else { p } + guide
     }
 
     /// Takes a lane for each job and prefills their first segments together
@@ -2410,9 +2455,14 @@ mod codec_thread_tests {
             .unwrap();
         }
         drop(tx);
-        // a cap below the backlog, as the engine's lane-count cap is
+        // a cap below the backlog, as the engine's workspace cap is; no holding
         let cap = 5;
-        codec_loop(factory, 44_100, cap, 1, rx, &CodecMeter::default());
+        let chunks_at = CodecChunks {
+            max: cap,
+            min: 1,
+            max_hold: CODEC_MAX_HOLD,
+        };
+        codec_loop(factory, 44_100, chunks_at, rx, &CodecMeter::default());
         for (key, erx) in streams.iter_mut().enumerate() {
             let mut audio = Vec::new();
             let mut done = None;
@@ -2427,9 +2477,10 @@ mod codec_thread_tests {
             let frames = if key == 2 { 21 } else { 150 };
             let want: Vec<f32> = (0..frames).map(|f| (1000 * key + f) as f32).collect();
             if key == 2 {
-                // every message was queued before the loop ran, so the 21 frames before the
-                // drop are decoded and none after it
-                assert_eq!(audio, want, "job 2: the frames before its drop");
+                // every message was queued before the loop ran: the full chunks before the drop
+                // are decoded (frames 0-19), the one still waiting at the drop (frame 20) has
+                // no reader and is discarded, and nothing after it is decoded
+                assert_eq!(audio, want[..20], "job 2: the chunks before its drop");
                 assert!(done.is_none());
             } else {
                 assert_eq!(audio, want, "job {key}: audio in frame order");
@@ -2452,6 +2503,7 @@ mod codec_thread_tests {
         rate: u32,
         max_chunk: usize,
         min_chunk: usize,
+        max_hold: std::time::Duration,
     ) -> (
         std::sync::mpsc::Sender<CodecMsg>,
         mpsc::UnboundedReceiver<JobEvent>,
@@ -2471,14 +2523,12 @@ mod codec_thread_tests {
         })
         .unwrap();
         let h = std::thread::spawn(move || {
-            codec_loop(
-                factory,
-                rate,
-                max_chunk,
-                min_chunk,
-                rx,
-                &CodecMeter::default(),
-            )
+            let chunks = CodecChunks {
+                max: max_chunk,
+                min: min_chunk,
+                max_hold,
+            };
+            codec_loop(factory, rate, chunks, rx, &CodecMeter::default())
         });
         (tx, erx, chunks, h)
     }
@@ -2515,12 +2565,15 @@ mod codec_thread_tests {
         assert_eq!(*audio, vec![0.0], "the first audio at once");
     }
 
+    /// A hold no test waits out: only `min` frames or the job's end release held frames.
+    const LONG_HOLD: std::time::Duration = std::time::Duration::from_secs(60);
+
     /// A job whose audio is far ahead of real time (one second a frame) has its first frame
-    /// decoded at once and the next ones gathered `min_chunk` to a call, every frame in order
-    /// and the rest decoded at its end.
+    /// decoded at once and the next ones gathered at least `min` to a call, every frame in
+    /// order and the rest decoded at its end.
     #[test]
     fn frames_ahead_of_real_time_are_gathered() {
-        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4);
+        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4, LONG_HOLD);
         let mut audio = Vec::new();
         first_audio(&tx, &mut erx, &mut audio);
         for f in 1..14u32 {
@@ -2540,15 +2593,20 @@ mod codec_thread_tests {
         let sizes = chunks.lock().unwrap().clone();
         assert_eq!(sizes[0], 1, "the first audio goes out alone: {sizes:?}");
         assert!(sizes.iter().all(|&n| n <= 8), "{sizes:?}");
-        // 2 ms apart, four frames come well inside the 100 ms hold
-        assert!(sizes.contains(&4), "frames gathered 4 a call: {sizes:?}");
+        // between the first audio and the end, a call waits for four frames (more if the
+        // thread woke late and found more)
+        let middle = &sizes[1..sizes.len() - 1];
+        assert!(
+            !middle.is_empty() && middle.iter().all(|&n| n >= 4),
+            "frames gathered 4 or more a call: {sizes:?}"
+        );
     }
 
     /// A held frame goes out once the hold's limit has passed, with no further frame and no
     /// end to push it.
     #[test]
     fn a_held_frame_goes_out_after_the_hold() {
-        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4);
+        let (tx, mut erx, chunks, h) = spawn_loop(1, 8, 4, CODEC_MAX_HOLD);
         let mut audio = Vec::new();
         first_audio(&tx, &mut erx, &mut audio);
         frame(&tx, 1);
@@ -2569,10 +2627,10 @@ mod codec_thread_tests {
     }
 
     /// A job whose audio is behind real time (one sample a frame at 44.1 kHz) is never held:
-    /// each frame's audio is out well inside the hold's limit.
+    /// each frame's audio comes out on its own, not at the end of a 60 s hold.
     #[test]
     fn frames_behind_real_time_are_not_held() {
-        let (tx, mut erx, _chunks, h) = spawn_loop(44_100, 8, 4);
+        let (tx, mut erx, _chunks, h) = spawn_loop(44_100, 8, 4, LONG_HOLD);
         let mut audio = Vec::new();
         for f in 0..3u32 {
             frame(&tx, f);
@@ -2582,8 +2640,8 @@ mod codec_thread_tests {
                 audio_so_far(&mut erx, &mut audio);
             }
             assert!(
-                t0.elapsed() < CODEC_MAX_HOLD,
-                "frame {f} waited {:?}",
+                audio.len() > f as usize,
+                "frame {f} not out after {:?}",
                 t0.elapsed()
             );
         }
