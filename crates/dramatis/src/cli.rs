@@ -159,9 +159,10 @@ enum Cmd {
         /// either way.
         #[arg(long, default_value_t = 0)]
         starts_per_round: usize,
-        /// Prompt rows started (prefilled) between two frame rounds, at most (default: the
-        /// plan's prefill chunk, one joined prefill a round; 0: no limit). At least one waiting
-        /// request starts each time. Outputs are the same either way.
+        /// Prompt rows to prefill (a cached reference prefix not counted) started between two
+        /// frame rounds, at most (default: the plan's prefill chunk, one joined prefill a
+        /// round; 0: no limit). At least one waiting request starts each time. Outputs are the
+        /// same either way.
         #[arg(long)]
         start_rows_per_round: Option<usize>,
         /// Bearer key(s) required on every route but /health.

@@ -67,9 +67,10 @@ pub struct EngineOptions {
     /// started get their first audio out while a burst of prompts is still being prefilled; a
     /// lane's frames do not depend on the lanes beside it, so no output changes.
     pub starts_per_round: usize,
-    /// Prompt rows started (prefilled) between two frame rounds, at most: `None` is the plan's
-    /// prefill chunk (one joined prefill a round), `Some(0)` no limit. At least one waiting job
-    /// starts each time whatever its rows, so none waits for ever. A burst of requests is
+    /// Prompt rows to prefill (`Worker::prefill_rows`: a cached reference prefix not counted, a
+    /// guided request's second prompt counted) started between two frame rounds, at most:
+    /// `None` is the plan's prefill chunk (one joined prefill a round), `Some(0)` no limit. At
+    /// least one waiting job starts each time whatever its rows, so none waits for ever. A burst of requests is
     /// started a joined prefill at a time, each group's lanes decoding while the next prefills
     /// (32 requests of 64 rows on the H200: median first audio 0.92 -> 0.53 s, frames/s no
     /// lower); a lane's frames do not depend on the lanes beside it, so no output changes.
