@@ -4243,30 +4243,32 @@ impl Backend for CudaBackend {
 mod tests {
     use super::*;
 
+    /// The number a kernel source `#define`s `name` to.
+    fn kernel_define(src: Source, name: &str) -> usize {
+        let body = src.body();
+        let head = format!("#define {name} ");
+        let at = body
+            .find(&head)
+            .unwrap_or_else(|| panic!("{} defines {name}", src.name()));
+        body[at + head.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{} defines {name} to a number", src.name()))
+    }
+
     #[test]
     fn down4_limit_is_the_kernels() {
         // moe_tc_down4's partials hold XT_DN4_KB key blocks: the host's limit must be that
-        assert!(
-            Source::Moe
-                .body()
-                .contains(&format!("#define XT_DN4_KB {DN4_MAX_KB}  //")),
-            "moe.cu's XT_DN4_KB differs from backend.rs's DN4_MAX_KB"
-        );
+        assert_eq!(kernel_define(Source::Moe, "XT_DN4_KB"), DN4_MAX_KB);
     }
 
     #[test]
     fn round_sample_limit_is_the_kernels() {
         // the sort's registers hold RADIX_MAX_ROUNDS rounds: the plan's limit must be within it
-        let body = Source::Round.body();
-        let at = body
-            .find("#define RADIX_MAX_ROUNDS ")
-            .expect("round.cu defines RADIX_MAX_ROUNDS");
-        let kernel_max: usize = body[at + "#define RADIX_MAX_ROUNDS ".len()..]
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .expect("a number");
-        assert!(kernels::ROUND_SAMPLE_MAX_ROUNDS <= kernel_max);
+        assert!(
+            kernels::ROUND_SAMPLE_MAX_ROUNDS <= kernel_define(Source::Round, "RADIX_MAX_ROUNDS")
+        );
         assert_eq!(kernels::round_sample_rounds(1), 1);
         assert_eq!(kernels::round_sample_rounds(1024), 1);
         assert_eq!(kernels::round_sample_rounds(4097), 5);
@@ -4280,12 +4282,7 @@ mod tests {
     #[test]
     fn norm_blocks_hold_every_group() {
         // norm_block sizes blocks for ops.cu's NORM_REG values a thread: the two must agree
-        assert!(
-            Source::Ops
-                .body()
-                .contains(&format!("#define NORM_REG {NORM_REG}\n")),
-            "ops.cu's NORM_REG differs from backend.rs's"
-        );
+        assert_eq!(kernel_define(Source::Ops, "NORM_REG"), NORM_REG);
         for g in [
             1,
             64,

@@ -47,7 +47,7 @@ pub struct BenchArgs {
     /// the engine's `starts_per_round`).
     #[arg(long, default_value_t = 0)]
     pub starts_per_round: usize,
-    /// Prompt rows started between two frame rounds, at most (the engine's
+    /// Prompt rows to prefill started between two frame rounds, at most (the engine's
     /// `start_rows_per_round`; default the plan's prefill chunk, 0: no limit).
     #[arg(long)]
     pub start_rows_per_round: Option<usize>,

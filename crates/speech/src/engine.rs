@@ -70,10 +70,11 @@ pub struct EngineOptions {
     /// Prompt rows to prefill (`Worker::prefill_rows`: a cached reference prefix not counted, a
     /// guided request's second prompt counted) started between two frame rounds, at most:
     /// `None` is the plan's prefill chunk (one joined prefill a round), `Some(0)` no limit. At
-    /// least one waiting job starts each time whatever its rows, so none waits for ever. A burst of requests is
-    /// started a joined prefill at a time, each group's lanes decoding while the next prefills
-    /// (32 requests of 64 rows on the H200: median first audio 0.92 -> 0.53 s, frames/s no
-    /// lower); a lane's frames do not depend on the lanes beside it, so no output changes.
+    /// least one waiting job starts each time whatever its rows, so none waits for ever. A
+    /// burst of requests is started a joined prefill at a time, each group's lanes decoding
+    /// while the next prefills (32 requests of 64 rows on the H200: median first audio 0.92 ->
+    /// 0.53 s, frames/s no lower); a lane's frames do not depend on the lanes beside it, so no
+    /// output changes.
     pub start_rows_per_round: Option<usize>,
     /// Decode audio (and encode reference clips) on the host even when the model runs on CUDA,
     /// so the GPU runs the model alone: for measuring what the GPU codec costs the frame rounds.
@@ -134,8 +135,8 @@ pub struct EngineStats {
     pub lanes_busy: usize,
     pub queued: usize,
     pub frames_total: u64,
-    /// Jobs that `starts_per_round` or `start_rows_per_round` left waiting for a later round while a lane was free for
-    /// them (each counted once).
+    /// Jobs that `starts_per_round` or `start_rows_per_round` left waiting for a later round
+    /// while a lane was free for them (each counted once).
     pub starts_deferred: u64,
     /// The most jobs started between two frame rounds.
     pub starts_most: u64,
@@ -190,6 +191,8 @@ struct Job {
     segments: Vec<(Prompt, Admission)>,
     /// The reference prefix every segment's prompt starts with (segments hold only their own rows).
     prefix: Vec<crate::prompt::Row>,
+    /// The prompt cache's key of `prefix` (none without one), made once at submission.
+    prefix_key: Option<[u8; 32]>,
     /// Guidance: γ and, per segment, the unconditional prompt (the same text, no references).
     guidance: Option<(f32, Vec<Prompt>)>,
     /// Largest P + F + 1 over the segments: the rows the conditional lane is sized for.
@@ -207,6 +210,17 @@ struct Job {
     /// Whether `starts_per_round` has held this job back once (counted once in
     /// `EngineStats::starts_deferred`).
     deferred: bool,
+}
+
+impl Job {
+    /// The prompt cache's key of the prefix's first `p` rows: the one made at submission when
+    /// `p` is the whole prefix (every segment with references starts with all of it).
+    fn prefix_key_of(&self, p: usize) -> [u8; 32] {
+        match self.prefix_key {
+            Some(k) if p == self.prefix.len() => k,
+            _ => prefix_key(&to_rows(&self.prefix[..p])),
+        }
+    }
 }
 
 /// The caller's side of a running job. Dropping it cancels the job at its next frame. Events
@@ -586,7 +600,11 @@ impl Engine {
             starts_most: Arc::clone(&starts_most),
             prefills_joined: Arc::clone(&prefills_joined),
             codec_meter: Arc::clone(&codec_meter),
-            codec_chunks: (lanes * codec_lane_frames, codec_min_chunk),
+            codec_chunks: CodecChunks {
+                max: lanes * codec_lane_frames,
+                min: codec_min_chunk,
+                max_hold: CODEC_MAX_HOLD,
+            },
             // at least one frame, so a tiny limit still lets every job advance
             max_unread_samples: ((opts.max_unread_audio_seconds * f64::from(codec.sample_rate()))
                 as u64)
@@ -828,6 +846,8 @@ impl Engine {
             frame_cap: job_parts.frame_cap,
             segments: job_parts.segments,
             guidance: job_parts.guidance,
+            prefix_key: (!job_parts.prefix.is_empty())
+                .then(|| prefix_key(&to_rows(&job_parts.prefix))),
             prefix: job_parts.prefix,
             events: tx,
             cancel: Arc::clone(&cancel),
@@ -1682,15 +1702,15 @@ struct WorkerCtx {
     shared: Arc<(Mutex<Shared>, Condvar)>,
     frames_total: Arc<AtomicU64>,
     starts_per_round: usize,
-    /// Prompt rows started between two rounds, at most ([`EngineOptions::start_rows_per_round`]
-    /// resolved; `usize::MAX`: no limit).
+    /// Rows to prefill started between two rounds, at most
+    /// ([`EngineOptions::start_rows_per_round`] resolved; `usize::MAX`: no limit).
     start_rows: usize,
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
     prefills_joined: Arc<AtomicU64>,
     codec_meter: Arc<CodecMeter>,
-    /// The most and the fewest frames a decoder call gathers (`codec_loop`).
-    codec_chunks: (usize, usize),
+    /// How the codec thread sizes its decoder calls (`codec_loop`).
+    codec_chunks: CodecChunks,
     max_unread_samples: u64,
     max_pause: std::time::Duration,
     prefill_chunk: usize,
@@ -1731,18 +1751,11 @@ fn spawn_worker<B: Backend + 'static>(
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
-    let (max_chunk, min_chunk) = ctx.codec_chunks;
+    let chunks = ctx.codec_chunks;
     let meter = ctx.codec_meter;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || {
-            let chunks = CodecChunks {
-                max: max_chunk,
-                min: min_chunk,
-                max_hold: CODEC_MAX_HOLD,
-            };
-            codec_loop(factory, rate, chunks, codec_rx, &meter)
-        })
+        .spawn(move || codec_loop(factory, rate, chunks, codec_rx, &meter))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -1817,7 +1830,7 @@ struct Worker<B: Backend> {
     frames_total: Arc<AtomicU64>,
     /// [`EngineOptions::starts_per_round`] (0: no limit).
     starts_per_round: usize,
-    /// Prompt rows started between two rounds, at most (`usize::MAX`: no limit).
+    /// Rows to prefill started between two rounds, at most (`usize::MAX`: no limit).
     start_rows: usize,
     starts_deferred: Arc<AtomicU64>,
     starts_most: Arc<AtomicU64>,
@@ -1994,12 +2007,8 @@ impl<B: Backend> Worker<B> {
             return 0;
         };
         let p = seg.prefix_rows.min(job.prefix.len());
-        let cached = p > 0
-            && !seg.rows.is_empty()
-            && self
-                .cache
-                .borrow()
-                .contains(&prefix_key(&to_rows(&job.prefix[..p])));
+        let cached =
+            p > 0 && !seg.rows.is_empty() && self.cache.borrow().contains(&job.prefix_key_of(p));
         let guide = job
             .guidance
             .as_ref()
@@ -2214,7 +2223,7 @@ impl<B: Backend> Worker<B> {
         if p > 0 && p < rows.len() {
             // The reference prefix: restored from the cache or prefilled (and then cached).
             let capacity = a.lane.capacity();
-            let key = prefix_key(&rows[..p]);
+            let key = a.job.prefix_key_of(p);
             let mut cache = self.cache.borrow_mut();
             match cache.get(&key) {
                 Some(lane) => {
