@@ -218,9 +218,93 @@ __device__ void block_radix_sort(unsigned long long* keys, unsigned long long* t
     // 8 passes: the sorted keys are back in `keys`
 }
 
+// The k (< n) smallest of the block's unique keys [n], in ascending order, their indices (low
+// 32 bits) into order[0, k): a radix select from the top byte down (a 256-bin histogram a pass
+// of the keys still in play, shared atomics: counts, so order-free), stopping at the first bin
+// that holds exactly the keys still needed; then the k keys gathered into cand (any order) and
+// each placed by counting the candidates below it. Needs k <= SELECT_MAX and cand for k u64.
+#define SELECT_MAX 64
+__device__ void block_select(const unsigned long long* keys, int n, int k, unsigned long long* cand, int* order) {
+    __shared__ unsigned int hist[256];
+    __shared__ unsigned long long sel_prefix, sel_mask;
+    __shared__ int sel_rem, sel_done, sel_n;
+    const int tid = threadIdx.x, lane = tid & 31;
+    if (tid == 0) {
+        sel_prefix = 0ull;
+        sel_mask = 0ull;
+        sel_rem = k;
+        sel_done = 0;
+        sel_n = 0;
+    }
+    __syncthreads();
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0u;
+        __syncthreads();
+        const unsigned long long prefix = sel_prefix, mask = sel_mask;
+        for (int i = tid; i < n; i += blockDim.x) {
+            const unsigned long long key = keys[i];
+            if ((key & mask) == prefix) atomicAdd(&hist[(unsigned int)(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid < 32) {
+            // lane j holds bins 8 j .. 8 j + 7: its sum, the exclusive scan across lanes, then
+            // the lane whose bins cross the keys still needed finds the bin
+            unsigned int c[8], sum = 0;
+#pragma unroll
+            for (int b = 0; b < 8; ++b) {
+                c[b] = hist[8 * lane + b];
+                sum += c[b];
+            }
+            unsigned int inc = sum;
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned int v = __shfl_up_sync(0xffffffffu, inc, o);
+                if (lane >= o) inc += v;
+            }
+            const unsigned int rem = (unsigned int)sel_rem;
+            unsigned int before = inc - sum;
+            if (before < rem && rem <= inc) {
+#pragma unroll
+                for (int b = 0; b < 8; ++b) {
+                    if (before + c[b] >= rem) {
+                        const unsigned int d = 8u * lane + b;
+                        sel_rem = (int)(rem - before);
+                        sel_prefix = prefix | ((unsigned long long)d << shift);
+                        sel_mask = mask | (255ull << shift);
+                        sel_done = c[b] == rem - before;
+                        break;
+                    }
+                    before += c[b];
+                }
+            }
+        }
+        __syncthreads();
+        if (sel_done) break;
+    }
+    // the keys whose fixed top bits are below the prefix come first; with the prefix's own bin
+    // (exactly the rest) they are the k smallest
+    const unsigned long long prefix = sel_prefix, mask = sel_mask;
+    for (int i = tid; i < n; i += blockDim.x) {
+        const unsigned long long key = keys[i];
+        if ((key & mask) <= prefix) {
+            const int at = atomicAdd(&sel_n, 1);
+            if (at < k) cand[at] = key;
+        }
+    }
+    __syncthreads();
+    if (tid < k) {
+        const unsigned long long key = cand[tid];
+        int r = 0;
+        for (int j = 0; j < k; ++j) r += cand[j] < key;
+        order[r] = (int)(key & 0xffffffffull);
+    }
+    __syncthreads();
+}
+
 // sampling::sample with uniform u, for the whole block (every thread returns the index).
-// keys: n u64 (reused as the f64 exps), tmp: n u64 (the sort's second buffer, then the order
-// as n ints), cnt: the sort's counts.
+// keys: n u64 (then the f64 exps in index order), tmp: n u64 (the sort's second buffer, then
+// the ranks' indices as ints), cnt: the sort's counts (or the selection's candidates). Only
+// the ranks the draw can keep are ordered: the top_k (<= SELECT_MAX) by the selection, else
+// all by the sort; the total (sampling::sum_det over every exp) is in index order.
 __device__ int block_draw(const float* row, int n, int rounds, float temperature, int top_k, float top_p,
                           bool keep_crossing, double u, unsigned long long* keys, unsigned long long* tmp, int* cnt,
                           float* sv, int* si, int* result) {
@@ -232,20 +316,27 @@ __device__ int block_draw(const float* row, int n, int rounds, float temperature
         keys[i] = ((unsigned long long)(~ord) << 32) | (unsigned int)i;
     }
     __syncthreads();
-    block_radix_sort(keys, tmp, cnt, n, rounds);
     int* order = (int*)tmp;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffull);
-    __syncthreads();
+    int ranks = n;
+    if (top_k > 0 && top_k <= SELECT_MAX && top_k < n) {
+        block_select(keys, n, top_k, (unsigned long long*)cnt, order);
+        ranks = top_k;
+    } else {
+        block_radix_sort(keys, tmp, cnt, n, rounds);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) order[i] = (int)(keys[i] & 0xffffffffull);
+        __syncthreads();
+    }
     real_t* exps = (real_t*)keys;
     const double mx = (double)scaled(row, order[0], t);
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        double x = __dsub_rn((double)scaled(row, order[i], t), mx);
+        double x = __dsub_rn((double)scaled(row, i, t), mx);
         exps[i] = REXP(x);
     }
     __syncthreads();
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
-        // sampling::sum_det: strided partials, then the xor butterfly (every lane has the total)
+        // sampling::sum_det in index order: strided partials, then the xor butterfly (every
+        // lane has the total)
         real_t acc = 0.0;
         for (int i = lane; i < n; i += 32) acc = RADD(acc, exps[i]);
         for (int s = 16; s > 0; s >>= 1) acc = RADD(acc, __shfl_xor_sync(0xffffffffu, acc, s));
@@ -257,12 +348,12 @@ __device__ int block_draw(const float* row, int n, int rounds, float temperature
         __shared__ real_t pbuf[32];
         int kept = 0;
         real_t cum = 0.0, mass = 0.0;
-        for (int base = 0; base < n; base += 32) {
-            pbuf[lane] = base + lane < n ? RDIV(exps[base + lane], total) : (real_t)0.0;
+        for (int base = 0; base < ranks; base += 32) {
+            pbuf[lane] = base + lane < ranks ? RDIV(exps[order[base + lane]], total) : (real_t)0.0;
             __syncwarp();
             int done = 0;
             if (lane == 0) {
-                const int m = n - base < 32 ? n - base : 32;
+                const int m = ranks - base < 32 ? ranks - base : 32;
                 for (int j = 0; j < m; ++j) {
                     const int rank = base + j;
                     const real_t before = cum;
@@ -279,8 +370,9 @@ __device__ int block_draw(const float* row, int n, int rounds, float temperature
                         }
                     }
                     kept = rank + 1;
-                    mass = RADD(mass, exps[rank]);
-                    exps[rank] = mass;
+                    // rank's exp, then the kept mass up to it, at its index
+                    mass = RADD(mass, exps[order[rank]]);
+                    exps[order[rank]] = mass;
                 }
             }
             // every lane waits here for lane 0's pass over pbuf (the shuffle carries its verdict,
@@ -297,7 +389,7 @@ __device__ int block_draw(const float* row, int n, int rounds, float temperature
         const real_t target = RMUL((real_t)u, mass);
         int first = 0x7fffffff;
         for (int r = lane; r < kept; r += 32)
-            if (target < exps[r]) {
+            if (target < exps[order[r]]) {
                 first = r;
                 break;
             }

@@ -672,9 +672,9 @@ pub fn plan_round_sample(lanes: usize, n: usize) -> Result<LaunchPlan> {
 }
 
 /// `round_sample`'s static shared memory, at most: sv and si (8 KiB), the result, block_draw's
-/// 32-entry f64 pbuf and the sort's 32 warp sums (8592 bytes by ptxas in session 17, alignment
-/// included).
-const ROUND_SAMPLE_STATIC_SMEM: u64 = 9 * 1024;
+/// 32-entry f64 pbuf, the sort's 32 warp sums, the selection's 256-bin histogram and state
+/// (9648 bytes by ptxas in session 17, alignment included).
+const ROUND_SAMPLE_STATIC_SMEM: u64 = 10 * 1024;
 
 /// The most 1024-element rounds `round_sample` takes: 12 (12288 logits) keeps its shared memory
 /// (16 B a key, 2 KiB of counts a round, the static part) inside Hopper's 227 KiB a block; the

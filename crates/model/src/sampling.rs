@@ -123,8 +123,9 @@ pub fn rank_desc(v: &[f32]) -> Vec<usize> {
 }
 
 /// One draw from `logits` with uniform `u`: `logits / max(T, 1e-5)`, sorted descending (ties to
-/// the lower index), softmax over all, inclusive cumulative sum; rank 0 always kept, ranks
-/// ≥ top_k dropped (top_k > 0), top-p per `crossing`; renormalise and draw. T = 0 is argmax.
+/// the lower index), softmax over all (the total by `sum_det` in index order), inclusive
+/// cumulative sum in rank order; rank 0 always kept, ranks ≥ top_k dropped (top_k > 0), top-p
+/// per `crossing`; renormalise and draw. T = 0 is argmax.
 pub fn sample(
     logits: &[f32],
     temperature: f32,
@@ -140,11 +141,14 @@ pub fn sample(
     let scaled: Vec<f32> = logits.iter().map(|&l| l / t).collect();
     let order = rank_desc(&scaled);
     let max = f64::from(scaled[order[0]]);
-    let exps: Vec<f64> = order
+    // the total in index order (so a device draw needs the order of the kept ranks only),
+    // the cut and the draw in rank order
+    let by_index: Vec<f64> = scaled
         .iter()
-        .map(|&i| exp_det(f64::from(scaled[i]) - max))
+        .map(|&x| exp_det(f64::from(x) - max))
         .collect();
-    let total = sum_det(&exps);
+    let total = sum_det(&by_index);
+    let exps: Vec<f64> = order.iter().map(|&i| by_index[i]).collect();
     let top_p = f64::from(top_p);
     let mut kept = 0usize;
     let mut cum = 0.0f64;
