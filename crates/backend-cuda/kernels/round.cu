@@ -241,9 +241,17 @@ __device__ void block_select(const unsigned long long* keys, int n, int k, unsig
         for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0u;
         __syncthreads();
         const unsigned long long prefix = sel_prefix, mask = sel_mask;
-        for (int i = tid; i < n; i += blockDim.x) {
-            const unsigned long long key = keys[i];
-            if ((key & mask) == prefix) atomicAdd(&hist[(unsigned int)(key >> shift) & 255u], 1u);
+        // a warp's keys of one bin add once (most keys share the first passes' bins)
+        for (int base = 0; base < n; base += blockDim.x) {
+            const int i = base + tid;
+            const unsigned long long key = i < n ? keys[i] : 0ull;
+            const bool in_play = i < n && (key & mask) == prefix;
+            const unsigned int act = __ballot_sync(0xffffffffu, in_play);
+            if (in_play) {
+                const unsigned int bin = (unsigned int)(key >> shift) & 255u;
+                const unsigned int peers = __match_any_sync(act, bin);
+                if ((peers & ((1u << lane) - 1u)) == 0u) atomicAdd(&hist[bin], (unsigned int)__popc(peers));
+            }
         }
         __syncthreads();
         if (tid < 32) {
@@ -328,9 +336,21 @@ __device__ int block_draw(const float* row, int n, int rounds, float temperature
     }
     real_t* exps = (real_t*)keys;
     const double mx = (double)scaled(row, order[0], t);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        double x = __dsub_rn((double)scaled(row, i, t), mx);
-        exps[i] = REXP(x);
+    // four of a thread's exps at a time: independent chains the scheduler can interleave (each
+    // is the same operations as alone)
+    for (int i = threadIdx.x; i < n; i += 4 * blockDim.x) {
+        double x[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int e = i + j * (int)blockDim.x;
+            x[j] = e < n ? __dsub_rn((double)scaled(row, e, t), mx) : 0.0;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int e = i + j * (int)blockDim.x;
+            const real_t v = REXP(x[j]);
+            if (e < n) exps[e] = v;
+        }
     }
     __syncthreads();
     if (threadIdx.x < 32) {
