@@ -3280,7 +3280,8 @@ pub(super) fn round_draws(c: &mut Ctx) -> Result<()> {
             } else {
                 SamplingParams {
                     temperature: [0.0, 0.5, 1.0, 1.3][c.rng.below(4)],
-                    top_k: [0, 1, 30, 500][c.rng.below(4)],
+                    // 64 and 65: either side of the kernel's selection (SELECT_MAX)
+                    top_k: [0, 1, 30, 64, 65, 500][c.rng.below(6)],
                     top_p: [0.6, 0.9, 1.0][c.rng.below(3)] as f32,
                     ras: c.rng.below(2) == 0,
                 }
