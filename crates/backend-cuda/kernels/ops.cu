@@ -732,25 +732,23 @@ __device__ __forceinline__ long long decode_chunk(long long keys) {
 // shared memory 64 dims at a time; dims lane + 32e for P.V), online softmax in f32 as
 // attn_generic_body. It writes an unnormalised partial (m, l, acc[hd]) per head; the last block of
 // (kvh, L) to finish (counted in `count`, which it resets to 0) combines the lane's chunks in chunk
-// order, so the result does not depend on which block ends last. part_* hold [lanes * nh][nch]
-// (times hd for acc): nch chunk slots, enough for any length up to the capacity (a graph replays
-// a round while the lanes grow). Grid x need not be nch: block x takes chunks x, x + gridDim.x,
-// ... of those holding keys, each chunk's partial the same operations whichever block computes
-// it, so the bits do not depend on the grid; only the blocks holding a chunk count and combine
-// (a short prompt's few chunks then take few blocks, and the head groups can be split over
-// blocks without thousands of empty ones).
+// order, so the result does not depend on which block ends last. part_* hold [lanes * nh][nchunks]
+// (times hd for acc). The grid covers a round's capacity (a graph replays it while the lanes
+// grow), so a block past the lane's keys returns at once: only the chunks holding keys count
+// and combine (an empty chunk added exactly nothing but cost its block and a combine step:
+// 32 chunks at a 4096-row capacity, 256 at 262144, for a prompt of a few hundred keys).
 // PLANT 1: sees one key past the lane's limit. LOWP: q rounded to bf16.
 template <typename T>
 __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
                                  float* __restrict__ pm, float* __restrict__ pl, float* __restrict__ pacc,
                                  int* __restrict__ count, int nh, int nkv, int hd, long long cap, float scale,
-                                 int hpb, int nch) {
+                                 int hpb) {
     __shared__ __align__(16) float qs[DG * DHD];
     __shared__ __align__(16) float ks[4][32 * DLD];
     __shared__ float ps[4][32][DG];
     __shared__ float wm[4][DG], wl[4][DG];
     __shared__ int last;
-    const int nchunks = nch, lane_id = blockIdx.z;
+    const int nchunks = gridDim.x, c = blockIdx.x, lane_id = blockIdx.z;
     cap = tab.cap[lane_id];
     // block y takes heads h0 .. h0 + hpb of kv head kvh (hpb divides the group): a head's bits
     // do not depend on how many heads share its block
@@ -765,153 +763,148 @@ __device__ void attn_decode_body(const KvTab& tab, const float* __restrict__ q, 
 #endif
     if (limit > cap) limit = cap;
     const long long chunk = decode_chunk(keys);
+    const long long k0 = (long long)c * chunk;
+    const long long k1 = k0 + chunk < limit ? k0 + chunk : limit;
     // chunks holding keys (at least one: a decode row sees itself)
     const long long used_ll = (limit + chunk - 1) / chunk;
     const int used = (int)(used_ll < nchunks ? used_ll : nchunks);
-    if ((int)blockIdx.x >= used) return;  // uniform across the block, before any barrier
-    // blocks that hold a chunk: the combine waits for these
-    const int holders = used < (int)gridDim.x ? used : (int)gridDim.x;
+    if (c >= used) return;  // uniform across the block, before any barrier
     const long long row0 = (long long)lane_id * nh + (long long)kvh * (nh / nkv) + h0;  // head hh: row0 + hh
-    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = lowp(q[row0 * hd + i]);
-    for (int c = blockIdx.x; c < used; c += gridDim.x) {
-        const long long k0 = (long long)c * chunk;
-        const long long k1 = k0 + chunk < limit ? k0 + chunk : limit;
-        float m[DG], l[DG], acc[DG][DHD / 32];
+    float m[DG], l[DG], acc[DG][DHD / 32];
 #pragma unroll
-        for (int hh = 0; hh < DG; ++hh) {
-            m[hh] = -INFINITY;
-            l[hh] = 0.0f;
+    for (int hh = 0; hh < DG; ++hh) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
 #pragma unroll
-            for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = 0.0f;
-        }
-        // q staged (first chunk), or the previous chunk's reads of the staging area done
+        for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = 0.0f;
+    }
+    if (k0 < k1) {
+        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = lowp(q[row0 * hd + i]);
         __syncthreads();
-        {
-            const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
-            const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
-            float* kw = ks[warp];
-            for (long long tile = k0 + 32LL * warp; tile < k1; tile += 128) {
-                const bool valid = tile + lane < k1;
-                float s[DG];
+        const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
+        const T* vb = (const T*)tab.v[lane_id] + (long long)kvh * cap * hd;
+        float* kw = ks[warp];
+        for (long long tile = k0 + 32LL * warp; tile < k1; tile += 128) {
+            const bool valid = tile + lane < k1;
+            float s[DG];
 #pragma unroll
-                for (int hh = 0; hh < DG; ++hh) s[hh] = 0.0f;
-                for (int d0 = 0; d0 < hd; d0 += DS) {
-                    // 32 keys x 64 dims: 16 lanes per key row, two rows per step; all 16 loads are
-                    // issued before any is stored (one memory round trip per 64 dims, not four)
-                    float4 val[16];
+            for (int hh = 0; hh < DG; ++hh) s[hh] = 0.0f;
+            for (int d0 = 0; d0 < hd; d0 += DS) {
+                // 32 keys x 64 dims: 16 lanes per key row, two rows per step; all 16 loads are
+                // issued before any is stored (one memory round trip per 64 dims, not four)
+                float4 val[16];
 #pragma unroll
-                    for (int rr = 0; rr < 16; ++rr) {
-                        int row = rr * 2 + (lane >> 4);
-                        int dd = d0 + (lane & 15) * 4;
-                        long long kk = tile + row;
-                        val[rr] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                        if (kk < k1 && dd < hd) val[rr] = kv_load4(kb, kk * hd + dd);
-                    }
-#pragma unroll
-                    for (int rr = 0; rr < 16; ++rr) {
-                        int row = rr * 2 + (lane >> 4);
-                        *(float4*)(kw + row * DLD + (lane & 15) * 4) = val[rr];
-                    }
-                    __syncwarp();
-                    const int dn = hd - d0 < DS ? hd - d0 : DS;
-                    for (int j = 0; j < dn; j += 4) {
-                        float4 kv = *(const float4*)(kw + lane * DLD + j);
-#pragma unroll
-                        for (int hh = 0; hh < DG; ++hh) {
-                            if (hh < G) {
-                                float4 qa = *(const float4*)(qs + hh * hd + d0 + j);
-                                float a = s[hh];
-                                a = fmaf(qa.x, kv.x, a); a = fmaf(qa.y, kv.y, a);
-                                a = fmaf(qa.z, kv.z, a); a = fmaf(qa.w, kv.w, a);
-                                s[hh] = a;
-                            }
-                        }
-                    }
-                    __syncwarp();
+                for (int rr = 0; rr < 16; ++rr) {
+                    int row = rr * 2 + (lane >> 4);
+                    int dd = d0 + (lane & 15) * 4;
+                    long long kk = tile + row;
+                    val[rr] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    if (kk < k1 && dd < hd) val[rr] = kv_load4(kb, kk * hd + dd);
                 }
 #pragma unroll
-                for (int hh = 0; hh < DG; ++hh) {
-                    if (hh < G) {
-                        float sv = valid ? s[hh] * scale : -INFINITY;
-                        float mn = fmaxf(m[hh], warp_max(sv));  // finite: the tile's first key is valid
-                        float corr = m[hh] == -INFINITY ? 0.0f : expf(m[hh] - mn);
-                        float p = valid ? expf(sv - mn) : 0.0f;
-                        l[hh] = l[hh] * corr + warp_sum(p);
-                        m[hh] = mn;
-#pragma unroll
-                        for (int e = 0; e < DHD / 32; ++e) acc[hh][e] *= corr;
-                        ps[warp][lane][hh] = p;
-                    }
+                for (int rr = 0; rr < 16; ++rr) {
+                    int row = rr * 2 + (lane >> 4);
+                    *(float4*)(kw + row * DLD + (lane & 15) * 4) = val[rr];
                 }
                 __syncwarp();
-                const int nvalid = (int)(k1 - tile < 32 ? k1 - tile : 32);
-                // V rows DV_B keys at a time, all loaded before any is used (the same FMAs in the
-                // same key order)
-                for (int j0 = 0; j0 < nvalid; j0 += DV_B) {
-                    float vv[DV_B][DHD / 32];
+                const int dn = hd - d0 < DS ? hd - d0 : DS;
+                for (int j = 0; j < dn; j += 4) {
+                    float4 kv = *(const float4*)(kw + lane * DLD + j);
 #pragma unroll
-                    for (int jj = 0; jj < DV_B; ++jj) {
-                        const T* vr = vb + (tile + j0 + jj) * hd;
-#pragma unroll
-                        for (int e = 0; e < DHD / 32; ++e)
-                            vv[jj][e] = (e < ne && j0 + jj < nvalid) ? kv_load(vr, lane + 32 * e) : 0.0f;
-                    }
-#pragma unroll
-                    for (int jj = 0; jj < DV_B; ++jj) {
-                        if (j0 + jj >= nvalid) break;  // uniform across the warp
-#pragma unroll
-                        for (int hh = 0; hh < DG; ++hh) {
-                            if (hh < G) {
-                                float p = ps[warp][j0 + jj][hh];
-#pragma unroll
-                                for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = fmaf(p, vv[jj][e], acc[hh][e]);
-                            }
+                    for (int hh = 0; hh < DG; ++hh) {
+                        if (hh < G) {
+                            float4 qa = *(const float4*)(qs + hh * hd + d0 + j);
+                            float a = s[hh];
+                            a = fmaf(qa.x, kv.x, a); a = fmaf(qa.y, kv.y, a);
+                            a = fmaf(qa.z, kv.z, a); a = fmaf(qa.w, kv.w, a);
+                            s[hh] = a;
                         }
                     }
                 }
                 __syncwarp();
             }
-        }
-        // the block's four warps into one partial per head (the staging area holds the accumulators)
-        if (lane == 0) {
 #pragma unroll
             for (int hh = 0; hh < DG; ++hh) {
-                wm[warp][hh] = m[hh];
-                wl[warp][hh] = l[hh];
+                if (hh < G) {
+                    float sv = valid ? s[hh] * scale : -INFINITY;
+                    float mn = fmaxf(m[hh], warp_max(sv));  // finite: the tile's first key is valid
+                    float corr = m[hh] == -INFINITY ? 0.0f : expf(m[hh] - mn);
+                    float p = valid ? expf(sv - mn) : 0.0f;
+                    l[hh] = l[hh] * corr + warp_sum(p);
+                    m[hh] = mn;
+#pragma unroll
+                    for (int e = 0; e < DHD / 32; ++e) acc[hh][e] *= corr;
+                    ps[warp][lane][hh] = p;
+                }
             }
+            __syncwarp();
+            const int nvalid = (int)(k1 - tile < 32 ? k1 - tile : 32);
+            // V rows DV_B keys at a time, all loaded before any is used (the same FMAs in the
+            // same key order)
+            for (int j0 = 0; j0 < nvalid; j0 += DV_B) {
+                float vv[DV_B][DHD / 32];
+#pragma unroll
+                for (int jj = 0; jj < DV_B; ++jj) {
+                    const T* vr = vb + (tile + j0 + jj) * hd;
+#pragma unroll
+                    for (int e = 0; e < DHD / 32; ++e)
+                        vv[jj][e] = (e < ne && j0 + jj < nvalid) ? kv_load(vr, lane + 32 * e) : 0.0f;
+                }
+#pragma unroll
+                for (int jj = 0; jj < DV_B; ++jj) {
+                    if (j0 + jj >= nvalid) break;  // uniform across the warp
+#pragma unroll
+                    for (int hh = 0; hh < DG; ++hh) {
+                        if (hh < G) {
+                            float p = ps[warp][j0 + jj][hh];
+#pragma unroll
+                            for (int e = 0; e < DHD / 32; ++e) acc[hh][e] = fmaf(p, vv[jj][e], acc[hh][e]);
+                        }
+                    }
+                }
+            }
+            __syncwarp();
         }
-        __syncthreads();
-        float* red = &ks[0][0];  // [4][G][hd] floats: at most 32 KiB of the 34 KiB
+    }
+    // the block's four warps into one partial per head (the staging area holds the accumulators)
+    if (lane == 0) {
 #pragma unroll
-        for (int hh = 0; hh < DG; ++hh)
-            if (hh < G)
+        for (int hh = 0; hh < DG; ++hh) {
+            wm[warp][hh] = m[hh];
+            wl[warp][hh] = l[hh];
+        }
+    }
+    __syncthreads();
+    float* red = &ks[0][0];  // [4][G][hd] floats: at most 32 KiB of the 34 KiB
 #pragma unroll
-                for (int e = 0; e < DHD / 32; ++e)
-                    if (e < ne) red[(warp * G + hh) * hd + lane + 32 * e] = acc[hh][e];
-        __syncthreads();
-        for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
-            int hh = i / hd, dd = i % hd;
-            float M = fmaxf(fmaxf(wm[0][hh], wm[1][hh]), fmaxf(wm[2][hh], wm[3][hh]));
-            float a = 0.0f, L = 0.0f;
+    for (int hh = 0; hh < DG; ++hh)
+        if (hh < G)
 #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                float f = wm[w][hh] == -INFINITY ? 0.0f : expf(wm[w][hh] - M);
-                a = fmaf(f, red[(w * G + hh) * hd + dd], a);
-                L = fmaf(f, wl[w][hh], L);
-            }
-            long long pr = (row0 + hh) * nchunks + c;
-            pacc[pr * hd + dd] = a;
-            if (dd == 0) {
-                pm[pr] = M;
-                pl[pr] = L;
-            }
+            for (int e = 0; e < DHD / 32; ++e)
+                if (e < ne) red[(warp * G + hh) * hd + lane + 32 * e] = acc[hh][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+        int hh = i / hd, dd = i % hd;
+        float M = fmaxf(fmaxf(wm[0][hh], wm[1][hh]), fmaxf(wm[2][hh], wm[3][hh]));
+        float a = 0.0f, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            float f = wm[w][hh] == -INFINITY ? 0.0f : expf(wm[w][hh] - M);
+            a = fmaf(f, red[(w * G + hh) * hd + dd], a);
+            L = fmaf(f, wl[w][hh], L);
+        }
+        long long pr = (row0 + hh) * nchunks + c;
+        pacc[pr * hd + dd] = a;
+        if (dd == 0) {
+            pm[pr] = M;
+            pl[pr] = L;
         }
     }
     // the last block of (kvh, lane) combines the lane's chunks in chunk order
     __threadfence();
     __syncthreads();
     int* ctr = count + (long long)lane_id * gridDim.y + blockIdx.y;
-    if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == holders - 1;
+    if (threadIdx.x == 0) last = atomicAdd(ctr, 1) == used - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
@@ -936,16 +929,16 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_f32(KvTab tab, con
                                                                    float* __restrict__ out, float* __restrict__ pm,
                                                                    float* __restrict__ pl, float* __restrict__ pacc,
                                                                    int* __restrict__ count, int nh, int nkv, int hd,
-                                                                   long long cap, float scale, int hpb, int nch) {
-    attn_decode_body<float>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb, nch);
+                                                                   long long cap, float scale, int hpb) {
+    attn_decode_body<float>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_decode_bf16(KvTab tab, const float* __restrict__ q,
                                                                     float* __restrict__ out, float* __restrict__ pm,
                                                                     float* __restrict__ pl, float* __restrict__ pacc,
                                                                     int* __restrict__ count, int nh, int nkv, int hd,
-                                                                    long long cap, float scale, int hpb, int nch) {
-    attn_decode_body<bf16_t>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb, nch);
+                                                                    long long cap, float scale, int hpb) {
+    attn_decode_body<bf16_t>(tab, q, out, pm, pl, pacc, count, nh, nkv, hd, cap, scale, hpb);
 }
 
 // ---------------------------------------------------------------- Gated DeltaNet

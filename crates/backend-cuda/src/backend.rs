@@ -701,16 +701,6 @@ pub struct CudaOptions {
     /// one lane 82.0 -> 88.5 frames/s, `bench/cuda-drama3-head-split-*-2026-11-29-s7.json`):
     /// `DRAMATIS_CUDA_HEAD_SPLIT=0` turns it off.
     pub decode_head_split: bool,
-    /// Decode attention's grid takes the chunks that hold keys now, not every chunk slot of the
-    /// capacity: blocks walk chunks x, x + blocks, ... (`kernels::decode_chunk_blocks`), and the
-    /// head split is chosen from the chunks in use, so a recorded round's short prompts no
-    /// longer launch thousands of empty blocks with whole head groups in the few busy ones. The
-    /// same bits: `DRAMATIS_CUDA_DECODE_LOOP=0` gives the old grid.
-    pub decode_chunk_loop: bool,
-    /// At most this many blocks along decode attention's chunks (with `decode_chunk_loop`; 0:
-    /// no cap), so that blocks walk several chunks: for the contract's bitwise check and A/B
-    /// (`DRAMATIS_CUDA_DECODE_BLOCKS`).
-    pub decode_blocks_cap: usize,
     /// `Rows::Bulk` BF16 linears (from `gemm_min_rows` rows) run as BF16 tensor-core GEMMs
     /// through cuBLASLt with split activations (`lt.rs`) instead of the tiled GEMM:
     /// `DRAMATIS_CUDA_GEMM_LT=1`. Off by default until the contract and parity have run it on
@@ -800,8 +790,6 @@ impl CudaOptions {
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
-            decode_chunk_loop: get("DRAMATIS_CUDA_DECODE_LOOP").is_none_or(|v| v.trim() != "0"),
-            decode_blocks_cap: num("DRAMATIS_CUDA_DECODE_BLOCKS", 0),
             gemm_lt: get("DRAMATIS_CUDA_GEMM_LT").is_some_and(|v| v.trim() == "1"),
             tc_bulk: get("DRAMATIS_CUDA_TC_BULK").is_some_and(|v| v.trim() == "1"),
             moe_tc: get("DRAMATIS_CUDA_MOE_TC").is_some_and(|v| v.trim() == "1"),
@@ -1987,12 +1975,11 @@ impl CudaBackend {
             }
             // a round's grid covers any length up to the capacity (chunks past a lane's
             // length add exactly nothing)
-            let now = kernels::decode_chunks(caches.iter().map(|c| c.len + 1), planted);
             let nchunks = match dev_lens {
                 Some(_) => kernels::decode_chunks_upto(cap, planted),
-                None => now,
+                None => kernels::decode_chunks(caches.iter().map(|c| c.len + 1), planted),
             };
-            self.attend_decode(&seen, lanes, qp, op, d, cap, f32kv, counters, nchunks, now)?;
+            self.attend_decode(&seen, lanes, qp, op, d, cap, f32kv, counters, nchunks)?;
         } else {
             let scale = 1.0f32 / (hd as f32).sqrt();
             let grid = (u32v("attention", t * nh)?, u32v("attention", lanes)?, 1);
@@ -2389,8 +2376,6 @@ impl CudaBackend {
         }
         let counters = self.decode_counters()?;
         let out = self.buf(q.rows, q.cols)?;
-        let nchunks =
-            kernels::decode_chunks(keys.iter().copied(), self.variant == Variant::Planted);
         self.attend_decode(
             &tab,
             keys.len(),
@@ -2400,8 +2385,7 @@ impl CudaBackend {
             cap,
             f32kv,
             counters,
-            nchunks,
-            nchunks,
+            kernels::decode_chunks(keys.iter().copied(), self.variant == Variant::Planted),
         )?;
         Ok(out)
     }
@@ -2524,32 +2508,21 @@ impl CudaBackend {
         f32kv: bool,
         counters: u64,
         nchunks: usize,
-        used: usize,
     ) -> BResult<()> {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
-        let sms = self.gpu.info.sm_count.max(1) as usize;
-        // the chunks the blocks are sized for: those holding keys now, or (the old grid) every
-        // chunk slot
-        let basis = if self.opts.decode_chunk_loop {
-            used.clamp(1, nchunks.max(1))
-        } else {
-            nchunks
-        };
+        // the whole group per block unless the split is asked for (not yet run on the device)
         let hpb = if self.opts.decode_head_split {
-            kernels::decode_heads_per_block(lanes, nh, nkv, basis, sms)
+            kernels::decode_heads_per_block(
+                lanes,
+                nh,
+                nkv,
+                nchunks,
+                self.gpu.info.sm_count.max(1) as usize,
+            )
         } else {
             nh / nkv.max(1)
         };
-        let mut p =
-            kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv, hpb).map_err(dev)?;
-        if self.opts.decode_chunk_loop {
-            let mut x =
-                kernels::decode_chunk_blocks(lanes, p.grid[1] as usize, basis, nchunks, sms);
-            if self.opts.decode_blocks_cap > 0 {
-                x = x.min(self.opts.decode_blocks_cap);
-            }
-            p.grid[0] = x as u64;
-        }
+        let p = kernels::plan_decode(lanes, nh, nkv, hd, cap, nchunks, f32kv, hpb).map_err(dev)?;
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
         }
@@ -2571,7 +2544,7 @@ impl CudaBackend {
         );
         go!(self, Source::Ops, p.kernel, grid, p.block as u32, 0;
             tab, &q, &out, &pm, &pl, &pacc, &counters, &nh32, &nkv32, &hd32, &cap64, &scale,
-            &(hpb as i32), &i32v("attention", nchunks)?);
+            &(hpb as i32));
         Ok(())
     }
 
@@ -4393,9 +4366,6 @@ mod tests {
         assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
-        assert!(d.decode_chunk_loop && !one("DRAMATIS_CUDA_DECODE_LOOP", "0").decode_chunk_loop);
-        assert_eq!(d.decode_blocks_cap, 0);
-        assert_eq!(one("DRAMATIS_CUDA_DECODE_BLOCKS", "3").decode_blocks_cap, 3);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);

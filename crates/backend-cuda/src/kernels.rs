@@ -759,22 +759,6 @@ pub fn decode_heads_per_block(
     hpb
 }
 
-/// Blocks along the chunks of `attn_decode_*`'s grid (`per_lane_y` blocks along y, per lane):
-/// when `used` of the `nchunks` chunk slots hold keys, enough that those blocks cover the
-/// multiprocessors four times over, at least `used` (a block a chunk where that many exist), at
-/// most `nchunks`. Block x walks chunks x, x + blocks, ...; a chunk's partial is the same
-/// operations whichever block computes it, so the bits do not depend on this.
-pub fn decode_chunk_blocks(
-    lanes: usize,
-    per_lane_y: usize,
-    used: usize,
-    nchunks: usize,
-    sms: usize,
-) -> usize {
-    let per_chunk = (lanes * per_lane_y).max(1);
-    cdiv(4 * sms, per_chunk).max(used).clamp(1, nchunks.max(1))
-}
-
 /// `attn_decode_{f32,bf16}` (ops.cu): one query row per lane, `nchunks` key chunks per
 /// (kv head, lane), `hpb` query heads per block ([`decode_heads_per_block`]), caches of `cap`
 /// rows.
@@ -860,19 +844,6 @@ pub fn plan_gemm_tc(rows: usize, k: usize, n: usize) -> Result<LaunchPlan> {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn decode_chunk_blocks_covers_the_chunks_in_use() {
-        // one lane, a block per head (16 along y), one chunk in use of a 262144-row round's 256
-        assert_eq!(decode_chunk_blocks(1, 16, 1, 256, 132), 33);
-        // long contexts: a block a chunk, as the whole grid
-        assert_eq!(decode_chunk_blocks(1, 2, 256, 256, 132), 256);
-        // 32 lanes of 16 blocks: two along the chunks
-        assert_eq!(decode_chunk_blocks(32, 16, 1, 256, 132), 2);
-        // never past the slots, never zero
-        assert_eq!(decode_chunk_blocks(1, 1, 1, 3, 132), 3);
-        assert_eq!(decode_chunk_blocks(0, 0, 0, 0, 0), 1);
-    }
-
     #[test]
     fn decode_heads_per_block_splits_groups_only_when_blocks_are_few() {
         // one lane, 2 kv heads of 8 query heads, 1 chunk: a block per head
