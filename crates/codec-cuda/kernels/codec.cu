@@ -172,12 +172,6 @@ __device__ __forceinline__ void step3(float (&acc)[4], const unsigned int (&ah)[
                                       unsigned int bh0, unsigned int bh1, unsigned int bl0, unsigned int bl1) {
     float big[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     mma_tf32_acc(big, ah, bh0, bh1);
-#ifdef CODEC_TF32
-    // the TF32 experiment (DRAMATIS_CODEC_TF32=1): the big term alone, no small terms
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], big[e]);
-    return;
-#endif
     float small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #ifndef LOWP
     mma_tf32_acc(small, al, bh0, bh1);

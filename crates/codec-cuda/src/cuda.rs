@@ -44,10 +44,7 @@ const SMALL_M: usize = 32;
 /// tensor-core GEMM without its small terms, a twin the checks must catch), through the disk
 /// cache. Returns PTX and whether it was cached.
 pub fn compile_variant(arch: &str, variant: Variant) -> Result<(String, bool)> {
-    let mut options = compile_options(arch, variant);
-    if tf32_gemms() {
-        options.push("-DCODEC_TF32=1".to_string());
-    }
+    let options = compile_options(arch, variant);
     let key = cache_key(SOURCE, &options, arch, nvrtc_version()?);
     let path = cache_dir().map(|d| d.join(format!("codec-{key}.ptx")));
     if let Some(p) = &path {
@@ -161,14 +158,6 @@ pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {
         Some("1") => Some("gemm_tcw"),
         _ => Some("gemm_tcw2"),
     }
-}
-
-/// Experiment (`DRAMATIS_CODEC_TF32=1`): the tensor-core GEMMs take one TF32 MMA a k8 step
-/// (no small terms), as TF32 convolutions do, instead of 3xTF32. Lower precision: off unless
-/// asked for, read once per process.
-pub fn tf32_gemms() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("DRAMATIS_CODEC_TF32").is_ok_and(|v| v.trim() == "1"))
 }
 
 /// Whether the decoder's GEMMs run on tensor cores (`DRAMATIS_CODEC_TC`, default on).
