@@ -832,12 +832,16 @@ pub struct CudaBackend {
     /// Programmatic dependent launch for `go!`'s launches (sm_90+ unless `DRAMATIS_CUDA_PDL=0`,
     /// `runtime::pdl_for`).
     pdl: bool,
-    /// A timing tool, never for output: kernels whose names start with one of these prefixes
-    /// (`DRAMATIS_CUDA_SKIP=a,b,...`, read by `new`) are left out of recorded frame rounds, so a
+    /// A timing tool, never for output: kernels whose names start with one of these prefixes,
+    /// and the GEMVs of the weights of an `RxC` entry (`DRAMATIS_CUDA_SKIP=a,b,8192x2048,...`,
+    /// read by `new`) are left out of recorded frame rounds, so a
     /// round's time without them places their in-graph cost (ncu's serialised, cold durations
     /// overstate small kernels). The rounds' results are then wrong; prompts and every launch
     /// outside a recording run in full. Logged at start.
     skip: Vec<String>,
+    /// The weight shape `(rows << 32) | cols` of the linear op launching now (0: none), so that
+    /// `DRAMATIS_CUDA_SKIP` entries `RxC` (`skip_shape`) leave out the GEMVs of one weight class.
+    shape: std::sync::atomic::AtomicU64,
 }
 
 /// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
@@ -1210,6 +1214,29 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
     }
 }
 
+/// A `DRAMATIS_CUDA_SKIP` entry `RxC` (e.g. `8192x2048`): the GEMVs of `R x C` weights (a
+/// linear op's first weight, for one launching several), packed as `CudaBackend::shape` holds
+/// it; `None` for a kernel-name entry.
+fn skip_shape(entry: &str) -> Option<u64> {
+    let (r, c) = entry.split_once('x')?;
+    let (r, c) = (r.parse::<u32>().ok()?, c.parse::<u32>().ok()?);
+    Some((u64::from(r) << 32) | u64::from(c))
+}
+
+/// Restores `CudaBackend::shape` when a linear op ends (ops nest: the fallback of a fused op
+/// runs `linear` inside it).
+struct ShapeGuard<'a> {
+    cell: &'a std::sync::atomic::AtomicU64,
+    was: u64,
+}
+
+impl Drop for ShapeGuard<'_> {
+    fn drop(&mut self) {
+        self.cell
+            .store(self.was, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
@@ -1334,6 +1361,7 @@ impl CudaBackend {
             lt: Mutex::new(None),
             prof,
             skip: Vec::new(),
+            shape: std::sync::atomic::AtomicU64::new(0),
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
@@ -1347,9 +1375,27 @@ impl CudaBackend {
     /// Whether `DRAMATIS_CUDA_SKIP` leaves this launch out: a named kernel while a frame round is
     /// recorded (`CudaBackend::skip`).
     fn skipped(&self, name: &str) -> bool {
-        !self.skip.is_empty()
-            && self.skip.iter().any(|p| name.starts_with(p.as_str()))
-            && self.is_recording()
+        if self.skip.is_empty() || !self.is_recording() {
+            return false;
+        }
+        let shape = self.shape.load(std::sync::atomic::Ordering::Relaxed);
+        self.skip.iter().any(|p| {
+            name.starts_with(p.as_str())
+                || (name.starts_with("gemv") && skip_shape(p) == Some(shape) && shape != 0)
+        })
+    }
+
+    /// Marks the linear op of weight `w` (its first weight, for several) as launching, for
+    /// `DRAMATIS_CUDA_SKIP`'s shape entries, until the guard drops.
+    fn shape_guard(&self, w: &CudaWeight) -> ShapeGuard<'_> {
+        let packed = ((w.rows() as u64) << 32) | (w.cols() as u64 & 0xffff_ffff);
+        let was = self
+            .shape
+            .swap(packed, std::sync::atomic::Ordering::Relaxed);
+        ShapeGuard {
+            cell: &self.shape,
+            was,
+        }
     }
 
     /// `out = x · Wᵀ` for a BF16 `W [n, k]` through cuBLASLt (`lt.rs`), in slices of rows so
@@ -3137,6 +3183,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         rows: Rows,
     ) -> BResult<CudaBuf> {
+        let _s = self.shape_guard(w);
         match self.linear_act(gate, up, w, rows, Act::Silu)? {
             Some(y) => Ok(y),
             None => self.linear(&self.silu_mul(gate, up)?, w, rows),
@@ -3150,6 +3197,7 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         rows: Rows,
     ) -> BResult<CudaBuf> {
+        let _s = self.shape_guard(w);
         match self.linear_act(x, gate, w, rows, Act::Sigmoid)? {
             Some(y) => Ok(y),
             None => self.linear(&self.sigmoid_mul(x, gate)?, w, rows),
@@ -3187,6 +3235,7 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &CudaBuf, w: &CudaWeight, _rows: Rows) -> BResult<CudaBuf> {
         let _p = self.prof.guard("linear");
+        let _s = self.shape_guard(w);
         let op = "linear";
         let (n_out, k) = (w.rows(), w.cols());
         check::linear(x.shape(), (n_out, k))?;
@@ -3293,6 +3342,7 @@ impl Backend for CudaBackend {
             return ws.iter().map(|w| self.linear(x, w, rows)).collect();
         }
         let _p = self.prof.guard("linear_many");
+        let _s = self.shape_guard(ws[0]);
         let mut m = Multi {
             w: [0; MULTI_MAX],
             y: [0; MULTI_MAX],
@@ -4353,6 +4403,22 @@ mod tests {
         assert!(!tc_experts_fit(200, 2048, 8) && !tc_experts_fit(512, 2000, 8));
         assert!(!tc_experts_fit(512, 128 * 33, 8) && !tc_experts_fit(1024, 2048, 9));
         assert!(!tc_experts_fit(512, 2048, 0) && !tc_experts_fit(0, 2048, 8));
+    }
+
+    #[test]
+    fn skip_entries_name_kernels_or_weight_shapes() {
+        assert_eq!(skip_shape("8192x2048"), Some((8192 << 32) | 2048));
+        assert_eq!(skip_shape("4097x2048"), Some((4097 << 32) | 2048));
+        for name in [
+            "gemv_",
+            "round_sample",
+            "x2048",
+            "8192x",
+            "8192x2048x1",
+            "-1x2",
+        ] {
+            assert_eq!(skip_shape(name), None, "{name}");
+        }
     }
 
     #[test]
