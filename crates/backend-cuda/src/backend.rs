@@ -834,9 +834,8 @@ pub struct CudaBackend {
     pdl: bool,
     /// A timing tool, never for output: kernels whose names start with one of these prefixes,
     /// and the GEMVs of the weights of an `RxC` entry (`DRAMATIS_CUDA_SKIP=a,b,8192x2048,...`,
-    /// read by `new`) are left out of recorded frame rounds, so a
-    /// round's time without them places their in-graph cost (ncu's serialised, cold durations
-    /// overstate small kernels). The rounds' results are then wrong; prompts and every launch
+    /// read by `new`) are left out of recorded frame rounds, so a round's time without them
+    /// places their in-graph cost (ncu's serialised, cold durations overstate small kernels). The rounds' results are then wrong; prompts and every launch
     /// outside a recording run in full. Logged at start.
     skip: Vec<String>,
     /// The weight shape `(rows << 32) | cols` of the linear op launching now (0: none), so that
@@ -1386,16 +1385,20 @@ impl CudaBackend {
     }
 
     /// Marks the linear op of weight `w` (its first weight, for several) as launching, for
-    /// `DRAMATIS_CUDA_SKIP`'s shape entries, until the guard drops.
-    fn shape_guard(&self, w: &CudaWeight) -> ShapeGuard<'_> {
+    /// `DRAMATIS_CUDA_SKIP`'s shape entries, until the guard drops; nothing without the tool
+    /// (the linear ops' usual path stays as it was).
+    fn shape_guard(&self, w: &CudaWeight) -> Option<ShapeGuard<'_>> {
+        if self.skip.is_empty() {
+            return None;
+        }
         let packed = ((w.rows() as u64) << 32) | (w.cols() as u64 & 0xffff_ffff);
         let was = self
             .shape
             .swap(packed, std::sync::atomic::Ordering::Relaxed);
-        ShapeGuard {
+        Some(ShapeGuard {
             cell: &self.shape,
             was,
-        }
+        })
     }
 
     /// `out = x · Wᵀ` for a BF16 `W [n, k]` through cuBLASLt (`lt.rs`), in slices of rows so
