@@ -1131,6 +1131,88 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
     }
 }
 
+// One decode row per lane (u, b, a, z row L = lane L), key dim 128 and value dim 128: gdn_prep,
+// gdn_recur_k128 and rmsnorm_silu_groups (plain w) in one launch, a block (128 threads) per value
+// head and lane, thread j owning state column j. Warp 0 makes the key head's normalised q and k
+// and their dot as gdn_prep's warp does (lane-strided fmaf, warp_sum), the block the row of the
+// delta rule as gdn_recur_k128 does for one row (dots in key order from zero, gdn_row,
+// gdn_new_s), then the gated RMSNorm over the head's 128 outputs with rmsnorm_silu_groups' block
+// of 128 (a value a thread, block_sum): each step their operations, so their bits. Grid
+// (nv, lanes). PLANT 1 / LOWP: the three kernels' plants and roundings.
+extern "C" __global__ void __launch_bounds__(128) gdn_step_k128_gated(
+    PtrTab st, const float* __restrict__ u, const float* __restrict__ b, const float* __restrict__ a,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
+    const float* __restrict__ w, float* __restrict__ out, int C, int nk, int nv, float q_scale, float eps) {
+    constexpr int DK = 128, DV = 128;
+    __shared__ __align__(16) float qn[DK], kn[DK];
+    __shared__ float sc[3];  // kq, beta, gate
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, lane_id = blockIdx.y, j = threadIdx.x;
+    const int kh = h / (nv / nk);
+    const long long R = lane_id;
+    const float* ur = u + R * C;
+#if PLANT == 1
+    q_scale = 1.0f;
+#endif
+    if (threadIdx.x < 32) {
+        // gdn_prep's warp for key head kh
+        const int lane = threadIdx.x;
+        const float* qs = ur + (long long)kh * DK;
+        const float* ks = ur + (long long)(nk + kh) * DK;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = lane; i < DK; i += 32) {
+            sq = fmaf(qs[i], qs[i], sq);
+            sk = fmaf(ks[i], ks[i], sk);
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+        float dot = 0.0f;
+        for (int i = lane; i < DK; i += 32) {
+            float qv = lowp(qs[i] * iq * q_scale), kv = lowp(ks[i] * ik);
+            qn[i] = qv;
+            kn[i] = kv;
+            dot = fmaf(qv, kv, dot);
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) {
+            sc[0] = dot;
+            sc[1] = sigmoidf(b[R * nv + h]);
+            float xa = a[R * nv + h] + dt_bias[h];
+            float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+            sc[2] = -expf(a_log[h]) * sp;
+        }
+    }
+    float* S = (float*)st.p[lane_id] + (long long)h * DK * DV;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = S[(long long)i * DV + j];
+    const float vj = ur[2LL * nk * DK + (long long)h * DV + j];
+    __syncthreads();
+    float Sk = 0.0f, Sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+        Sk = fmaf(s[i], kn[i], Sk);
+        Sq = fmaf(s[i], qn[i], Sq);
+    }
+    const float alpha = expf(sc[2]);
+    float delta, oj;
+    gdn_row(alpha, sc[1], vj, Sk, Sq, sc[0], delta, oj);
+#pragma unroll
+    for (int i = 0; i < DK; ++i) S[(long long)i * DV + j] = gdn_new_s(alpha, s[i], kn[i], delta);
+    // rmsnorm_silu_groups over the head's outputs (plain w): rms_inv_regs with one value a
+    // thread (its only j), spelled out
+    const float ss = block_sum(fmaf(oj, oj, 0.0f), scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)DV + eps);
+    const long long off = (R * nv + h) * DV;
+    const float n = lowp(oj * inv * w[j]);
+#if PLANT == 1
+    out[off + j] = lowp(z[off + j] * silu(n));
+#else
+    out[off + j] = lowp(silu(z[off + j]) * n);
+#endif
+}
+
 // gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a
 // column are in flight at once (the generic kernel's column walk waits on them a few at a time)
 // and the update reuses them instead of reading S again. One warp a block, a head's dv columns
