@@ -1203,7 +1203,9 @@ extern "C" __global__ void __launch_bounds__(128) gdn_step_k128_gated(
     // rmsnorm_silu_groups over the head's outputs (plain w): rms_inv_regs with one value a
     // thread (its only j), spelled out
     const float ss = block_sum(fmaf(oj, oj, 0.0f), scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)DV + eps);
+    // a division, as rms_inv_regs' by its run-time group (a constant divisor could be turned
+    // into a product and contracted with the add)
+    const float inv = 1.0f / sqrtf(__fdiv_rn(ss, (float)DV) + eps);
     const long long off = (R * nv + h) * DV;
     const float n = lowp(oj * inv * w[j]);
 #if PLANT == 1

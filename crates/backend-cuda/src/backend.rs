@@ -3652,7 +3652,9 @@ impl Backend for CudaBackend {
             && dk == 128
             && dv == 128
             && nk > 0
-            && nv.is_multiple_of(nk);
+            && nv.is_multiple_of(nk)
+            // rmsnorm_silu_groups' block for the group, which the fused block's sum repeats
+            && norm_block(op, dv).is_ok_and(|b| b == 128);
         if !fits {
             let o = self.gdn_step(qkv, b, a, a_log, dt_bias, d, states)?;
             return self.rms_norm_silu(&o, z, w, dv, eps, false);
