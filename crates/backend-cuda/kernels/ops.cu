@@ -1019,6 +1019,40 @@ extern "C" __global__ void gdn_conv_shift(PtrTab st, RowTab rt, const float* __r
 // head, their dot kq, and per value head beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt).
 // One block (128 threads) per row, one warp per key head. PLANT 1: q_scale ignored.
 // LOWP: q and k rounded to bf16.
+// One warp's part of gdn_prep for key head kh of a row ur: the l2-normalised q (times q_scale)
+// and k into qn[i] and kn[i] (i < dk), their dot returned to every lane. Shared by gdn_prep and
+// gdn_step_k128_gated, so both make the same bits. LOWP: q and k rounded to bf16.
+__device__ __forceinline__ float gdn_prep_head(const float* __restrict__ ur, int kh, int nk, int dk, float q_scale,
+                                               float* qn, float* kn) {
+    const int lane = threadIdx.x & 31;
+    const float* qs = ur + (long long)kh * dk;
+    const float* ks = ur + (long long)(nk + kh) * dk;
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = lane; i < dk; i += 32) {
+        sq = fmaf(qs[i], qs[i], sq);
+        sk = fmaf(ks[i], ks[i], sk);
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+    float dot = 0.0f;
+    for (int i = lane; i < dk; i += 32) {
+        float qv = lowp(qs[i] * iq * q_scale), kv = lowp(ks[i] * ik);
+        qn[i] = qv;
+        kn[i] = kv;
+        dot = fmaf(qv, kv, dot);
+    }
+    return warp_sum(dot);
+}
+
+// A value head's gate scalars: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt).
+__device__ __forceinline__ void gdn_prep_scalars(float b, float a, float a_log, float dt, float& beta, float& gate) {
+    beta = sigmoidf(b);
+    float xa = a + dt;
+    float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+    gate = -expf(a_log) * sp;
+}
+
 extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __restrict__ b,
                                     const float* __restrict__ a, const float* __restrict__ a_log,
                                     const float* __restrict__ dt_bias, float* __restrict__ qn,
@@ -1031,32 +1065,11 @@ extern "C" __global__ void gdn_prep(const float* __restrict__ u, const float* __
     q_scale = 1.0f;
 #endif
     for (int kh = warp; kh < nk; kh += nw) {
-        const float* qs = ur + (long long)kh * dk;
-        const float* ks = ur + (long long)(nk + kh) * dk;
-        float sq = 0.0f, sk = 0.0f;
-        for (int i = lane; i < dk; i += 32) {
-            sq = fmaf(qs[i], qs[i], sq);
-            sk = fmaf(ks[i], ks[i], sk);
-        }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
-        float dot = 0.0f;
-        for (int i = lane; i < dk; i += 32) {
-            float qv = lowp(qs[i] * iq * q_scale), kv = lowp(ks[i] * ik);
-            qn[(R * nk + kh) * dk + i] = qv;
-            kn[(R * nk + kh) * dk + i] = kv;
-            dot = fmaf(qv, kv, dot);
-        }
-        dot = warp_sum(dot);
+        const float dot = gdn_prep_head(ur, kh, nk, dk, q_scale, qn + (R * nk + kh) * dk, kn + (R * nk + kh) * dk);
         if (lane == 0) kq[R * nk + kh] = dot;
     }
-    for (int h = threadIdx.x; h < nv; h += blockDim.x) {
-        beta[R * nv + h] = sigmoidf(b[R * nv + h]);
-        float xa = a[R * nv + h] + dt_bias[h];
-        float sp = xa > 20.0f ? xa : log1pf(expf(xa));
-        gate[R * nv + h] = -expf(a_log[h]) * sp;
-    }
+    for (int h = threadIdx.x; h < nv; h += blockDim.x)
+        gdn_prep_scalars(b[R * nv + h], a[R * nv + h], a_log[h], dt_bias[h], beta[R * nv + h], gate[R * nv + h]);
 }
 
 // A row of the delta rule for one state column, shared by gdn_recur and gdn_recur_k128 (the
@@ -1129,6 +1142,69 @@ extern "C" __global__ void gdn_recur(PtrTab st, RowTab rt, const float* __restri
         }
         __syncthreads();
     }
+}
+
+// One decode row per lane (u, b, a, z row L = lane L), key dim 128 and value dim 128: gdn_prep,
+// gdn_recur_k128 and rmsnorm_silu_groups (plain w) in one launch, a block (128 threads) per value
+// head and lane, thread j owning state column j. Warp 0 makes the key head's normalised q and k
+// and their dot as gdn_prep's warp does (lane-strided fmaf, warp_sum), the block the row of the
+// delta rule as gdn_recur_k128 does for one row (dots in key order from zero, gdn_row,
+// gdn_new_s), then the gated RMSNorm over the head's 128 outputs with rmsnorm_silu_groups' block
+// of 128 (a value a thread, block_sum): each step their operations, so their bits. Grid
+// (nv, lanes). PLANT 1 / LOWP: the three kernels' plants and roundings.
+extern "C" __global__ void __launch_bounds__(128) gdn_step_k128_gated(
+    PtrTab st, const float* __restrict__ u, const float* __restrict__ b, const float* __restrict__ a,
+    const float* __restrict__ a_log, const float* __restrict__ dt_bias, const float* __restrict__ z,
+    const float* __restrict__ w, float* __restrict__ out, int C, int nk, int nv, float q_scale, float eps) {
+    constexpr int DK = 128, DV = 128;
+    __shared__ __align__(16) float qn[DK], kn[DK];
+    __shared__ float sc[3];  // kq, beta, gate
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, lane_id = blockIdx.y, j = threadIdx.x;
+    const int kh = h / (nv / nk);
+    const long long R = lane_id;
+    const float* ur = u + R * C;
+#if PLANT == 1
+    q_scale = 1.0f;
+#endif
+    if (threadIdx.x < 32) {
+        // gdn_prep's warp for key head kh
+        const float dot = gdn_prep_head(ur, kh, nk, DK, q_scale, qn, kn);
+        if (threadIdx.x == 0) {
+            sc[0] = dot;
+            gdn_prep_scalars(b[R * nv + h], a[R * nv + h], a_log[h], dt_bias[h], sc[1], sc[2]);
+        }
+    }
+    float* S = (float*)st.p[lane_id] + (long long)h * DK * DV;
+    float s[DK];
+#pragma unroll
+    for (int i = 0; i < DK; ++i) s[i] = S[(long long)i * DV + j];
+    const float vj = ur[2LL * nk * DK + (long long)h * DV + j];
+    __syncthreads();
+    float Sk = 0.0f, Sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DK; ++i) {
+        Sk = fmaf(s[i], kn[i], Sk);
+        Sq = fmaf(s[i], qn[i], Sq);
+    }
+    const float alpha = expf(sc[2]);
+    float delta, oj;
+    gdn_row(alpha, sc[1], vj, Sk, Sq, sc[0], delta, oj);
+#pragma unroll
+    for (int i = 0; i < DK; ++i) S[(long long)i * DV + j] = gdn_new_s(alpha, s[i], kn[i], delta);
+    // rmsnorm_silu_groups over the head's outputs (plain w): rms_inv_regs with one value a
+    // thread (its only j), spelled out
+    const float ss = block_sum(fmaf(oj, oj, 0.0f), scratch);
+    // a division, as rms_inv_regs' by its run-time group (a constant divisor could be turned
+    // into a product and contracted with the add)
+    const float inv = 1.0f / sqrtf(__fdiv_rn(ss, (float)DV) + eps);
+    const long long off = (R * nv + h) * DV;
+    const float n = lowp(oj * inv * w[j]);
+#if PLANT == 1
+    out[off + j] = lowp(z[off + j] * silu(n));
+#else
+    out[off + j] = lowp(silu(z[off + j]) * n);
+#endif
 }
 
 // gdn_recur with dk = 128 and each thread's state column held in registers: the 128 loads of a

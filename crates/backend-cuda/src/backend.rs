@@ -690,6 +690,10 @@ pub struct CudaOptions {
     /// that keeps the state column in registers, and a one-row conv as `gdn_conv_rows` then
     /// `gdn_conv_shift`: for the contract's bitwise comparisons (no environment variable).
     pub gdn_generic: bool,
+    /// A decode row's delta rule and gated norm in one launch, `gdn_step_k128_gated` (key and
+    /// value dims 128), the same bits as gdn_prep, gdn_recur_k128 and rmsnorm_silu_groups:
+    /// `DRAMATIS_CUDA_GDN_FUSED=0` runs the three kernels instead.
+    pub gdn_fused: bool,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -787,6 +791,7 @@ impl CudaOptions {
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
+            gdn_fused: get("DRAMATIS_CUDA_GDN_FUSED").is_none_or(|v| v.trim() != "0"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -3629,6 +3634,61 @@ impl Backend for CudaBackend {
         Ok(o)
     }
 
+    fn gdn_step_gated(
+        &self,
+        qkv: &CudaBuf,
+        b: &CudaBuf,
+        a: &CudaBuf,
+        a_log: &CudaVector,
+        dt_bias: &CudaVector,
+        d: &GdnDims,
+        states: &mut [&mut CudaGdn],
+        z: &CudaBuf,
+        w: &CudaVector,
+        eps: f32,
+    ) -> BResult<CudaBuf> {
+        let op = "gdn_step_gated";
+        let (nk, nv, dk, dv, c) = (d.k_heads, d.v_heads, d.k_dim, d.v_dim, d.channels());
+        // gdn_step_k128_gated's reach; otherwise the two ops it stands for
+        let fits = self.opts.gdn_fused
+            && !self.opts.gdn_generic
+            && dk == 128
+            && dv == 128
+            && nk > 0
+            && nv.is_multiple_of(nk)
+            // rmsnorm_silu_groups' block for the group, which the fused block's sum repeats
+            && norm_block(op, dv).is_ok_and(|b| b == 128);
+        if !fits {
+            let o = self.gdn_step(qkv, b, a, a_log, dt_bias, d, states)?;
+            return self.rms_norm_silu(&o, z, w, dv, eps, false);
+        }
+        let _p = self.prof.guard("gdn_step");
+        check_gdn(qkv, b, a, a_log, dt_bias, d)?;
+        check::lanes(op, qkv.rows, states.len())?;
+        let out = self.buf(qkv.rows, nv * dv)?;
+        check::rms_norm(op, out.shape(), dv, w.len)?;
+        same_shape(op, &out, z)?;
+        let (c32, nk32, nv32) = (i32v(op, c)?, i32v(op, nk)?, i32v(op, nv)?);
+        let q_scale = 1.0f32 / (dk as f32).sqrt();
+        for (ci, chunk) in states.chunks(MAX_LANES).enumerate() {
+            let row0 = ci * MAX_LANES;
+            let mut tab = PtrTab { p: [0; MAX_LANES] };
+            for (i, st) in chunk.iter().enumerate() {
+                if st.dims != *d {
+                    return Err(shape_err(op, "state of other dims".into()));
+                }
+                tab.p[i] = st.s.ptr;
+            }
+            let (up, bp, ap) = (qkv.row_ptr(row0)?, b.row_ptr(row0)?, a.row_ptr(row0)?);
+            let (zp, op_) = (z.row_ptr(row0)?, out.row_ptr(row0)?);
+            let grid = (u32v(op, nv)?, u32v(op, chunk.len())?, 1);
+            go!(self, Source::Ops, "gdn_step_k128_gated", grid, 128, 0;
+                &tab, &up, &bp, &ap, &a_log.mem.ptr, &dt_bias.mem.ptr, &zp, &w.mem.ptr, &op_,
+                &c32, &nk32, &nv32, &q_scale, &eps);
+        }
+        Ok(out)
+    }
+
     fn route(&self, logits: &CudaBuf, k: usize, keep: Option<&[bool]>) -> BResult<CudaRoute> {
         let _p = self.prof.guard("route");
         let e = logits.cols;
@@ -4435,6 +4495,7 @@ mod tests {
         assert!(one("DRAMATIS_CUDA_ROUNDS", "device").kept_rounds);
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
+        assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);

@@ -33,6 +33,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_slabs: d.gemv_slabs,
         gdn_lanes: true,
         gdn_generic: false,
+        gdn_fused: d.gdn_fused,
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
@@ -1850,8 +1851,97 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
                 &generic,
             );
             delta_rule_k128_lanes(c, &gd)?;
+            delta_rule_gated(c, &gd)?;
         }
     }
+    Ok(())
+}
+
+/// `gdn_step_k128_gated` (a decode row's gdn_prep, gdn_recur_k128 and rmsnorm_silu_groups in
+/// one launch) bitwise the three kernels, over a 5-row prompt then two steps of three lanes
+/// (outputs and states), one launch a step; its BF16 twin and planted build against the exact
+/// result (the three kernels are each checked against FP64 in their own cases).
+fn delta_rule_gated(c: &mut Ctx, gd: &GdnDims) -> Result<()> {
+    let (ch, nv, dv, t, lanes) = (gd.channels(), gd.v_heads, gd.v_dim, 5, 3);
+    let u = c.rng.normals_f32((t + 2 * lanes) * ch, 1.0);
+    let b = c.rng.normals_f32((t + 2 * lanes) * nv, 1.0);
+    let a = c.rng.normals_f32((t + 2 * lanes) * nv, 1.0);
+    let z = c.rng.normals_f32(2 * lanes * nv * dv, 1.0);
+    let w = c.rng.normals_f32(dv, 0.5);
+    let (a_log, dt) = (c.rng.normals_f32(nv, 0.5), c.rng.normals_f32(nv, 0.5));
+    let run = |fused: bool, var: Variant| -> Result<(Vec<f32>, Vec<u64>)> {
+        let o = CudaOptions {
+            gdn_fused: fused,
+            ..base_opts(false)
+        };
+        let be = CudaBackend::with_gpu(c.shared.clone(), var, o);
+        let (al, dtv, wd) = (
+            be.vector_f32(&a_log)?,
+            be.vector_f32(&dt)?,
+            be.vector_f32(&w)?,
+        );
+        let mut sts = (0..lanes)
+            .map(|_| be.gdn_new(gd))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        // lane 0 starts from a prompt's state, the others from zero
+        be.gdn_prefill(
+            &be.upload(&u[..t * ch], t, ch)?,
+            &be.upload(&b[..t * nv], t, nv)?,
+            &be.upload(&a[..t * nv], t, nv)?,
+            &al,
+            &dtv,
+            gd,
+            &mut sts[0],
+            true,
+        )?;
+        let (mut out, mut launches) = (Vec::new(), Vec::new());
+        for s in 0..2 {
+            let r0 = t + s * lanes;
+            let (ud, bd, ad, zd) = (
+                be.upload(&u[r0 * ch..(r0 + lanes) * ch], lanes, ch)?,
+                be.upload(&b[r0 * nv..(r0 + lanes) * nv], lanes, nv)?,
+                be.upload(&a[r0 * nv..(r0 + lanes) * nv], lanes, nv)?,
+                be.upload(
+                    &z[s * lanes * nv * dv..(s + 1) * lanes * nv * dv],
+                    lanes,
+                    nv * dv,
+                )?,
+            );
+            let before = be.launch_count();
+            let mut refs: Vec<&mut _> = sts.iter_mut().collect();
+            let o = be.gdn_step_gated(&ud, &bd, &ad, &al, &dtv, gd, &mut refs, &zd, &wd, 1e-6)?;
+            launches.push(be.launch_count() - before);
+            out.extend(be.download(&o)?);
+        }
+        for st in &sts {
+            out.extend(be.gdn_download(st)?.1);
+        }
+        Ok((out, launches))
+    };
+    let (fused, launches) = run(true, Variant::Exact)?;
+    let (three, _) = run(false, Variant::Exact)?;
+    let (lowp, _) = run(true, Variant::LowPrecision)?;
+    let (planted, _) = run(true, Variant::Planted)?;
+    let case = format!(
+        "{}/{nv} heads x {dv}, two 3-lane steps after a {t}-row prompt (o, S)",
+        gd.k_heads
+    );
+    same_bits(
+        c,
+        format!("{case}: the fused step bitwise = gdn_prep, gdn_recur_k128, rmsnorm_silu_groups"),
+        &fused,
+        &three,
+    );
+    c.push(
+        format!("{case}: one launch a step"),
+        Kind::Check,
+        launches.iter().all(|&n| n == 1),
+        format!("{launches:?} launches"),
+    );
+    let exact: Vec<f64> = fused.iter().map(|&x| f64::from(x)).collect();
+    let tol = tol_f32(gd.k_dim * t);
+    c.discriminate(&case, rel_l2(&lowp, &exact), tol);
+    c.control(&case, rel_l2(&planted, &exact), tol);
     Ok(())
 }
 

@@ -713,6 +713,26 @@ pub trait Backend: Send + Sync + Sized {
         states: &mut [&mut Self::Gdn],
     ) -> BResult<Self::Buf>;
 
+    /// [`Backend::gdn_step`] then [`Backend::rms_norm_silu`] of its output with `z` (plain `w`
+    /// over each value head), bit for bit; a backend may fuse them (one launch).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_step_gated(
+        &self,
+        qkv: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        dims: &GdnDims,
+        states: &mut [&mut Self::Gdn],
+        z: &Self::Buf,
+        w: &Self::Vector,
+        eps: f32,
+    ) -> BResult<Self::Buf> {
+        let o = self.gdn_step(qkv, b, a, a_log, dt_bias, dims, states)?;
+        self.rms_norm_silu(&o, z, w, dims.v_dim, eps, false)
+    }
+
     /// Router: softmax over `logits` (`[n, E]`, f32, one column per original expert ID)
     /// restricted to `keep` (experts outside it get probability 0 before normalisation and are
     /// never chosen), top `k` by logit with ties to the lower ID, renormalised over the chosen k.

@@ -685,8 +685,23 @@ impl<B: Backend> Model<B> {
                 &mut states,
             )?,
             Span::Step => {
+                // the delta rule and RMSNormGated (plain w over each value head, times
+                // silu(z)) as one op
                 let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
-                be.gdn_step(&u, &b, &a, &w.a_log, &w.dt_bias, d, &mut states)?
+                let eps = self.geometry.eps;
+                let o = be.gdn_step_gated(
+                    &u,
+                    &b,
+                    &a,
+                    &w.a_log,
+                    &w.dt_bias,
+                    d,
+                    &mut states,
+                    &z,
+                    &w.norm,
+                    eps,
+                )?;
+                return Ok(be.linear(&o, &w.out, mode)?);
             }
         };
         // RMSNormGated: plain w over each value head, times silu(z).
