@@ -48,6 +48,12 @@ pub struct CpuVector(pub Vec<f32>);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuBackend;
 
+/// A test hook: while set, [`Backend::aside_begin`] opens side branches (for up to 64 rows), so
+/// the model's branch path runs on the CPU too; the CPU runs a branch's ops in order, as
+/// issued, so the results must equal those without it bit for bit (`tests/aside.rs`).
+pub static ASIDE_FOR_TESTS: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
 impl CpuBackend {
     pub fn new() -> Self {
         Self
@@ -91,6 +97,10 @@ fn nvfp4_format(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> BResul
 }
 
 impl Backend for CpuBackend {
+    fn aside_begin(&self, rows: usize) -> BResult<bool> {
+        Ok(rows <= 64 && ASIDE_FOR_TESTS.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     type Buf = CpuBuf;
     type Weight = CpuWeight;
     type Vector = CpuVector;

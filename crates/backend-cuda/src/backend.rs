@@ -17,7 +17,9 @@
 use std::sync::{Arc, Mutex};
 
 use checkpoint::{Checkpoint, DType};
-use cudarc::driver::{result as cu, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result as cu, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use model::backend::BResult;
 use model::check;
 use model::{AttnDims, Backend, BackendError, Expert, GatherRow, GdnDims, Rope, Route, Rows};
@@ -293,6 +295,10 @@ pub struct SmallPool {
     /// A recorded round's pool: blocks of any size from `cuMemAlloc` (a stream-ordered
     /// allocation would become a node of the graph being recorded), freed with the pool.
     raw: Option<(Arc<cudarc::driver::CudaContext>, Mutex<Vec<u64>>)>,
+    /// While a side branch is open (`CudaBackend::aside_begin` .. `aside_join`): blocks handed
+    /// back then, kept out of the free lists until the join, since work on the model's stream
+    /// is not ordered after the branch's until then.
+    held: Mutex<Option<Vec<(usize, u64)>>>,
 }
 
 impl Drop for SmallPool {
@@ -315,6 +321,7 @@ impl SmallPool {
             free: Mutex::new(vec![Vec::new(); 48]),
             backing: Mutex::new(Vec::new()),
             raw: None,
+            held: Mutex::new(None),
         }
     }
 
@@ -324,6 +331,7 @@ impl SmallPool {
             free: Mutex::new(vec![Vec::new(); 48]),
             backing: Mutex::new(Vec::new()),
             raw: Some((ctx, Mutex::new(Vec::new()))),
+            held: Mutex::new(None),
         }
     }
 
@@ -357,7 +365,28 @@ impl SmallPool {
     }
 
     fn give_back(&self, class: usize, ptr: u64) {
+        if let Some(h) = self.held.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            h.push((class, ptr));
+            return;
+        }
         self.free.lock().unwrap_or_else(|p| p.into_inner())[class].push(ptr);
+    }
+
+    /// Keeps blocks handed back from now on out of the free lists (a side branch opens).
+    fn hold(&self) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if h.is_none() {
+            *h = Some(Vec::new());
+        }
+    }
+
+    /// Returns the held blocks to the free lists (the side branch was joined).
+    fn release(&self) {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        for (class, ptr) in held.into_iter().flatten() {
+            free[class].push(ptr);
+        }
     }
 }
 
@@ -683,6 +712,10 @@ pub struct CudaOptions {
     /// 2048-output weight) then use the whole device in a prompt's prefill. The same bits (a
     /// row's operations do not depend on its block): `DRAMATIS_CUDA_GEMV_SLABS=0` turns it off.
     pub gemv_slabs: bool,
+    /// Side branches (`Backend::aside_begin`: the MoE's shared expert beside its router and
+    /// routed experts in frame rounds) on a second stream; `DRAMATIS_CUDA_ASIDE=0` runs every op
+    /// in order on one stream (the same operations, so the same bits).
+    pub aside: bool,
     /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
     /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
     pub gdn_lanes: bool,
@@ -789,6 +822,7 @@ impl CudaOptions {
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
+            aside: get("DRAMATIS_CUDA_ASIDE").is_none_or(|v| v.trim() != "0"),
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             gdn_fused: get("DRAMATIS_CUDA_GDN_FUSED").is_none_or(|v| v.trim() != "0"),
@@ -846,7 +880,37 @@ pub struct CudaBackend {
     /// The weight shape `(rows << 32) | cols` of the linear op launching now (0: none), so that
     /// `DRAMATIS_CUDA_SKIP` entries `RxC` (`skip_shape`) leave out the GEMVs of one weight class.
     shape: std::sync::atomic::AtomicU64,
+    /// The side branch (`Backend::aside_begin`): its stream, made at first use, and its state.
+    aside_stream: std::sync::OnceLock<AsideStream>,
+    aside: Mutex<AsideState>,
 }
+
+/// A side branch's stream (the model stream's priority) and two events: `fork` orders a branch
+/// launch after the model stream's work so far, `done` the model stream's later work after the
+/// branch.
+struct AsideStream {
+    stream: Arc<CudaStream>,
+    fork: cudarc::driver::CudaEvent,
+    done: cudarc::driver::CudaEvent,
+}
+
+/// Where a side branch stands (`CudaBackend::aside_begin`).
+#[derive(Default)]
+struct AsideState {
+    /// Launches go to the branch's stream (between `aside_begin` and `aside_end`).
+    on: bool,
+    /// A branch was begun and is not joined yet.
+    open: bool,
+    /// The branch launched something (a join is then a wait).
+    launched: bool,
+    /// The pools holding blocks handed back while the branch is open.
+    pools: Vec<Arc<SmallPool>>,
+}
+
+/// Rows up to which `aside_begin` opens a side branch: frame rounds (a lane a row, two with
+/// guidance); prompts run in order. Every buffer of a branch op is then under the small pool's
+/// limit, so its blocks can be held (`SmallPool::hold`), never freed to the driver.
+pub const ASIDE_MAX_ROWS: usize = 64;
 
 /// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
 /// is set and printed to stderr when the backend is dropped: where a frame's host time goes.
@@ -1245,6 +1309,7 @@ macro_rules! go {
     ($be:expr, $src:expr, $name:expr, $grid:expr, $block:expr, $smem:expr; $($arg:expr),* $(,)?) => {{
         let f = $be.gpu.func($src, $be.variant, $name).map_err(dev)?;
         if !$be.skipped($name) {
+            let stream = $be.launch_stream()?;
             $be.prof.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let grid: (u32, u32, u32) = $grid;
             if grid.1 as usize > MAX_GRID_Y || grid.2 as usize > MAX_GRID_Y || grid.0 == 0 {
@@ -1259,7 +1324,7 @@ macro_rules! go {
                 // SAFETY: as below; each parameter is passed as a pointer to its value, as the
                 // launch builder does. One statement, so argument temporaries outlive the launch.
                 unsafe {
-                    launch_pdl(&f, &$be.gpu.stream, &cfg,
+                    launch_pdl(&f, stream, &cfg,
                         &mut [$( $arg as *const _ as *mut std::ffi::c_void ),*])
                 }
                 .map_err(dev)?;
@@ -1267,7 +1332,7 @@ macro_rules! go {
                 // SAFETY: the arguments match the kernel's C signature in kernels/*.cu in type and
                 // order, and the calling op checked every extent the kernel touches against the
                 // allocations behind the pointers. One statement, so argument temporaries outlive it.
-                unsafe { $be.gpu.stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
+                unsafe { stream.launch_builder(&f)$(.arg($arg))*.launch(cfg) }.map_err(dev)?;
             }
         }
     }};
@@ -1366,6 +1431,8 @@ impl CudaBackend {
             prof,
             skip: Vec::new(),
             shape: std::sync::atomic::AtomicU64::new(0),
+            aside_stream: std::sync::OnceLock::new(),
+            aside: Mutex::new(AsideState::default()),
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
@@ -1517,6 +1584,24 @@ impl CudaBackend {
 
     fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
         self.gpu.stream.cu_stream()
+    }
+
+    /// The stream a launch goes to: the model's, or while a side branch is on
+    /// (`Backend::aside_begin`), the branch's, made to wait first for the model stream's work
+    /// so far (the branch's own allocations and copies included).
+    fn launch_stream(&self) -> BResult<&CudaStream> {
+        let mut a = self.aside.lock().unwrap_or_else(|p| p.into_inner());
+        if !a.on {
+            return Ok(&self.gpu.stream);
+        }
+        let s = self
+            .aside_stream
+            .get()
+            .ok_or_else(|| dev("a side branch without its stream"))?;
+        s.fork.record(&self.gpu.stream).map_err(dev)?;
+        s.stream.wait(&s.fork).map_err(dev)?;
+        a.launched = true;
+        Ok(&s.stream)
     }
 
     fn alloc(&self, bytes: usize) -> BResult<Mem> {
@@ -4350,6 +4435,88 @@ impl Backend for CudaBackend {
         g.0.launch().map_err(dev)?;
         Ok(true)
     }
+
+    fn aside_begin(&self, rows: usize) -> BResult<bool> {
+        // the profiler times ops on the model stream: there every op runs in order
+        if !self.opts.aside || rows > ASIDE_MAX_ROWS || self.prof.on {
+            return Ok(false);
+        }
+        let mut a = self.aside.lock().unwrap_or_else(|p| p.into_inner());
+        if a.open {
+            return Err(dev("a side branch begun inside another"));
+        }
+        if self.aside_stream.get().is_none() {
+            let ctx = &self.gpu.ctx;
+            let stream = if crate::runtime::model_priority_on() {
+                ctx.bind_to_thread().map_err(dev)?;
+                let (_least, greatest) =
+                    cudarc::driver::result::stream::get_priority_range().map_err(dev)?;
+                ctx.new_stream_with_priority(greatest).map_err(dev)?
+            } else {
+                ctx.new_stream().map_err(dev)?
+            };
+            let made = AsideStream {
+                stream,
+                fork: ctx.new_event(None).map_err(dev)?,
+                done: ctx.new_event(None).map_err(dev)?,
+            };
+            // only this thread makes it (under the state's lock)
+            let _ = self.aside_stream.set(made);
+        }
+        let mut pools = vec![self.small.clone()];
+        if let Some(rec) = self
+            .recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            pools.push(rec.clone());
+        }
+        for p in &pools {
+            p.hold();
+        }
+        *a = AsideState {
+            on: true,
+            open: true,
+            launched: false,
+            pools,
+        };
+        Ok(true)
+    }
+
+    fn aside_end(&self) -> BResult<()> {
+        self.aside.lock().unwrap_or_else(|p| p.into_inner()).on = false;
+        Ok(())
+    }
+
+    fn aside_join(&self) -> BResult<()> {
+        let mut a = self.aside.lock().unwrap_or_else(|p| p.into_inner());
+        if !a.open {
+            return Ok(());
+        }
+        let st = std::mem::take(&mut *a);
+        drop(a);
+        let waited = match (st.launched, self.aside_stream.get()) {
+            (true, Some(s)) => s
+                .done
+                .record(&s.stream)
+                .and_then(|_| self.gpu.stream.wait(&s.done))
+                .map_err(dev),
+            (true, None) => Err(dev("a side branch without its stream")),
+            (false, _) => Ok(()),
+        };
+        if waited.is_ok() {
+            for p in &st.pools {
+                p.release();
+            }
+        } else {
+            // the model stream is not ordered after the branch: its blocks stay out of use
+            for p in &st.pools {
+                let _ = p.held.lock().map(|mut h| h.take());
+            }
+        }
+        waited
+    }
 }
 
 #[cfg(test)]
@@ -4509,6 +4676,7 @@ mod tests {
         assert_eq!(d.moe_tc_group_rows, 8);
         assert_eq!(d.moe_tc_warps, 4);
         assert!(d.gemv_slabs && !one("DRAMATIS_CUDA_GEMV_SLABS", "0").gemv_slabs);
+        assert!(d.aside && !one("DRAMATIS_CUDA_ASIDE", "0").aside);
         // the tensor-core experts' blocks: Drama 3 (I 512, H 2048) at 4 warps, 1 and 16; the
         // contract's H 2560 at one warp keeps 64 threads for gate/up's 40 scales
         assert_eq!(tc_expert_blocks(4, 512, 2048), (128, 128));

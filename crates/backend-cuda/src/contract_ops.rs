@@ -31,6 +31,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_tile_min: d.gemv_tile_min,
         gemv_tile_blocks: d.gemv_tile_blocks,
         gemv_slabs: d.gemv_slabs,
+        aside: d.aside,
         gdn_lanes: true,
         gdn_generic: false,
         gdn_fused: d.gdn_fused,

@@ -872,6 +872,23 @@ pub trait Backend: Send + Sync + Sized {
     fn round_replay(&self, _round: &Self::Round) -> BResult<bool> {
         Ok(false)
     }
+    /// Starts a side branch for ops over `rows` rows: until [`Backend::aside_end`], the ops
+    /// issued run after all the work issued before this call but beside the work issued after
+    /// `aside_end`, which waits for them only at [`Backend::aside_join`]. Nothing an op of the
+    /// branch reads or writes may be touched by the other work before the join. `false`: no
+    /// branch (the ops run in order, as always; then end and join do nothing). The same
+    /// operations either way, so the same bits.
+    fn aside_begin(&self, _rows: usize) -> BResult<bool> {
+        Ok(false)
+    }
+    /// Ends the side branch's ops (see [`Backend::aside_begin`]).
+    fn aside_end(&self) -> BResult<()> {
+        Ok(())
+    }
+    /// Makes the work issued from now on wait for the side branch's ops.
+    fn aside_join(&self) -> BResult<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

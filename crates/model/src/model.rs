@@ -784,6 +784,25 @@ impl<B: Backend> Model<B> {
     /// with the next norm (`Backend::add_gated_rms_norm`).
     fn moe(&self, m: &Moe<B>, x: &B::Buf, mode: Rows) -> Result<MoeOut<B>> {
         let be = &self.backend;
+        let mut aside = Aside::begin(be, be.shape(x).0)?;
+        if aside.on {
+            // The shared expert on a side branch (its gate, up and sigmoid gate, then its down
+            // projection) beside the router and the routed experts: neither reads the other's
+            // buffers until the join. The same linears as below (a multi launch equals its
+            // separate linears bit for bit), so the same bits.
+            let [g, u, sg]: [B::Buf; 3] =
+                linears(be, x, [&m.shared.gate, &m.shared.up, &m.shared_gate], mode)?;
+            let s = be.linear_silu_mul(&g, &u, &m.shared.down, mode)?;
+            aside.end()?;
+            let logits = be.linear(x, &m.router, mode)?;
+            let routed = self.routed(m, x, &logits, mode)?;
+            aside.join()?;
+            return Ok(MoeOut {
+                routed,
+                shared: s,
+                gate: sg,
+            });
+        }
         // router logits, the shared expert's gate and up, and its sigmoid gate [n, 1]
         let [logits, g, u, sg]: [B::Buf; 4] = linears(
             be,
@@ -791,23 +810,29 @@ impl<B: Backend> Model<B> {
             [&m.router, &m.shared.gate, &m.shared.up, &m.shared_gate],
             mode,
         )?;
-        if let Some(t) = &self.route_trace {
-            let (_, e) = be.shape(&logits);
-            t.record(
-                &be.download(&logits)?,
-                e,
-                self.geometry.top_k,
-                m.keep.as_deref(),
-            );
-        }
-        let route = be.route(&logits, self.geometry.top_k, m.keep.as_deref())?;
-        let routed = be.moe_experts(x, &route, &m.experts, mode)?;
+        let routed = self.routed(m, x, &logits, mode)?;
         let s = be.linear_silu_mul(&g, &u, &m.shared.down, mode)?;
         Ok(MoeOut {
             routed,
             shared: s,
             gate: sg,
         })
+    }
+
+    /// The routed experts' sum for router logits `logits` (softmax, top-k, renormalise).
+    fn routed(&self, m: &Moe<B>, x: &B::Buf, logits: &B::Buf, mode: Rows) -> Result<B::Buf> {
+        let be = &self.backend;
+        if let Some(t) = &self.route_trace {
+            let (_, e) = be.shape(logits);
+            t.record(
+                &be.download(logits)?,
+                e,
+                self.geometry.top_k,
+                m.keep.as_deref(),
+            );
+        }
+        let route = be.route(logits, self.geometry.top_k, m.keep.as_deref())?;
+        Ok(be.moe_experts(x, &route, &m.experts, mode)?)
     }
 
     /// §4.6 main head over the candidate rows only: `[n, H] -> [n, candidates]`.
@@ -1353,6 +1378,50 @@ fn linears<B: Backend, const N: usize>(
                 v.len()
             ))
         })
+}
+
+/// A side branch (`Backend::aside_begin`) that is ended and joined however the caller leaves:
+/// on an early return the branch is still joined before the buffers it used can be reused.
+struct Aside<'a, B: Backend> {
+    be: &'a B,
+    on: bool,
+    ended: bool,
+    joined: bool,
+}
+
+impl<'a, B: Backend> Aside<'a, B> {
+    fn begin(be: &'a B, rows: usize) -> Result<Self> {
+        Ok(Aside {
+            be,
+            on: be.aside_begin(rows)?,
+            ended: false,
+            joined: false,
+        })
+    }
+
+    fn end(&mut self) -> Result<()> {
+        if self.on && !self.ended {
+            self.ended = true;
+            self.be.aside_end()?;
+        }
+        Ok(())
+    }
+
+    fn join(&mut self) -> Result<()> {
+        self.end()?;
+        if self.on && !self.joined {
+            self.joined = true;
+            self.be.aside_join()?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for Aside<'_, B> {
+    fn drop(&mut self) {
+        // an error is already on its way out; the join only keeps later work in order
+        let _ = self.join();
+    }
 }
 
 /// `down(silu(gate x) ⊙ up x)`.
