@@ -731,8 +731,12 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let hd = dims.head_dim;
         let (rot, th, st) = (dims.rot_dims, dims.theta, dims.rope);
+        // the query heads on a side branch beside the key heads (both only read the projection)
+        let mut aside = Aside::begin(be, be.shape(q.0).0)?;
         let q = be.norm_rope(q.0, q.1, q_norm, eps, hd, rot, th, st, positions)?;
+        aside.end()?;
         let k = be.norm_rope(k.0, k.1, k_norm, eps, hd, rot, th, st, positions)?;
+        aside.join()?;
         let o = match positions {
             RopeAt::Host(_) => match span {
                 Span::Prompts(lens) => self.per_lane(lens, &[&q, &k, &v], |i, p| {
@@ -887,8 +891,12 @@ impl<B: Backend> Model<B> {
         let qkv = be.linear(&x, &w.wqkv, mode)?;
         let (qw, kw) = (d.q_heads * d.head_dim, d.kv_heads * d.head_dim);
         let all = be.shape(&qkv).1;
+        // the gate's copy on a side branch beside the value's
+        let mut aside = Aside::begin(be, be.shape(&qkv).0)?;
         let gate = be.cols(&qkv, qw, qw)?;
+        aside.end()?;
         let v = be.cols(&qkv, 2 * qw + kw, kw)?;
+        aside.join()?;
         let o = self.gated_attention(
             kvs,
             d,
