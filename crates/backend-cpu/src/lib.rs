@@ -54,6 +54,9 @@ pub struct CpuBackend;
 pub static ASIDE_FOR_TESTS: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
+/// Side branches opened under [`ASIDE_FOR_TESTS`] so far (a test checks its path was taken).
+pub static ASIDES_OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 impl CpuBackend {
     pub fn new() -> Self {
         Self
@@ -98,7 +101,11 @@ fn nvfp4_format(ck: &Checkpoint, name: &str, rows: usize, cols: usize) -> BResul
 
 impl Backend for CpuBackend {
     fn aside_begin(&self, rows: usize) -> BResult<bool> {
-        Ok(rows <= 64 && ASIDE_FOR_TESTS.load(std::sync::atomic::Ordering::Relaxed))
+        let on = rows <= 64 && ASIDE_FOR_TESTS.load(std::sync::atomic::Ordering::Relaxed);
+        if on {
+            ASIDES_OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(on)
     }
 
     type Buf = CpuBuf;

@@ -2,7 +2,7 @@
 //! router and routed experts) gives the frames, hiddens and logits of the in-order path bit
 //! for bit, for one lane and a batched round. Its own test binary: the hook is process-wide.
 
-use backend_cpu::{CpuBackend, ASIDE_FOR_TESTS};
+use backend_cpu::{CpuBackend, ASIDES_OPENED, ASIDE_FOR_TESTS};
 use checkpoint::{Checkpoint, Store};
 use model::{FrameOut, LaneState, LaneStep, Model, Row, SamplingParams, StepTrace};
 use std::path::{Path, PathBuf};
@@ -72,9 +72,17 @@ fn side_branch_equals_in_order_bit_for_bit() {
     let m = Model::load(&ck, CpuBackend::new()).unwrap();
     ASIDE_FOR_TESTS.store(false, Ordering::Relaxed);
     let plain = run(&m, 4);
+    assert_eq!(
+        ASIDES_OPENED.load(Ordering::Relaxed),
+        0,
+        "no branch without the hook"
+    );
     ASIDE_FOR_TESTS.store(true, Ordering::Relaxed);
     let branched = run(&m, 4);
     ASIDE_FOR_TESTS.store(false, Ordering::Relaxed);
+    // per frame and lane set: a MoE, a query/key and (in the tower) a gate/value branch a layer
+    let opened = ASIDES_OPENED.load(Ordering::Relaxed);
+    assert!(opened >= 8 * 3, "{opened} side branches opened");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (lane, (a, b)) in plain.iter().zip(&branched).enumerate() {
         assert_eq!(a.0, b.0, "lane {lane}: frames");

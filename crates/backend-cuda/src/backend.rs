@@ -908,8 +908,9 @@ struct AsideState {
 }
 
 /// Rows up to which `aside_begin` opens a side branch: frame rounds (a lane a row, two with
-/// guidance); prompts run in order. Every buffer of a branch op is then under the small pool's
-/// limit, so its blocks can be held (`SmallPool::hold`), never freed to the driver.
+/// guidance) and prompts of up to this many rows. While a branch is open every buffer comes
+/// from the small pool (`alloc`), whose blocks handed back are held until the join
+/// (`SmallPool::hold`), never freed to the driver.
 pub const ASIDE_MAX_ROWS: usize = 64;
 
 /// Per-op host time, counts and launch / allocation totals, kept when `DRAMATIS_CUDA_PROFILE`
@@ -1511,22 +1512,12 @@ impl CudaBackend {
             let xp = x.row_ptr(r0)?;
             go!(self, Source::Gemm, "split_bf16", (u32v(op, len.div_ceil(256))?, 1, 1), 256, 0;
                 &xp, &hi.ptr, &lo.ptr, &len64);
+            let stream = self.issue_stream()?;
             // SAFETY: w holds [n, k] BF16 (the caller's weight), hi and lo [rn, k] BF16 (just
             // written), out rows r0.. [rn, n] f32; all stay live past the stream's matmuls (the
             // buffers return to the stream-ordered pool only after them).
-            unsafe {
-                l.gemm(
-                    w,
-                    hi.ptr,
-                    lo.ptr,
-                    out.row_ptr(r0)?,
-                    n,
-                    k,
-                    rn,
-                    self.cu_stream(),
-                )
-            }
-            .map_err(dev)?;
+            unsafe { l.gemm(w, hi.ptr, lo.ptr, out.row_ptr(r0)?, n, k, rn, stream) }
+                .map_err(dev)?;
             r0 += rn;
         }
         Ok(true)
@@ -1604,6 +1595,17 @@ impl CudaBackend {
         Ok(&s.stream)
     }
 
+    /// The stream a copy or memset goes to: [`CudaBackend::launch_stream`]'s (so inside a side
+    /// branch it is ordered with the branch's kernels on both sides).
+    fn issue_stream(&self) -> BResult<cudarc::driver::sys::CUstream> {
+        Ok(self.launch_stream()?.cu_stream())
+    }
+
+    /// Whether a side branch is open (begun and not joined yet).
+    fn aside_open(&self) -> bool {
+        self.aside.lock().unwrap_or_else(|p| p.into_inner()).open
+    }
+
     fn alloc(&self, bytes: usize) -> BResult<Mem> {
         self.prof
             .allocs
@@ -1624,7 +1626,10 @@ impl CudaBackend {
                 id: next_mem_id(),
             });
         }
-        if bytes <= SMALL_MAX {
+        // while a side branch is open every block comes from the pool, whose blocks handed
+        // back are held until the join (a driver block would be freed in the model stream's
+        // order, before the branch may be done with it)
+        if bytes <= SMALL_MAX || self.aside_open() {
             let class = SmallPool::class(bytes);
             let ptr = match self.small.take(class) {
                 Some(p) => p,
@@ -1678,14 +1683,14 @@ impl CudaBackend {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let m = self.alloc_exact(bytes)?;
         // SAFETY: m covers `bytes` bytes.
-        unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.cu_stream()) }.map_err(dev)?;
+        unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.issue_stream()?) }.map_err(dev)?;
         Ok(m)
     }
 
     fn zeroed(&self, bytes: usize) -> BResult<Mem> {
         let m = self.alloc(bytes)?;
         // SAFETY: m covers at least `bytes` bytes.
-        unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.cu_stream()) }.map_err(dev)?;
+        unsafe { cu::memset_d8_async(m.ptr, 0, bytes, self.issue_stream()?) }.map_err(dev)?;
         Ok(m)
     }
 
@@ -1707,7 +1712,7 @@ impl CudaBackend {
         if bytes > 0 {
             // SAFETY: m holds `bytes` bytes; pageable host memory is staged before the call
             // returns, so `v` may be dropped afterwards.
-            unsafe { cu::memcpy_htod_async(m.ptr, v, self.cu_stream()) }.map_err(dev)?;
+            unsafe { cu::memcpy_htod_async(m.ptr, v, self.issue_stream()?) }.map_err(dev)?;
         }
         Ok(m)
     }
@@ -1715,6 +1720,10 @@ impl CudaBackend {
     fn dtoh<T: Copy + Default>(&self, ptr: u64, n: usize) -> BResult<Vec<T>> {
         if self.is_recording() {
             return Err(dev("a download inside a recorded frame round"));
+        }
+        if self.aside.lock().unwrap_or_else(|p| p.into_inner()).on {
+            // it would wait for the model stream, not for the branch's work
+            return Err(dev("a download inside a side branch"));
         }
         let mut out = vec![T::default(); n];
         let mut flag = [0i32; 1];
@@ -1760,7 +1769,7 @@ impl CudaBackend {
         self.gpu.ctx.bind_to_thread().map_err(dev)?;
         if bytes > 0 {
             // SAFETY: the callers checked that both ranges lie inside their allocations.
-            unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.cu_stream()) }.map_err(dev)?;
+            unsafe { cu::memcpy_dtod_async(dst, src, bytes, self.issue_stream()?) }.map_err(dev)?;
         }
         Ok(())
     }
@@ -2180,7 +2189,7 @@ impl CudaBackend {
         );
         let (counts, offsets, tiles, cursor) = (g.counts, g.offsets, g.tiles, g.cursor);
         // SAFETY: `counts` is E i32 of the group scratch, zeroed here.
-        unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.cu_stream()) }.map_err(dev)?;
+        unsafe { cu::memset_d8_async(counts, 0, 4 * e, self.issue_stream()?) }.map_err(dev)?;
         let sg = (u32v(op, n_slots.div_ceil(256))?, 1, 1);
         go!(self, Source::Gemm, "moe_group_count", sg, 256, 0;
             &ids, &tab, &counts, &s32, &e32, &ep);
@@ -2462,7 +2471,7 @@ impl CudaBackend {
             self.gpu.ctx.bind_to_thread().map_err(dev)?;
             // SAFETY: the cache holds kv_heads x capacity x head_dim f32; pageable memory is
             // staged before the call returns.
-            unsafe { cu::memcpy_htod_async(dst.ptr, &host, self.cu_stream()) }.map_err(dev)?;
+            unsafe { cu::memcpy_htod_async(dst.ptr, &host, self.issue_stream()?) }.map_err(dev)?;
         }
         kv.len = rows;
         Ok(())
@@ -4082,7 +4091,7 @@ impl Backend for CudaBackend {
         self.gpu.ctx.bind_to_thread().map_err(dev)?;
         // SAFETY: lane_in holds `lanes` LaneIn; pageable memory is staged before the call
         // returns.
-        unsafe { cu::memcpy_htod_async(round.lane_in.ptr, &host, self.cu_stream()) }
+        unsafe { cu::memcpy_htod_async(round.lane_in.ptr, &host, self.issue_stream()?) }
             .map_err(dev)?;
         round.host = lanes.to_vec();
         round.leaders = leaders;
