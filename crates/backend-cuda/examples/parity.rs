@@ -273,6 +273,25 @@ fn real_main() -> Result<bool, String> {
         "cuda_frames_s": gpu.frames_s,
     });
     let mut ok = true;
+    // side branches (the MoE's shared expert, attention's query heads, the tower's gate copy
+    // on a second stream) keep the bits: the same run with them the other way (f32 KV)
+    gm.backend.set_kv_f32(true);
+    gm.backend.set_aside(!opts.aside);
+    let other = run(&gm, &prompt, &frames);
+    gm.backend.set_aside(opts.aside);
+    gm.backend.set_kv_f32(opts.kv_f32);
+    let other = other?;
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+    let aside_equal =
+        bits(&other.main) == bits(&gpu32.main) && bits(&other.heads) == bits(&gpu32.heads);
+    println!(
+        "ASIDE: side branches {} against {}: main and head logits bitwise equal: {}",
+        if opts.aside { "off" } else { "on" },
+        if opts.aside { "on" } else { "off" },
+        if aside_equal { "yes" } else { "NO" }
+    );
+    report["aside_bitwise_equal"] = serde_json::json!(aside_equal);
+    ok &= aside_equal;
     // joined prompts keep their bits (f32 KV, as the gate below)
     gm.backend.set_kv_f32(true);
     let (lanes, equal) = joined_equals_solo(&gm, &prompt, &frames[..frames.len().min(2)])?;

@@ -883,6 +883,8 @@ pub struct CudaBackend {
     /// The side branch (`Backend::aside_begin`): its stream, made at first use, and its state.
     aside_stream: std::sync::OnceLock<AsideStream>,
     aside: Mutex<AsideState>,
+    /// Whether `aside_begin` opens branches (starts at `opts.aside`; `set_aside`).
+    aside_on: std::sync::atomic::AtomicBool,
 }
 
 /// A side branch's stream (the model stream's priority) and two events: `fork` orders a branch
@@ -1434,6 +1436,7 @@ impl CudaBackend {
             shape: std::sync::atomic::AtomicU64::new(0),
             aside_stream: std::sync::OnceLock::new(),
             aside: Mutex::new(AsideState::default()),
+            aside_on: std::sync::atomic::AtomicBool::new(opts.aside),
         };
         // without it `route` refuses to run (it could not report a non-finite row)
         be.err = be.zeroed(4).ok();
@@ -1553,6 +1556,12 @@ impl CudaBackend {
     /// Chooses the precision of KV caches created from now on (existing caches keep theirs).
     pub fn set_kv_f32(&self, f32: bool) {
         self.kv_f32.store(f32, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether side branches open from now on (starts at `opts.aside`; parity compares both).
+    pub fn set_aside(&self, on: bool) {
+        self.aside_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// (free, total) device memory in bytes.
@@ -4447,7 +4456,8 @@ impl Backend for CudaBackend {
 
     fn aside_begin(&self, rows: usize) -> BResult<bool> {
         // the profiler times ops on the model stream: there every op runs in order
-        if !self.opts.aside || rows > ASIDE_MAX_ROWS || self.prof.on {
+        let on = self.aside_on.load(std::sync::atomic::Ordering::Relaxed);
+        if !on || rows > ASIDE_MAX_ROWS || self.prof.on {
             return Ok(false);
         }
         let mut a = self.aside.lock().unwrap_or_else(|p| p.into_inner());
