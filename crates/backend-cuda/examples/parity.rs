@@ -107,13 +107,17 @@ fn joined_equals_solo<B: Backend>(
         .map_err(e)?;
     let mut refs: Vec<&mut LaneState<B>> = lanes.iter_mut().collect();
     m.prefill_joined(&mut refs, &pieces).map_err(e)?;
-    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
     let mut equal = 0;
     for (l, want) in lanes.iter_mut().zip(&solo) {
         let got = follow(m, l, frames)?;
         equal += usize::from(bits(&got.0) == bits(&want.0) && bits(&got.1) == bits(&want.1));
     }
     Ok((pieces.len(), equal))
+}
+
+/// The bits of every logit in order, for bitwise comparisons.
+fn bits(v: &[Vec<f32>]) -> Vec<u32> {
+    v.iter().flatten().map(|x| x.to_bits()).collect()
 }
 
 struct Cmp {
@@ -281,7 +285,6 @@ fn real_main() -> Result<bool, String> {
     gm.backend.set_aside(opts.aside);
     gm.backend.set_kv_f32(opts.kv_f32);
     let other = other?;
-    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
     let aside_equal =
         bits(&other.main) == bits(&gpu32.main) && bits(&other.heads) == bits(&gpu32.heads);
     println!(

@@ -712,9 +712,11 @@ pub struct CudaOptions {
     /// 2048-output weight) then use the whole device in a prompt's prefill. The same bits (a
     /// row's operations do not depend on its block): `DRAMATIS_CUDA_GEMV_SLABS=0` turns it off.
     pub gemv_slabs: bool,
-    /// Side branches (`Backend::aside_begin`: the MoE's shared expert beside its router and
-    /// routed experts in frame rounds) on a second stream; `DRAMATIS_CUDA_ASIDE=0` runs every op
-    /// in order on one stream (the same operations, so the same bits).
+    /// Side branches (`Backend::aside_begin`, up to `ASIDE_MAX_ROWS` rows: the MoE's shared
+    /// expert beside its router and routed experts, attention's query heads beside its key
+    /// heads, the tower's gate copy beside its value's) on a second stream; the initial value of
+    /// `CudaBackend::set_aside`. `DRAMATIS_CUDA_ASIDE=0` runs every op in order on one stream
+    /// (the same operations, so the same bits).
     pub aside: bool,
     /// Joined prompts' GDN conv and recurrence in one launch for up to 32 lanes
     /// (`gdn_prefill_lanes`); `DRAMATIS_CUDA_GDN_LANES=0` runs them lane by lane (the same bits).
