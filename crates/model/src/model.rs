@@ -665,9 +665,35 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let d = &self.geometry.gdn;
         let mode = span.rows();
+        let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
+        if let Span::Step = span {
+            // z [n, nv·dv] on a side branch beside qkv, b, a and the conv step (only the gated
+            // norm reads z); the same linears (a multi equals its separate linears), so the
+            // same bits
+            let mut aside = Aside::begin(be, be.shape(x).0)?;
+            if aside.on {
+                let z = be.linear(x, &w.z, mode)?;
+                aside.end()?;
+                let [qkv, b, a]: [B::Buf; 3] = linears(be, x, [&w.qkv, &w.b, &w.a], mode)?;
+                let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
+                aside.join()?;
+                let o = be.gdn_step_gated(
+                    &u,
+                    &b,
+                    &a,
+                    &w.a_log,
+                    &w.dt_bias,
+                    d,
+                    &mut states,
+                    &z,
+                    &w.norm,
+                    self.geometry.eps,
+                )?;
+                return Ok(be.linear(&o, &w.out, mode)?);
+            }
+        }
         // qkv [n, C], z [n, nv·dv], b and a [n, nv]
         let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
-        let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
         let o = match span {
             Span::Prompts([_]) => {
                 let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
