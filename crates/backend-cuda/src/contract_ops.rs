@@ -33,6 +33,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_slabs: d.gemv_slabs,
         // the per-row GEMVs: the gemv_ts case turns the split tiles on
         gemv_split_min: usize::MAX,
+        gemv_split_blocks: d.gemv_split_blocks,
         aside: d.aside,
         gdn_lanes: true,
         gdn_generic: false,
@@ -897,6 +898,7 @@ fn ts_opts(split: bool) -> CudaOptions {
         gemv_v: 2,
         gemv_tile_min: usize::MAX,
         gemv_split_min: if split { 1 } else { usize::MAX },
+        gemv_split_blocks: 0,
         ..base_opts(false)
     }
 }
