@@ -717,9 +717,9 @@ pub struct CudaOptions {
     /// added in order by each tile's last block: the same bits as `gemv_tc2_*`);
     /// `DRAMATIS_CUDA_GEMV_SPLIT_MIN`, default 17; 0 is never.
     pub gemv_split_min: usize,
-    /// Fewest `gemv_ts` blocks (tiles times key chunks) for it to run
-    /// (`DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS`, default `TS_MIN_BLOCKS`): with fewer, the last wave
-    /// of blocks leaves most of the device idle, and `gemv_tc2` (the same bits) runs instead.
+    /// Fewest `gemv_ts` blocks (tiles times key chunks) for it to run, else `gemv_tc2` (the same
+    /// bits): `DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS`, default `TS_MIN_BLOCKS` (none; a bound measured
+    /// slower in the round, though few blocks leave part of the device idle in a last wave).
     pub gemv_split_blocks: usize,
     /// Side branches (`Backend::aside_begin`, up to `ASIDE_MAX_ROWS` rows: the MoE's shared
     /// expert beside its router and routed experts, attention's query heads beside its key
@@ -1162,12 +1162,13 @@ impl Bf16Gemv {
 /// Most rows `gemv_ts*` takes (two 32-row tiles); more rows keep a block walking all of K.
 pub const GEMV_TS_MAX_ROWS: usize = 64;
 
-/// The default of `CudaOptions::gemv_split_blocks` (session 20, `gemvbench --rows 32` against
-/// `gemv_tc2`: 1152 blocks, attention's q+k+v and the tower's qkv, 46-48 us against 53-55;
-/// 512 blocks, the 2048 x 4096 out projection, the tower's w2 and a head, 30-38 us against
-/// 20-29: 1.3 waves of three blocks a multiprocessor; 1536 blocks (GDN projections, tower
-/// w1+w3) 58 against 56; NOTES.md).
-pub const TS_MIN_BLOCKS: usize = 1024;
+/// The default of `CudaOptions::gemv_split_blocks`: none. Session 20: alone and cold
+/// (`gemvbench --rows 32`) the 512-block shapes (the 2048 x 4096 out projection, the tower's
+/// w2, a head: 1.3 waves of three blocks a multiprocessor) ran slower split (30-38 us against
+/// 20-29 on `gemv_tc2`), but in the 32-lane round a bound of 1024 blocks, which gives them to
+/// `gemv_tc2`, made the kept round slower: 24.24 / 24.46 ms against 22.49 / 23.00 with every
+/// split (alternated, one call; NOTES.md).
+pub const TS_MIN_BLOCKS: usize = 0;
 
 /// `gemv_ts*` tiles a launch at most: each stream (the model's, a side branch's) has this many
 /// tickets (`CudaBackend::gemv_count`).
@@ -4830,10 +4831,10 @@ mod tests {
         assert_eq!(bf16_gemv_grid(&off, 110, 2048, 2048).1, (128, 1, 1));
         // 17-64 rows: 64 x 32 tiles, a key chunk a block (grid z), where the 64-row tiles do not
         // run; 16 rows and 65 keep gemv_tc2
-        assert_eq!((d.gemv_split_min, d.gemv_split_blocks), (17, 1024));
+        assert_eq!((d.gemv_split_min, d.gemv_split_blocks), (17, 0));
         assert_eq!(
-            one("DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS", "0").gemv_split_blocks,
-            0
+            one("DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS", "1024").gemv_split_blocks,
+            1024
         );
         assert_eq!(
             one("DRAMATIS_CUDA_GEMV_SPLIT_MIN", "0").gemv_split_min,
@@ -4841,14 +4842,14 @@ mod tests {
         );
         assert_eq!(bf16_gemv_grid(&d, 32, 2048, 8192), ("gemv_ts", (128, 1, 8)));
         assert_eq!(bf16_gemv_grid(&d, 64, 4096, 2048), ("gemv_ts", (32, 2, 16)));
-        // fewer blocks than gemv_split_blocks: gemv_tc2 (every split with the bound at 0)
-        assert_eq!(bf16_gemv_grid(&d, 32, 4096, 2048).0, "gemv_tc2_g4_v2");
-        assert_eq!(bf16_gemv_grid(&d, 17, 512, 2048).0, "gemv_tc2_g4_v2");
-        let all = CudaOptions {
-            gemv_split_blocks: 0,
+        assert_eq!(bf16_gemv_grid(&d, 17, 512, 2048), ("gemv_ts", (32, 1, 4)));
+        // fewer blocks than a set gemv_split_blocks: gemv_tc2
+        let bound = CudaOptions {
+            gemv_split_blocks: 1024,
             ..d
         };
-        assert_eq!(bf16_gemv_grid(&all, 17, 512, 2048), ("gemv_ts", (32, 1, 4)));
+        assert_eq!(bf16_gemv_grid(&bound, 32, 4096, 2048).0, "gemv_tc2_g4_v2");
+        assert_eq!(bf16_gemv_grid(&bound, 32, 2048, 9216).0, "gemv_ts");
         assert_eq!(bf16_gemv_grid(&d, 16, 2048, 8192).0, "gemv_tc2_g4_v2");
         assert_eq!(
             bf16_gemv_grid(&d, 65, 2048, 2048),
