@@ -723,7 +723,8 @@ pub struct CudaOptions {
     pub gemv_split_blocks: usize,
     /// Side branches (`Backend::aside_begin`, up to `ASIDE_MAX_ROWS` rows: the MoE's shared
     /// expert beside its router and routed experts, attention's query heads beside its key
-    /// heads, the tower's gate copy beside its value's) on a second stream; the initial value of
+    /// heads, the tower's gate copy beside its value's, a GDN step's z projection beside its
+    /// other projections and conv step) on a second stream; the initial value of
     /// `CudaBackend::set_aside`. `DRAMATIS_CUDA_ASIDE=0` runs every op in order on one stream
     /// (the same operations, so the same bits).
     pub aside: bool,
