@@ -509,7 +509,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
     }
     // this chunk's sums (the tile's RT x 64, row-major) at chunk z of the tile's run in `part`
     constexpr int TS = 64 * RT;
-    const int nc = (K + kc - 1) / kc;
+    const int nc = (int)gridDim.z;  // the chunks, as the host counted them
     const long long tile = (long long)blockIdx.y * gridDim.x + blockIdx.x;
     float* pt = part + tile * nc * TS;
     float* mine = pt + (long long)blockIdx.z * TS;
@@ -572,26 +572,28 @@ extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, cons
 #ifndef TS_OCC
 #define TS_OCC 3
 #endif
+// rows a gemv_ts tile (the host's GEMV_TS_ROWS sizes the chunk sums' workspace from it)
+#define TS_RT 32
 #define LB_TS __launch_bounds__(256, TS_OCC)
 extern "C" __global__ void LB_TS gemv_ts(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int K, int rows, int kc,
                                          float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<0, 32, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, part, count);
+    gemv_tt_body<0, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc,
                                                float* __restrict__ part, int* __restrict__ count) {
     int j = 0;
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_tt_body<0, 32, true>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,
+    gemv_tt_body<0, TS_RT, true>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,
                               (blockIdx.x - m.start[j]) * 64, kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<1, 32, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_tt_body<1, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<2, 32, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_tt_body<2, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
 }

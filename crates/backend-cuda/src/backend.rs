@@ -1163,6 +1163,9 @@ impl Bf16Gemv {
 /// Most rows `gemv_ts*` takes (two 32-row tiles); more rows keep a block walking all of K.
 pub const GEMV_TS_MAX_ROWS: usize = 64;
 
+/// Rows a `gemv_ts*` tile (gemv.cu `TS_RT`): a tile's chunk sums are 64 x this many floats.
+pub const GEMV_TS_ROWS: usize = 32;
+
 /// The default of `CudaOptions::gemv_split_blocks`: none. Session 20: alone and cold
 /// (`gemvbench --rows 32`) the 512-block shapes (the 2048 x 4096 out projection, the tower's
 /// w2, a head: 1.3 waves of three blocks a multiprocessor) ran slower split (30-38 us against
@@ -1222,6 +1225,12 @@ pub(crate) fn bf16_gemv_grid(
         .grid("gemv", outs.div_ceil(gv.per_block), rows)
         .unwrap_or((0, 0, 0));
     (gv.single, g)
+}
+
+/// The several-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs in all (64
+/// a weight's tile, as `linear_many` counts them) run with options `o`: for the contract.
+pub(crate) fn bf16_gemv_multi(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> &'static str {
+    bf16_gemv(o, rows, k, outs).multi
 }
 
 /// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
@@ -1288,8 +1297,8 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
         if v == 2
             && rows >= o.gemv_split_min
             && rows <= GEMV_TS_MAX_ROWS
-            && outs.div_ceil(64) * rows.div_ceil(32) <= GEMV_TS_TILES
-            && outs.div_ceil(64) * rows.div_ceil(32) * chunks >= o.gemv_split_blocks
+            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
+            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) * chunks >= o.gemv_split_blocks
         {
             // gemv_tc2 (V = 2)'s bits from 64 x 32 tiles, a key chunk a block
             return Bf16Gemv {
@@ -1299,7 +1308,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 block: 256,
                 kc: Some(kc as i32),
                 act: Some(("gemv_ts_silu", "gemv_ts_sigm")),
-                row_tile: Some(32),
+                row_tile: Some(GEMV_TS_ROWS),
                 row_slabs: false,
                 split: Some(chunks),
             };
@@ -1511,6 +1520,10 @@ impl CudaBackend {
             .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
             .ok();
         be.gemv_count = be.zeroed(4 * 2 * GEMV_TS_TILES).ok();
+        if be.gemv_count.is_none() {
+            // no tickets: the split GEMVs cannot run, gemv_tc2 (the same bits) does
+            be.opts.gemv_split_min = usize::MAX;
+        }
         be
     }
 
@@ -2730,7 +2743,7 @@ impl CudaBackend {
             .as_ref()
             .ok_or_else(|| dev("the GEMV tile tickets could not be allocated"))?;
         let branch = self.aside.lock().unwrap_or_else(|p| p.into_inner()).on;
-        let part = self.alloc(cmul(op, &[tiles, chunks, 64 * 32, 4])?)?;
+        let part = self.alloc(cmul(op, &[tiles, chunks, 64 * GEMV_TS_ROWS, 4])?)?;
         Ok((
             part,
             count.ptr + if branch { 4 * GEMV_TS_TILES as u64 } else { 0 },
@@ -4658,6 +4671,12 @@ mod tests {
             .next()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{} defines {name} to a number", src.name()))
+    }
+
+    #[test]
+    fn split_tile_rows_are_the_kernels() {
+        // gemv_ts writes 64 x TS_RT chunk sums a tile: the host sizes the workspace by that
+        assert_eq!(kernel_define(Source::Gemv, "TS_RT"), GEMV_TS_ROWS);
     }
 
     #[test]

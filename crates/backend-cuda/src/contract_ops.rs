@@ -1003,6 +1003,17 @@ pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
         Ok(out)
     };
     let case = format!("{rows} rows x {k} into {outs:?}, one split launch");
+    let total: usize = outs.iter().map(|n| n.div_ceil(64) * 64).sum();
+    let (multi, other) = (
+        crate::backend::bf16_gemv_multi(&ts_opts(true), rows, k, total),
+        crate::backend::bf16_gemv_multi(&ts_opts(false), rows, k, total),
+    );
+    c.push(
+        format!("{case}: dispatched to gemv_ts_multi, against gemv_tc2"),
+        Kind::Check,
+        multi == "gemv_ts_multi" && other.starts_with("gemv_tc2_multi"),
+        format!("{multi} against {other}"),
+    );
     let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, ts_opts(true));
     let split = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
     let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, ts_opts(false));
@@ -1021,7 +1032,12 @@ pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
         be.linear_many(&xd, &refs, Rows::Exact)?;
         Ok(())
     })?;
-    // a side branch's split launch beside the model stream's: the branch's own tickets
+    // a side branch's split launch beside the model stream's: the branch's own tickets. Work
+    // queued on the model stream first holds both back (the branch waits for the model
+    // stream's work so far), so the two start together and overlap.
+    for _ in 0..32 {
+        be.linear_many(&xd, &refs, Rows::Exact)?;
+    }
     be.set_aside(true);
     let opened = be.aside_begin(rows)?;
     let in_branch = be.linear_many(&xd, &refs, Rows::Exact);
@@ -3861,6 +3877,15 @@ mod tests {
                 "{rows} x {k} into {n}"
             );
         }
+        // the 4-weight launch: outputs in 64-wide tiles, weight by weight (as linear_many counts)
+        let total: usize = [300usize, 64, 33, 128]
+            .iter()
+            .map(|n| n.div_ceil(64) * 64)
+            .sum();
+        assert_eq!(
+            crate::backend::bf16_gemv_multi(&ts_opts(true), 32, 2048, total),
+            "gemv_ts_multi"
+        );
     }
 
     /// The grouped FP64 expert reference equals the plain per-row sum over each routing.
