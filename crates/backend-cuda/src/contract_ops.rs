@@ -759,6 +759,76 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// Weights of `outs` outputs sharing K `k`, an input of `rows` rows, and each weight's FP64
+/// result in turn: the several-weight launches' cases.
+fn many_case(
+    c: &mut Ctx,
+    k: usize,
+    rows: usize,
+    outs: &[usize],
+) -> (Vec<Vec<u16>>, Vec<f32>, Vec<f64>) {
+    let ws: Vec<Vec<u16>> = outs
+        .iter()
+        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
+        .collect();
+    let x = c.rng.normals_f32(rows * k, 1.0);
+    let mut reference = Vec::new();
+    for (w, &n) in ws.iter().zip(outs) {
+        reference.extend(gemv_ref(w, &x, k, rows, n));
+    }
+    (ws, x, reference)
+}
+
+/// `linear_many` of the weights `ws` over `x` ([rows, k]) on `be`, the outputs in weight order.
+fn many_out(
+    be: &CudaBackend,
+    ws: &[Vec<u16>],
+    outs: &[usize],
+    k: usize,
+    x: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>> {
+    let wd = bf16_weights(be, ws, outs, k)?;
+    let xd = be.upload(x, rows, k)?;
+    let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+    let mut out = Vec::new();
+    for y in be.linear_many(&xd, &refs, Rows::Exact)? {
+        out.extend(be.download(&y)?);
+    }
+    Ok(out)
+}
+
+/// Rows 0, mid and last of `got` (`[rows, n]`, the first op of `gated_linears`) bit for bit
+/// against one-row launches of weight `w` on `be`.
+#[allow(clippy::too_many_arguments)]
+fn rows_as_one_row_launches(
+    c: &mut Ctx,
+    case: &str,
+    be: &CudaBackend,
+    w: &[u16],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    got: &[f32],
+) -> Result<()> {
+    let rows = x.len() / k;
+    let wd = be.weight_bf16(n, k, w)?;
+    let mut one = Vec::new();
+    let mut want = Vec::new();
+    for r in [0, rows / 2, rows - 1] {
+        let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
+        one.extend(be.download(&be.linear(&xr, &wd, Rows::Exact)?)?);
+        want.extend_from_slice(&got[r * n..(r + 1) * n]);
+    }
+    same_bits(
+        c,
+        format!("{case}: rows 0, mid, last bitwise = one-row launches"),
+        &want,
+        &one,
+    );
+    Ok(())
+}
+
 /// The `gemv_tt` case's options: the tiles from `tile` rows, whatever the tile count (the
 /// engine's default also asks for `TT_MIN_BLOCKS` tiles).
 fn tt_opts(tile: usize) -> CudaOptions {
@@ -836,44 +906,14 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
                 if same { "same bits" } else { "BITS DIFFER" }
             ),
         );
-        let wd = plain.weight_bf16(n, k, &w)?;
-        let mut one = Vec::new();
-        let mut want = Vec::new();
-        for r in [0, rows / 2, rows - 1] {
-            let xr = plain.upload(&x[r * k..(r + 1) * k], 1, k)?;
-            one.extend(plain.download(&plain.linear(&xr, &wd, Rows::Exact)?)?);
-            want.extend_from_slice(&tiled[r * n..(r + 1) * n]);
-        }
-        same_bits(
-            c,
-            format!("{case}: rows 0, mid, last bitwise = one-row launches"),
-            &want,
-            &one,
-        );
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
     }
     // several weights of one input (the GDN projections' shape, with outputs that do not fill a
     // tile): one tiled launch against separate gemv_tc2 launches
     let (k, rows) = (2048usize, 77usize);
     let outs = [300usize, 64, 33, 128];
-    let ws: Vec<Vec<u16>> = outs
-        .iter()
-        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
-        .collect();
-    let x = c.rng.normals_f32(rows * k, 1.0);
-    let mut reference = Vec::new();
-    for (w, &n) in ws.iter().zip(&outs) {
-        reference.extend(gemv_ref(w, &x, k, rows, n));
-    }
-    let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let wd = bf16_weights(be, &ws, &outs, k)?;
-        let xd = be.upload(&x, rows, k)?;
-        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-        let mut out = Vec::new();
-        for y in be.linear_many(&xd, &refs, Rows::Exact)? {
-            out.extend(be.download(&y)?);
-        }
-        Ok(out)
-    };
+    let (ws, x, reference) = many_case(c, k, rows, &outs);
+    let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
     let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
     let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
     let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
@@ -964,44 +1004,14 @@ pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
             &again,
             &twice,
         );
-        let wd = plain.weight_bf16(n, k, &w)?;
-        let mut one = Vec::new();
-        let mut rows_of = Vec::new();
-        for r in [0, rows / 2, rows - 1] {
-            let xr = plain.upload(&x[r * k..(r + 1) * k], 1, k)?;
-            one.extend(plain.download(&plain.linear(&xr, &wd, Rows::Exact)?)?);
-            rows_of.extend_from_slice(&split[r * n..(r + 1) * n]);
-        }
-        same_bits(
-            c,
-            format!("{case}: rows 0, mid, last bitwise = one-row launches"),
-            &rows_of,
-            &one,
-        );
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &split)?;
     }
     // several weights of one input (the GDN projections' shape, outputs that do not fill a
     // tile): one split launch against separate gemv_tc2 launches
     let (k, rows) = (2048usize, 32usize);
     let outs = [300usize, 64, 33, 128];
-    let ws: Vec<Vec<u16>> = outs
-        .iter()
-        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
-        .collect();
-    let x = c.rng.normals_f32(rows * k, 1.0);
-    let mut reference = Vec::new();
-    for (w, &n) in ws.iter().zip(&outs) {
-        reference.extend(gemv_ref(w, &x, k, rows, n));
-    }
-    let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let wd = bf16_weights(be, &ws, &outs, k)?;
-        let xd = be.upload(&x, rows, k)?;
-        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-        let mut out = Vec::new();
-        for y in be.linear_many(&xd, &refs, Rows::Exact)? {
-            out.extend(be.download(&y)?);
-        }
-        Ok(out)
-    };
+    let (ws, x, reference) = many_case(c, k, rows, &outs);
+    let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
     let case = format!("{rows} rows x {k} into {outs:?}, one split launch");
     let total: usize = outs.iter().map(|n| n.div_ceil(64) * 64).sum();
     let (multi, other) = (
