@@ -712,9 +712,19 @@ pub struct CudaOptions {
     /// 2048-output weight) then use the whole device in a prompt's prefill. The same bits (a
     /// row's operations do not depend on its block): `DRAMATIS_CUDA_GEMV_SLABS=0` turns it off.
     pub gemv_slabs: bool,
+    /// Rows from which BF16 linears with layout 2 that do not take `gemv_tt*` take `gemv_ts*`,
+    /// up to `GEMV_TS_MAX_ROWS` (64-output x 32-row tiles, one key chunk a block, the chunks
+    /// added in order by each tile's last block: the same bits as `gemv_tc2_*`);
+    /// `DRAMATIS_CUDA_GEMV_SPLIT_MIN`, default 17; 0 is never.
+    pub gemv_split_min: usize,
+    /// Fewest `gemv_ts` blocks (tiles times key chunks) for it to run, else `gemv_tc2` (the same
+    /// bits): `DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS`, default `TS_MIN_BLOCKS` (none; a bound measured
+    /// slower in the round, though few blocks leave part of the device idle in a last wave).
+    pub gemv_split_blocks: usize,
     /// Side branches (`Backend::aside_begin`, up to `ASIDE_MAX_ROWS` rows: the MoE's shared
     /// expert beside its router and routed experts, attention's query heads beside its key
-    /// heads, the tower's gate copy beside its value's) on a second stream; the initial value of
+    /// heads, the tower's gate copy beside its value's, a GDN step's z projection beside its
+    /// other projections and conv step) on a second stream; the initial value of
     /// `CudaBackend::set_aside`. `DRAMATIS_CUDA_ASIDE=0` runs every op in order on one stream
     /// (the same operations, so the same bits).
     pub aside: bool,
@@ -824,6 +834,11 @@ impl CudaOptions {
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
+            gemv_split_min: match num("DRAMATIS_CUDA_GEMV_SPLIT_MIN", 17) {
+                0 => usize::MAX,
+                n => n,
+            },
+            gemv_split_blocks: num("DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS", TS_MIN_BLOCKS),
             aside: get("DRAMATIS_CUDA_ASIDE").is_none_or(|v| v.trim() != "0"),
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
@@ -861,6 +876,9 @@ pub struct CudaBackend {
     /// Per (lane, kv head) block counters of the split-key decode kernel, zero between calls
     /// (the last block of each group resets its own).
     decode_count: Option<Mem>,
+    /// `gemv_ts*` tickets: `GEMV_TS_TILES` for the model stream, then as many for a side
+    /// branch's (launches on the two may run at once); each launch leaves them zero.
+    gemv_count: Option<Mem>,
     small: Arc<SmallPool>,
     /// While a frame round is recorded: the graph's private pool, which `alloc` serves from.
     recording: Mutex<Option<Arc<SmallPool>>>,
@@ -1120,6 +1138,9 @@ struct Bf16Gemv {
     /// `gemv_tc2_*` over more than 32 rows: grid y cuts the rows into slabs of one 32-row pass
     /// each (gemv.cu `gemv_slab`), so few output blocks still fill the device.
     row_slabs: bool,
+    /// `gemv_ts*`: key chunks (grid z, a block each); their sums go to a workspace and a
+    /// tile's last block adds them (`CudaBackend::gemv_split`, two more arguments).
+    split: Option<usize>,
 }
 
 impl Bf16Gemv {
@@ -1131,9 +1152,31 @@ impl Bf16Gemv {
             None if self.row_slabs && rows > 32 => rows.div_ceil(32).min(MAX_GRID_Y),
             None => 1,
         };
-        Ok((u32v(op, blocks)?, u32v(op, y)?, 1))
+        Ok((
+            u32v(op, blocks)?,
+            u32v(op, y)?,
+            u32v(op, self.split.unwrap_or(1))?,
+        ))
     }
 }
+
+/// Most rows `gemv_ts*` takes (two 32-row tiles); more rows keep a block walking all of K.
+pub const GEMV_TS_MAX_ROWS: usize = 64;
+
+/// Rows a `gemv_ts*` tile (gemv.cu `TS_RT`): a tile's chunk sums are 64 x this many floats.
+pub const GEMV_TS_ROWS: usize = 32;
+
+/// The default of `CudaOptions::gemv_split_blocks`: none. Session 20: alone and cold
+/// (`gemvbench --rows 32`) the 512-block shapes (the 2048 x 4096 out projection, the tower's
+/// w2, a head: 1.3 waves of three blocks a multiprocessor) ran slower split (30-38 us against
+/// 20-29 on `gemv_tc2`), but in the 32-lane round a bound of 1024 blocks, which gives them to
+/// `gemv_tc2`, made the kept round slower: 24.24 / 24.46 ms against 22.49 / 23.00 with every
+/// split (alternated, one call; NOTES.md).
+pub const TS_MIN_BLOCKS: usize = 0;
+
+/// `gemv_ts*` tiles a launch at most: each stream (the model's, a side branch's) has this many
+/// tickets (`CudaBackend::gemv_count`).
+pub const GEMV_TS_TILES: usize = 4096;
 
 /// The elementwise op a `gemv_tc2_*` input load makes: `silu(x) * u` or `x * sigmoid(u)`.
 #[derive(Clone, Copy)]
@@ -1182,6 +1225,12 @@ pub(crate) fn bf16_gemv_grid(
         .grid("gemv", outs.div_ceil(gv.per_block), rows)
         .unwrap_or((0, 0, 0));
     (gv.single, g)
+}
+
+/// The several-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs in all (64
+/// a weight's tile, as `linear_many` counts them) run with options `o`: for the contract.
+pub(crate) fn bf16_gemv_multi(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> &'static str {
+    bf16_gemv(o, rows, k, outs).multi
 }
 
 /// The BF16 GEMV kernels for `rows` rows of K `k` into `outs` outputs in all (the weights of one
@@ -1241,9 +1290,29 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 act: Some(("gemv_tt_silu", "gemv_tt_sigm")),
                 row_tile: Some(64),
                 row_slabs: false,
+                split: None,
             };
         }
         let chunks = k.div_ceil(kc);
+        if v == 2
+            && rows >= o.gemv_split_min
+            && rows <= GEMV_TS_MAX_ROWS
+            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
+            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) * chunks >= o.gemv_split_blocks
+        {
+            // gemv_tc2 (V = 2)'s bits from 64 x 32 tiles, a key chunk a block
+            return Bf16Gemv {
+                single: "gemv_ts",
+                multi: "gemv_ts_multi",
+                per_block: 64,
+                block: 256,
+                kc: Some(kc as i32),
+                act: Some(("gemv_ts_silu", "gemv_ts_sigm")),
+                row_tile: Some(GEMV_TS_ROWS),
+                row_slabs: false,
+                split: Some(chunks),
+            };
+        }
         let warps = match if rows <= 8 {
             o.gemv_warps
         } else {
@@ -1261,6 +1330,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: Some((silu, sigm)),
             row_tile: None,
             row_slabs: o.gemv_slabs,
+            split: None,
         }
     } else if rows >= GEMV_WIDE_ROWS {
         Bf16Gemv {
@@ -1272,6 +1342,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: None,
             row_tile: None,
             row_slabs: false,
+            split: None,
         }
     } else {
         Bf16Gemv {
@@ -1283,6 +1354,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             act: None,
             row_tile: None,
             row_slabs: false,
+            split: None,
         }
     }
 }
@@ -1429,6 +1501,7 @@ impl CudaBackend {
             expert_keys: Mutex::new(std::collections::HashMap::new()),
             err: None,
             decode_count: None,
+            gemv_count: None,
             small: Arc::new(SmallPool::new()),
             recording: Mutex::new(None),
             masks: Mutex::new(std::collections::HashMap::new()),
@@ -1446,6 +1519,11 @@ impl CudaBackend {
         be.decode_count = be
             .zeroed(4 * MAX_LANES * kernels::DECODE_MAX_KV_HEADS * kernels::DECODE_MAX_GROUP)
             .ok();
+        be.gemv_count = be.zeroed(4 * 2 * GEMV_TS_TILES).ok();
+        if be.gemv_count.is_none() {
+            // no tickets: the split GEMVs cannot run, gemv_tc2 (the same bits) does
+            be.opts.gemv_split_min = usize::MAX;
+        }
         be
     }
 
@@ -2639,9 +2717,37 @@ impl CudaBackend {
         };
         let (n32, k32, r32) = (i32v(op, n_out)?, i32v(op, k)?, i32v(op, x.rows)?);
         let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
-        go!(self, Source::Gemv, name, g, gv.block, 0;
-            &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+        if let Some(chunks) = gv.split {
+            let (part, count) = self.gemv_split(op, (g.0 * g.1) as usize, chunks)?;
+            go!(self, Source::Gemv, name, g, gv.block, 0;
+                &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc, &part.ptr, &count);
+        } else {
+            go!(self, Source::Gemv, name, g, gv.block, 0;
+                &mem.ptr, &x.ptr(), &u.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
+        }
         Ok(Some(out))
+    }
+
+    /// A `gemv_ts*` launch's last two arguments for `tiles` tiles (grid x times y) of `chunks`
+    /// key chunks: the chunk sums' workspace (held by the caller until the launch is issued;
+    /// the pool orders its reuse) and the launching stream's tickets.
+    fn gemv_split(&self, op: &'static str, tiles: usize, chunks: usize) -> BResult<(Mem, u64)> {
+        if tiles > GEMV_TS_TILES {
+            return Err(shape_err(
+                op,
+                format!("{tiles} GEMV tiles in one launch; the tickets hold {GEMV_TS_TILES}"),
+            ));
+        }
+        let count = self
+            .gemv_count
+            .as_ref()
+            .ok_or_else(|| dev("the GEMV tile tickets could not be allocated"))?;
+        let branch = self.aside.lock().unwrap_or_else(|p| p.into_inner()).on;
+        let part = self.alloc(cmul(op, &[tiles, chunks, 64 * GEMV_TS_ROWS, 4])?)?;
+        Ok((
+            part,
+            count.ptr + if branch { 4 * GEMV_TS_TILES as u64 } else { 0 },
+        ))
     }
 
     fn decode_counters(&self) -> BResult<u64> {
@@ -3392,7 +3498,11 @@ impl Backend for CudaBackend {
                 }
                 let gv = bf16_gemv(&self.opts, x.rows, k, n_out);
                 let g = gv.grid(op, n_out.div_ceil(gv.per_block), x.rows)?;
-                if let Some(kc) = gv.kc {
+                if let (Some(kc), Some(chunks)) = (gv.kc, gv.split) {
+                    let (part, count) = self.gemv_split(op, (g.0 * g.1) as usize, chunks)?;
+                    go!(self, Source::Gemv, gv.single, g, gv.block, 0;
+                        &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc, &part.ptr, &count);
+                } else if let Some(kc) = gv.kc {
                     go!(self, Source::Gemv, gv.single, g, gv.block, 0;
                         &mem.ptr, &x.ptr(), &out.ptr(), &n32, &k32, &r32, &kc);
                 } else {
@@ -3472,6 +3582,7 @@ impl Backend for CudaBackend {
             per_block,
             block,
             kc,
+            split,
             ..
         } = gv;
         let mut blocks = 0usize;
@@ -3496,7 +3607,11 @@ impl Backend for CudaBackend {
         }
         let (k32, r32) = (i32v(op, k)?, i32v(op, x.rows)?);
         let g = gv.grid(op, blocks, x.rows)?;
-        if let Some(kc) = kc {
+        if let (Some(kc), Some(chunks)) = (kc, split) {
+            let (part, count) = self.gemv_split(op, (g.0 * g.1) as usize, chunks)?;
+            go!(self, Source::Gemv, name, g, block, 0;
+                &m, &x.ptr(), &k32, &r32, &kc, &part.ptr, &count);
+        } else if let Some(kc) = kc {
             go!(self, Source::Gemv, name, g, block, 0;
                 &m, &x.ptr(), &k32, &r32, &kc);
         } else {
@@ -4559,6 +4674,12 @@ mod tests {
     }
 
     #[test]
+    fn split_tile_rows_are_the_kernels() {
+        // gemv_ts writes 64 x TS_RT chunk sums a tile: the host sizes the workspace by that
+        assert_eq!(kernel_define(Source::Gemv, "TS_RT"), GEMV_TS_ROWS);
+    }
+
+    #[test]
     fn down4_limit_is_the_kernels() {
         // moe_tc_down4's partials hold XT_DN4_KB key blocks: the host's limit must be that
         assert_eq!(kernel_define(Source::Moe, "XT_DN4_KB"), DN4_MAX_KB);
@@ -4708,6 +4829,7 @@ mod tests {
         // gemv_tc2 past 32 rows: a 32-row slab a block row (grid y); up to 32 rows, one
         let tc2 = CudaOptions {
             gemv_tile_min: usize::MAX,
+            gemv_split_min: usize::MAX,
             ..d
         };
         assert_eq!(
@@ -4727,6 +4849,33 @@ mod tests {
             ..tc2
         };
         assert_eq!(bf16_gemv_grid(&off, 110, 2048, 2048).1, (128, 1, 1));
+        // 17-64 rows: 64 x 32 tiles, a key chunk a block (grid z), where the 64-row tiles do not
+        // run; 16 rows and 65 keep gemv_tc2
+        assert_eq!((d.gemv_split_min, d.gemv_split_blocks), (17, 0));
+        assert_eq!(
+            one("DRAMATIS_CUDA_GEMV_SPLIT_BLOCKS", "1024").gemv_split_blocks,
+            1024
+        );
+        assert_eq!(
+            one("DRAMATIS_CUDA_GEMV_SPLIT_MIN", "0").gemv_split_min,
+            usize::MAX
+        );
+        assert_eq!(bf16_gemv_grid(&d, 32, 2048, 8192), ("gemv_ts", (128, 1, 8)));
+        assert_eq!(bf16_gemv_grid(&d, 64, 4096, 2048), ("gemv_ts", (32, 2, 16)));
+        assert_eq!(bf16_gemv_grid(&d, 17, 512, 2048), ("gemv_ts", (32, 1, 4)));
+        // fewer blocks than a set gemv_split_blocks: gemv_tc2
+        let bound = CudaOptions {
+            gemv_split_blocks: 1024,
+            ..d
+        };
+        assert_eq!(bf16_gemv_grid(&bound, 32, 4096, 2048).0, "gemv_tc2_g4_v2");
+        assert_eq!(bf16_gemv_grid(&bound, 32, 2048, 9216).0, "gemv_ts");
+        assert_eq!(bf16_gemv_grid(&d, 16, 2048, 8192).0, "gemv_tc2_g4_v2");
+        assert_eq!(
+            bf16_gemv_grid(&d, 65, 2048, 2048),
+            ("gemv_tc2_g4_v2", (128, 3, 1))
+        );
+        assert_eq!(bf16_gemv_grid(&d, 64, 2048, 8192).0, "gemv_tt");
         // the 64-row tiles keep their own row tiles
         assert_eq!(
             bf16_gemv_grid(&d, 130, 2048, 12288),

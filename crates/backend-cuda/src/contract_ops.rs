@@ -31,6 +31,9 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_tile_min: d.gemv_tile_min,
         gemv_tile_blocks: d.gemv_tile_blocks,
         gemv_slabs: d.gemv_slabs,
+        // the per-row GEMVs: the gemv_ts case turns the split tiles on
+        gemv_split_min: usize::MAX,
+        gemv_split_blocks: d.gemv_split_blocks,
         aside: d.aside,
         gdn_lanes: true,
         gdn_generic: false,
@@ -756,6 +759,76 @@ pub(super) fn gemv_tc2(c: &mut Ctx) -> Result<()> {
     Ok(())
 }
 
+/// Weights of `outs` outputs sharing K `k`, an input of `rows` rows, and each weight's FP64
+/// result in turn: the several-weight launches' cases.
+fn many_case(
+    c: &mut Ctx,
+    k: usize,
+    rows: usize,
+    outs: &[usize],
+) -> (Vec<Vec<u16>>, Vec<f32>, Vec<f64>) {
+    let ws: Vec<Vec<u16>> = outs
+        .iter()
+        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
+        .collect();
+    let x = c.rng.normals_f32(rows * k, 1.0);
+    let mut reference = Vec::new();
+    for (w, &n) in ws.iter().zip(outs) {
+        reference.extend(gemv_ref(w, &x, k, rows, n));
+    }
+    (ws, x, reference)
+}
+
+/// `linear_many` of the weights `ws` over `x` ([rows, k]) on `be`, the outputs in weight order.
+fn many_out(
+    be: &CudaBackend,
+    ws: &[Vec<u16>],
+    outs: &[usize],
+    k: usize,
+    x: &[f32],
+    rows: usize,
+) -> Result<Vec<f32>> {
+    let wd = bf16_weights(be, ws, outs, k)?;
+    let xd = be.upload(x, rows, k)?;
+    let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+    let mut out = Vec::new();
+    for y in be.linear_many(&xd, &refs, Rows::Exact)? {
+        out.extend(be.download(&y)?);
+    }
+    Ok(out)
+}
+
+/// Rows 0, mid and last of `got` (`[rows, n]`, the first op of `gated_linears`) bit for bit
+/// against one-row launches of weight `w` on `be`.
+#[allow(clippy::too_many_arguments)]
+fn rows_as_one_row_launches(
+    c: &mut Ctx,
+    case: &str,
+    be: &CudaBackend,
+    w: &[u16],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    got: &[f32],
+) -> Result<()> {
+    let rows = x.len() / k;
+    let wd = be.weight_bf16(n, k, w)?;
+    let mut one = Vec::new();
+    let mut want = Vec::new();
+    for r in [0, rows / 2, rows - 1] {
+        let xr = be.upload(&x[r * k..(r + 1) * k], 1, k)?;
+        one.extend(be.download(&be.linear(&xr, &wd, Rows::Exact)?)?);
+        want.extend_from_slice(&got[r * n..(r + 1) * n]);
+    }
+    same_bits(
+        c,
+        format!("{case}: rows 0, mid, last bitwise = one-row launches"),
+        &want,
+        &one,
+    );
+    Ok(())
+}
+
 /// The `gemv_tt` case's options: the tiles from `tile` rows, whatever the tile count (the
 /// engine's default also asks for `TT_MIN_BLOCKS` tiles).
 fn tt_opts(tile: usize) -> CudaOptions {
@@ -833,44 +906,14 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
                 if same { "same bits" } else { "BITS DIFFER" }
             ),
         );
-        let wd = plain.weight_bf16(n, k, &w)?;
-        let mut one = Vec::new();
-        let mut want = Vec::new();
-        for r in [0, rows / 2, rows - 1] {
-            let xr = plain.upload(&x[r * k..(r + 1) * k], 1, k)?;
-            one.extend(plain.download(&plain.linear(&xr, &wd, Rows::Exact)?)?);
-            want.extend_from_slice(&tiled[r * n..(r + 1) * n]);
-        }
-        same_bits(
-            c,
-            format!("{case}: rows 0, mid, last bitwise = one-row launches"),
-            &want,
-            &one,
-        );
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
     }
     // several weights of one input (the GDN projections' shape, with outputs that do not fill a
     // tile): one tiled launch against separate gemv_tc2 launches
     let (k, rows) = (2048usize, 77usize);
     let outs = [300usize, 64, 33, 128];
-    let ws: Vec<Vec<u16>> = outs
-        .iter()
-        .map(|&n| c.rng.normals_bf16(n * k, 0.05))
-        .collect();
-    let x = c.rng.normals_f32(rows * k, 1.0);
-    let mut reference = Vec::new();
-    for (w, &n) in ws.iter().zip(&outs) {
-        reference.extend(gemv_ref(w, &x, k, rows, n));
-    }
-    let run_many = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let wd = bf16_weights(be, &ws, &outs, k)?;
-        let xd = be.upload(&x, rows, k)?;
-        let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
-        let mut out = Vec::new();
-        for y in be.linear_many(&xd, &refs, Rows::Exact)? {
-            out.extend(be.download(&y)?);
-        }
-        Ok(out)
-    };
+    let (ws, x, reference) = many_case(c, k, rows, &outs);
+    let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
     let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
     let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
     let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
@@ -885,6 +928,149 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
         be.linear_many(&xd, &refs, Rows::Exact)?;
         Ok(())
     })?;
+    Ok(())
+}
+
+/// The `gemv_ts` case's options: the split tiles from one row, never the 64-row tiles; with
+/// `split` false, `gemv_tc2` (the kernel whose bits they keep).
+fn ts_opts(split: bool) -> CudaOptions {
+    CudaOptions {
+        gemv_v: 2,
+        gemv_tile_min: usize::MAX,
+        gemv_split_min: if split { 1 } else { usize::MAX },
+        gemv_split_blocks: 0,
+        ..base_opts(false)
+    }
+}
+
+/// The `gemv_ts` case's (outputs, K, rows): one and two 32-row tiles (17, 32, 33, 64 rows),
+/// outputs not a multiple of 64, K with an uneven last chunk (1088: five chunks, the last 64
+/// keys), 384-key chunks (6144: 16), 128-key chunks (512) and one chunk (64); the last figure
+/// is the key chunks (grid z) the engine's rule gives (256 keys, 128 up to K 1024, at least K / 16).
+const GEMV_TS_SHAPES: [(usize, usize, usize, usize); 6] = [
+    (2050, 4096, 33, 16),
+    (300, 2048, 17, 8),
+    (96, 6144, 64, 16),
+    (2048, 512, 32, 4),
+    (70, 1088, 40, 5),
+    (130, 64, 20, 1),
+];
+
+/// `gemv_ts*` (17-64 rows in 64 x 32 tiles, a key chunk a block, a tile's chunk sums added in
+/// order by its last block): against FP64 with its twins, bit for bit the `gemv_tc2_*` kernels
+/// (plain, silu- and sigmoid-gated input, several weights in one launch), rows equal to their
+/// one-row launches; the same bits launch after launch (the tickets reset), and in a side
+/// branch beside a launch on the model stream (each stream its own tickets).
+pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
+    for (n, k, rows, chunks) in GEMV_TS_SHAPES {
+        let (w, x, u, reference) = gated_case(c, n, k, rows);
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let wd = be.weight_bf16(n, k, &w)?;
+            let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
+            gated_linears(be, &xd, &ud, &wd)
+        };
+        let case = format!(
+            "{rows} rows x {k} into {n} in 64 x 32 tiles split over K, plain, silu- and sigmoid-gated input"
+        );
+        let (ts, grid) = crate::backend::bf16_gemv_grid(&ts_opts(true), rows, k, n);
+        let tc2 = crate::backend::bf16_gemv_grid(&ts_opts(false), rows, k, n).0;
+        c.push(
+            format!("{case}: dispatched to gemv_ts, against gemv_tc2"),
+            Kind::Check,
+            ts == "gemv_ts"
+                && tc2.starts_with("gemv_tc2_")
+                && grid
+                    == (
+                        n.div_ceil(64) as u32,
+                        rows.div_ceil(32) as u32,
+                        chunks as u32,
+                    ),
+            format!("{ts} grid {grid:?} against {tc2}"),
+        );
+        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, ts_opts(true));
+        let split = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
+        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, ts_opts(false));
+        let want = run(&plain)?;
+        same_bits(c, format!("{case}: bitwise = gemv_tc2"), &split, &want);
+        // again on one backend: a launch leaves its tickets as it found them
+        let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, ts_opts(true));
+        let mut again = run(&be)?;
+        again.extend(run(&be)?);
+        let mut twice = split.clone();
+        twice.extend_from_slice(&split);
+        same_bits(
+            c,
+            format!("{case}: two rounds of launches bitwise = the first"),
+            &again,
+            &twice,
+        );
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &split)?;
+    }
+    // several weights of one input (the GDN projections' shape, outputs that do not fill a
+    // tile): one split launch against separate gemv_tc2 launches
+    let (k, rows) = (2048usize, 32usize);
+    let outs = [300usize, 64, 33, 128];
+    let (ws, x, reference) = many_case(c, k, rows, &outs);
+    let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
+    let case = format!("{rows} rows x {k} into {outs:?}, one split launch");
+    let total: usize = outs.iter().map(|n| n.div_ceil(64) * 64).sum();
+    let (multi, other) = (
+        crate::backend::bf16_gemv_multi(&ts_opts(true), rows, k, total),
+        crate::backend::bf16_gemv_multi(&ts_opts(false), rows, k, total),
+    );
+    c.push(
+        format!("{case}: dispatched to gemv_ts_multi, against gemv_tc2"),
+        Kind::Check,
+        multi == "gemv_ts_multi" && other.starts_with("gemv_tc2_multi"),
+        format!("{multi} against {other}"),
+    );
+    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, ts_opts(true));
+    let split = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
+    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, ts_opts(false));
+    let want = run_many(&plain)?;
+    same_bits(
+        c,
+        format!("{case}: bitwise = gemv_tc2_multi"),
+        &split,
+        &want,
+    );
+    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, ts_opts(true));
+    let wd = bf16_weights(&be, &ws, &outs, k)?;
+    let xd = be.upload(&x, rows, k)?;
+    let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
+    one_launch(c, format!("{case}: one launch"), &be, || {
+        be.linear_many(&xd, &refs, Rows::Exact)?;
+        Ok(())
+    })?;
+    // a side branch's split launch beside the model stream's: the branch's own tickets. Work
+    // queued on the model stream first holds both back (the branch waits for the model
+    // stream's work so far), so the two start together and overlap.
+    for _ in 0..32 {
+        be.linear_many(&xd, &refs, Rows::Exact)?;
+    }
+    be.set_aside(true);
+    let opened = be.aside_begin(rows)?;
+    let in_branch = be.linear_many(&xd, &refs, Rows::Exact);
+    be.aside_end()?;
+    let beside = be.linear_many(&xd, &refs, Rows::Exact);
+    be.aside_join()?;
+    let mut got = Vec::new();
+    for y in in_branch?.iter().chain(beside?.iter()) {
+        got.extend(be.download(y)?);
+    }
+    let mut twice = split.clone();
+    twice.extend_from_slice(&split);
+    let same = bits_equal(&got, &twice);
+    c.push(
+        format!("{case}: in a side branch and beside it on the model stream, both bitwise = alone"),
+        Kind::Check,
+        opened && same,
+        format!(
+            "branch {}, {}",
+            if opened { "opened" } else { "NOT OPENED" },
+            if same { "same bits" } else { "BITS DIFFER" }
+        ),
+    );
     Ok(())
 }
 
@@ -3674,6 +3860,41 @@ mod tests {
         assert_eq!(
             crate::backend::bf16_gemv_grid(&tt_opts(1), 77, 2048, total).0,
             "gemv_tt"
+        );
+    }
+
+    /// The `gemv_ts` case compares the split tiles with `gemv_tc2`: its options must send every
+    /// shape to `gemv_ts` with the chunks the case names, and with the split off to `gemv_tc2`.
+    #[test]
+    fn gemv_ts_case_runs_the_split_tiles() {
+        for (n, k, rows, chunks) in GEMV_TS_SHAPES {
+            assert_eq!(
+                crate::backend::bf16_gemv_grid(&ts_opts(true), rows, k, n),
+                (
+                    "gemv_ts",
+                    (
+                        n.div_ceil(64) as u32,
+                        rows.div_ceil(32) as u32,
+                        chunks as u32
+                    )
+                ),
+                "{rows} x {k} into {n}"
+            );
+            assert!(
+                crate::backend::bf16_gemv_grid(&ts_opts(false), rows, k, n)
+                    .0
+                    .starts_with("gemv_tc2_"),
+                "{rows} x {k} into {n}"
+            );
+        }
+        // the 4-weight launch: outputs in 64-wide tiles, weight by weight (as linear_many counts)
+        let total: usize = [300usize, 64, 33, 128]
+            .iter()
+            .map(|n| n.div_ceil(64) * 64)
+            .sum();
+        assert_eq!(
+            crate::backend::bf16_gemv_multi(&ts_opts(true), 32, 2048, total),
+            "gemv_ts_multi"
         );
     }
 
