@@ -277,8 +277,9 @@ fn real_main() -> Result<bool, String> {
         "cuda_frames_s": gpu.frames_s,
     });
     let mut ok = true;
-    // side branches (the MoE's shared expert, attention's query heads, the tower's gate copy
-    // on a second stream) keep the bits: the same run with them the other way (f32 KV)
+    // side branches (the MoE's shared expert, attention's query heads, the tower's gate copy,
+    // a GDN step's z projection, on a second stream) keep the bits: the same run with them the
+    // other way (f32 KV)
     gm.backend.set_kv_f32(true);
     gm.backend.set_aside(!opts.aside);
     let other = run(&gm, &prompt, &frames);

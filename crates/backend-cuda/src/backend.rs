@@ -52,6 +52,30 @@ struct PtrTab {
     p: [u64; MAX_LANES],
 }
 
+/// The lanes' GDN state pointers (`pick`: the conv window or the recurrent state) for a
+/// kernel, up to `MAX_LANES`; every state must have the call's dims.
+fn gdn_tab(
+    op: &'static str,
+    states: &[&mut CudaGdn],
+    d: &GdnDims,
+    pick: impl Fn(&CudaGdn) -> u64,
+) -> BResult<PtrTab> {
+    if states.len() > MAX_LANES {
+        return Err(shape_err(
+            op,
+            format!("{} lanes in one launch; at most {MAX_LANES}", states.len()),
+        ));
+    }
+    let mut tab = PtrTab { p: [0; MAX_LANES] };
+    for (i, s) in states.iter().enumerate() {
+        if s.dims != *d {
+            return Err(shape_err(op, "state of other dims".into()));
+        }
+        tab.p[i] = pick(s);
+    }
+    Ok(tab)
+}
+
 /// Lane i's rows of a GDN call: `start[i] .. start[i] + len[i]` (ops.cu `RowTab`).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -894,8 +918,9 @@ pub struct CudaBackend {
     /// A timing tool, never for output: kernels whose names start with one of these prefixes,
     /// and the GEMVs of the weights of an `RxC` entry (`DRAMATIS_CUDA_SKIP=a,b,8192x2048,...`,
     /// read by `new`) are left out of recorded frame rounds, so a round's time without them
-    /// places their in-graph cost (ncu's serialised, cold durations overstate small kernels). The rounds' results are then wrong; prompts and every launch
-    /// outside a recording run in full. Logged at start.
+    /// places their in-graph cost (ncu's serialised, cold durations overstate small kernels).
+    /// The rounds' results are then wrong; prompts and every launch outside a recording run in
+    /// full. Logged at start.
     skip: Vec<String>,
     /// The weight shape `(rows << 32) | cols` of the linear op launching now (0: none), so that
     /// `DRAMATIS_CUDA_SKIP` entries `RxC` (`skip_shape`) leave out the GEMVs of one weight class.
@@ -2831,13 +2856,7 @@ impl CudaBackend {
         u: &CudaBuf,
     ) -> BResult<()> {
         let (c, k) = (d.channels(), d.conv_kernel);
-        let mut tab = PtrTab { p: [0; MAX_LANES] };
-        for (i, s) in states.iter().enumerate() {
-            if s.dims != *d {
-                return Err(shape_err("gdn_conv", "state of other dims".into()));
-            }
-            tab.p[i] = s.conv.ptr;
-        }
+        let tab = gdn_tab("gdn_conv", states, d, |s| s.conv.ptr)?;
         let cblocks = c.div_ceil(128);
         let (c32, k32) = (i32v("gdn_conv", c)?, i32v("gdn_conv", k)?);
         let (xp, up) = (x.row_ptr(row0)?, u.row_ptr(row0)?);
@@ -2905,13 +2924,7 @@ impl CudaBackend {
         go!(self, Source::Ops, "gdn_prep", (u32v("gdn", rows)?, 1, 1), 128, 0;
             &up, &bp, &ap, &a_log.mem.ptr, &dt_bias.mem.ptr, &qn, &kn, &kq, &beta, &gate,
             &c32, &nk32, &dk32, &nv32, &q_scale);
-        let mut tab = PtrTab { p: [0; MAX_LANES] };
-        for (i, s) in states.iter().enumerate() {
-            if s.dims != *d {
-                return Err(shape_err("gdn", "state of other dims".into()));
-            }
-            tab.p[i] = s.s.ptr;
-        }
+        let tab = gdn_tab("gdn", states, d, |s| s.s.ptr)?;
         let op = o.row_ptr(row0)?;
         let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
         if dk == 128 && !self.opts.gdn_generic {
@@ -3896,13 +3909,7 @@ impl Backend for CudaBackend {
         let q_scale = 1.0f32 / (dk as f32).sqrt();
         for (ci, chunk) in states.chunks(MAX_LANES).enumerate() {
             let row0 = ci * MAX_LANES;
-            let mut tab = PtrTab { p: [0; MAX_LANES] };
-            for (i, st) in chunk.iter().enumerate() {
-                if st.dims != *d {
-                    return Err(shape_err(op, "state of other dims".into()));
-                }
-                tab.p[i] = st.s.ptr;
-            }
+            let tab = gdn_tab(op, chunk, d, |s| s.s.ptr)?;
             let (up, bp, ap) = (qkv.row_ptr(row0)?, b.row_ptr(row0)?, a.row_ptr(row0)?);
             let (zp, op_) = (z.row_ptr(row0)?, out.row_ptr(row0)?);
             let grid = (u32v(op, nv)?, u32v(op, chunk.len())?, 1);

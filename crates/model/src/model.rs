@@ -666,40 +666,17 @@ impl<B: Backend> Model<B> {
         let d = &self.geometry.gdn;
         let mode = span.rows();
         let mut states: Vec<&mut B::Gdn> = lanes.iter_mut().map(|l| &mut l.gdn[slot]).collect();
-        if let Span::Step = span {
-            // z [n, nv·dv] on a side branch beside qkv, b, a and the conv step (only the gated
-            // norm reads z); the same linears (a multi equals its separate linears), so the
-            // same bits
-            let mut aside = Aside::begin(be, be.shape(x).0)?;
-            if aside.on {
-                let z = be.linear(x, &w.z, mode)?;
-                aside.end()?;
-                let [qkv, b, a]: [B::Buf; 3] = linears(be, x, [&w.qkv, &w.b, &w.a], mode)?;
-                let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
-                aside.join()?;
-                let o = be.gdn_step_gated(
-                    &u,
-                    &b,
-                    &a,
-                    &w.a_log,
-                    &w.dt_bias,
-                    d,
-                    &mut states,
-                    &z,
-                    &w.norm,
-                    self.geometry.eps,
-                )?;
-                return Ok(be.linear(&o, &w.out, mode)?);
-            }
-        }
+        let lens = match span {
+            Span::Step => return self.gdn_step(&mut states, w, x),
+            Span::Prompts(lens) => lens,
+        };
         // qkv [n, C], z [n, nv·dv], b and a [n, nv]
         let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
-        let o = match span {
-            Span::Prompts([_]) => {
-                let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
-                be.gdn_prefill(&u, &b, &a, &w.a_log, &w.dt_bias, d, states[0], true)?
-            }
-            Span::Prompts(lens) => be.gdn_prefill_lanes(
+        let o = if let [_] = lens {
+            let u = be.gdn_conv(&qkv, &w.conv, d, states[0])?;
+            be.gdn_prefill(&u, &b, &a, &w.a_log, &w.dt_bias, d, states[0], true)?
+        } else {
+            be.gdn_prefill_lanes(
                 &qkv,
                 &b,
                 &a,
@@ -709,29 +686,42 @@ impl<B: Backend> Model<B> {
                 d,
                 lens,
                 &mut states,
-            )?,
-            Span::Step => {
-                // the delta rule and RMSNormGated (plain w over each value head, times
-                // silu(z)) as one op
-                let u = be.gdn_conv_step(&qkv, &w.conv, d, &mut states)?;
-                let eps = self.geometry.eps;
-                let o = be.gdn_step_gated(
-                    &u,
-                    &b,
-                    &a,
-                    &w.a_log,
-                    &w.dt_bias,
-                    d,
-                    &mut states,
-                    &z,
-                    &w.norm,
-                    eps,
-                )?;
-                return Ok(be.linear(&o, &w.out, mode)?);
-            }
+            )?
         };
         // RMSNormGated: plain w over each value head, times silu(z).
         let o = be.rms_norm_silu(&o, &z, &w.norm, d.v_dim, self.geometry.eps, false)?;
+        Ok(be.linear(&o, &w.out, mode)?)
+    }
+
+    /// The GDN mixer's frame step (one row per lane): the delta rule and RMSNormGated as one op
+    /// (`Backend::gdn_step_gated`), and z's projection on a side branch when one opens, beside
+    /// qkv, b, a and the conv step (only the gated norm reads z; a multi launch equals its
+    /// separate linears, so the same bits either way).
+    fn gdn_step(
+        &self,
+        states: &mut [&mut B::Gdn],
+        w: &GdnWeights<B>,
+        x: &B::Buf,
+    ) -> Result<B::Buf> {
+        let be = &self.backend;
+        let d = &self.geometry.gdn;
+        let mode = Span::Step.rows();
+        let mut aside = Aside::begin(be, be.shape(x).0)?;
+        let (qkv, z, b, a) = if aside.on {
+            let z = be.linear(x, &w.z, mode)?;
+            aside.end()?;
+            let [qkv, b, a]: [B::Buf; 3] = linears(be, x, [&w.qkv, &w.b, &w.a], mode)?;
+            (qkv, z, b, a)
+        } else {
+            let [qkv, z, b, a]: [B::Buf; 4] = linears(be, x, [&w.qkv, &w.z, &w.b, &w.a], mode)?;
+            (qkv, z, b, a)
+        };
+        let u = be.gdn_conv_step(&qkv, &w.conv, d, states)?;
+        aside.join()?;
+        let eps = self.geometry.eps;
+        let o = be.gdn_step_gated(
+            &u, &b, &a, &w.a_log, &w.dt_bias, d, states, &z, &w.norm, eps,
+        )?;
         Ok(be.linear(&o, &w.out, mode)?)
     }
 
