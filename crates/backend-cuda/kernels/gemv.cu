@@ -354,6 +354,8 @@ GEMV_TC2_SILU(4, 2)
 // groups). (Session 12's layout read the same words one at a time: 12 reads a step s.)
 // PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
 #define TT_XS 36
+// most key chunks a split tile adds (gemv_ts: the host gives a weight at most 16)
+#define TS_MAXC 16
 // Two blocks a multiprocessor (128 registers; a few addresses spill, reloaded once a 64-key
 // step, outside the MMAs): at one block (148 registers) a multiprocessor held 8 warps, 2 a
 // scheduler, and the tiles issued at ~18% of the rate (session 12's ncu). -DTT_OCC=0
@@ -530,11 +532,17 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // the tile's last block: the chunk sums added in chunk order (the whole-K walk's tot)
+    // the tile's last block: the chunk sums added in chunk order (the whole-K walk's tot),
+    // an output's TS_MAXC loads issued together before the adds (one L2 round trip, not nc)
     for (int q = tid; q < TS; q += 256) {
         const int n = o0 + (q & 63), r = r0 + (q >> 6);
-        float acc = __ldcg(pt + q);
-        for (int c = 1; c < nc; ++c) acc += __ldcg(pt + (long long)c * TS + q);
+        float v[TS_MAXC];
+#pragma unroll
+        for (int c = 0; c < TS_MAXC; ++c) v[c] = c < nc ? __ldcg(pt + (long long)c * TS + q) : 0.0f;
+        float acc = v[0];
+#pragma unroll
+        for (int c = 1; c < TS_MAXC; ++c)
+            if (c < nc) acc += v[c];
         if (n < n_out && r < rows) y[(long long)r * n_out + n] = acc;
     }
     if (tid == 0) count[tile] = 0;

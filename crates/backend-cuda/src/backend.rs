@@ -1191,6 +1191,9 @@ pub const GEMV_TS_MAX_ROWS: usize = 64;
 /// Rows a `gemv_ts*` tile (gemv.cu `TS_RT`): a tile's chunk sums are 64 x this many floats.
 pub const GEMV_TS_ROWS: usize = 32;
 
+/// Most key chunks a `gemv_ts*` tile adds (gemv.cu `TS_MAXC`; `gemv_tc2_keys` makes at most 16).
+pub const GEMV_TS_MAX_CHUNKS: usize = 16;
+
 /// The default of `CudaOptions::gemv_split_blocks`: none. Session 20: alone and cold
 /// (`gemvbench --rows 32`) the 512-block shapes (the 2048 x 4096 out projection, the tower's
 /// w2, a head: 1.3 waves of three blocks a multiprocessor) ran slower split (30-38 us against
@@ -1322,6 +1325,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
         if v == 2
             && rows >= o.gemv_split_min
             && rows <= GEMV_TS_MAX_ROWS
+            && chunks <= GEMV_TS_MAX_CHUNKS
             && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
             && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) * chunks >= o.gemv_split_blocks
         {
@@ -4684,6 +4688,14 @@ mod tests {
     fn split_tile_rows_are_the_kernels() {
         // gemv_ts writes 64 x TS_RT chunk sums a tile: the host sizes the workspace by that
         assert_eq!(kernel_define(Source::Gemv, "TS_RT"), GEMV_TS_ROWS);
+        assert_eq!(kernel_define(Source::Gemv, "TS_MAXC"), GEMV_TS_MAX_CHUNKS);
+        // the key rule never makes more chunks than a tile adds
+        for k in (64usize..=8192).step_by(64) {
+            assert!(
+                k.div_ceil(gemv_tc2_keys(256, 2, k)) <= GEMV_TS_MAX_CHUNKS,
+                "K {k}"
+            );
+        }
     }
 
     #[test]
