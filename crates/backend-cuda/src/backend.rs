@@ -1334,7 +1334,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 single: "gemv_ts",
                 multi: "gemv_ts_multi",
                 per_block: 64,
-                block: 256,
+                block: 128,
                 kc: Some(kc as i32),
                 act: Some(("gemv_ts_silu", "gemv_ts_sigm")),
                 row_tile: Some(GEMV_TS_ROWS),
