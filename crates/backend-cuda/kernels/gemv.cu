@@ -354,8 +354,6 @@ GEMV_TC2_SILU(4, 2)
 // groups). (Session 12's layout read the same words one at a time: 12 reads a step s.)
 // PLANT 1 skips each chunk's last step (as gemv_tc2's); LOWP: one TF32 MMA (lo dropped).
 #define TT_XS 36
-// most key chunks a split tile adds (gemv_ts: the host gives a weight at most 16)
-#define TS_MAXC 16
 // Two blocks a multiprocessor (128 registers; a few addresses spill, reloaded once a 64-key
 // step, outside the MMAs): at one block (148 registers) a multiprocessor held 8 warps, 2 a
 // scheduler, and the tiles issued at ~18% of the rate (session 12's ncu). -DTT_OCC=0
@@ -368,29 +366,20 @@ GEMV_TC2_SILU(4, 2)
 #else
 #define LB_TT __launch_bounds__(256)
 #endif
-// RT rows a tile (64, or 32: `gemv_ts`); warp w takes rows RT / 4 (w >> 1) .. + RT / 4 (RT / 32
-// 8-row MMA tiles). SPLIT: the block walks one key chunk (grid z) and leaves its chunk sum in
-// `part`; the tile's last block to finish (a ticket in `count`, reset by that block) adds the
-// tile's chunk sums in chunk order, as the whole-K walk's `tot` does, so the bits are the same.
-template <int ACT, int RT, bool SPLIT>
+template <int ACT>
 __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                              float* __restrict__ y, int n_out, int K, int rows, int o0,
-                                             int kc, const float* __restrict__ u, float* __restrict__ part,
-                                             int* __restrict__ count) {
-    constexpr int JT = RT / 32;  // a warp's 8-row MMA tiles
-    constexpr int XL = RT / 16;  // a thread's activation float4 loads a step
+                                             int kc, const float* __restrict__ u) {
     __shared__ uint4 Wv[2][8][8][4];
-    __shared__ uint4 Xv[RT][TT_XS];
+    __shared__ uint4 Xv[64][TT_XS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wo = warp & 1, wr = warp >> 1;
-    const int r0 = blockIdx.y * RT;
-    const int kbeg = SPLIT ? (int)blockIdx.z * kc : 0;
-    const int kend = SPLIT ? min(K, kbeg + kc) : K;
+    const int r0 = blockIdx.y * 64;
     // this thread's loads: weight uint4 q = tid, tid + 256 (row q >> 3, keys 8 (q & 7) ..);
     // activation float4 q = tid + 256 i (row q >> 4, keys 4 (q & 15) ..)
     uint4 wreg[2];
-    float4 xreg[XL];
+    float4 xreg[4];
     auto load = [&](int kb) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -398,7 +387,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
             wreg[i] = o < n_out ? ld_stream(W + (long long)o * K + kb + 8 * (q & 7)) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int i = 0; i < XL; ++i) {
+        for (int i = 0; i < 4; ++i) {
             const int q = tid + 256 * i, r = r0 + (q >> 4), off = kb + 4 * (q & 15);
             xreg[i] = act_load4<ACT>(x, u, r, rows, K, off);
         }
@@ -417,7 +406,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
             }
         }
 #pragma unroll
-        for (int i = 0; i < XL; ++i) {
+        for (int i = 0; i < 4; ++i) {
             const int q = tid + 256 * i, r = q >> 4, c = q & 15;
             // keys 4 c .. 4 c + 3: s = (c & 3) * 2 + {0, 1} (two keys each), t = c >> 2
             const int tt = c >> 2, s0 = 2 * (c & 3);
@@ -429,20 +418,20 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
                                                   to_tf32(xreg[i].w - __uint_as_float(h3)));
         }
     };
-    float hi[2][JT][4], lo[2][JT][4], tot[2][JT][4];
+    float hi[2][2][4], lo[2][2][4], tot[2][2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < JT; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = tot[i][j][e] = 0.0f;
-    load(kbeg);
+    load(0);
     bool first = true;
-    for (int kb = kbeg; kb < kend; kb += 64) {
+    for (int kb = 0; kb < K; kb += 64) {
         __syncthreads();
         store();
         __syncthreads();
-        if (kb + 64 < kend) load(kb + 64);
+        if (kb + 64 < K) load(kb + 64);
         const bool last = (kb + 64) % kc == 0 || kb + 64 >= K;  // this step ends its chunk
 #if PLANT == 1
         const bool skip = last;
@@ -452,10 +441,10 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
         if (!skip) {
 #pragma unroll
             for (int s = 0; s < 8; ++s) {
-                unsigned int bh[JT][2], bl[JT][2];
+                unsigned int bh[2][2], bl[2][2];
 #pragma unroll
-                for (int j = 0; j < JT; ++j) {
-                    const uint4 v = Xv[(RT / 4) * wr + 8 * j + g][4 * s + t];
+                for (int j = 0; j < 2; ++j) {
+                    const uint4 v = Xv[16 * wr + 8 * j + g][4 * s + t];
                     bh[j][0] = v.x;
                     bh[j][1] = v.y;
                     bl[j][0] = v.z;
@@ -467,7 +456,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
                     const unsigned int wa = i ? wq.z : wq.x, wb = i ? wq.w : wq.y;
                     const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
 #pragma unroll
-                    for (int j = 0; j < JT; ++j) {
+                    for (int j = 0; j < 2; ++j) {
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                         mma_tf32(d, a, bh[j][0], bh[j][1]);
 #pragma unroll
@@ -486,31 +475,201 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int j = 0; j < JT; ++j)
+                for (int j = 0; j < 2; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float p = hi[i][j][e] + lo[i][j][e];
-                        tot[i][j][e] = first ? p : tot[i][j][e] + p;
+                        const float part = hi[i][j][e] + lo[i][j][e];
+                        tot[i][j][e] = first ? part : tot[i][j][e] + part;
                         hi[i][j][e] = lo[i][j][e] = 0.0f;
                     }
             first = false;
         }
     }
-    if (!SPLIT) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < JT; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
-                    const int r = r0 + (RT / 4) * wr + 8 * j + 2 * t + (e & 1);
-                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
+            for (int e = 0; e < 4; ++e) {
+                const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
+                const int r = r0 + 16 * wr + 8 * j + 2 * t + (e & 1);
+                if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
+            }
+}
+
+extern "C" __global__ void LB_TT gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                         float* __restrict__ y, int n_out, int K, int rows, int kc) {
+    gemv_tt_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr);
+}
+extern "C" __global__ void LB_TT gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc) {
+    int j = 0;
+    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
+    gemv_tt_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
+                    kc, nullptr);
+}
+extern "C" __global__ void LB_TT gemv_tt_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
+    gemv_tt_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
+}
+extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
+    gemv_tt_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u);
+}
+
+// ---------------------------------------------------------------- a few tens of rows: tiles split over K
+// gemv_tt's arithmetic in 64-output x 32-row tiles, each block one key chunk of kc keys (grid z):
+// at 17-64 rows a 64-row tile does twice the work, and a tile walking all of K leaves most of
+// the device idle (128 tiles for 8192 outputs, 32 for 2048). A block leaves its chunk's sums in
+// `part` ([tiles][chunks][32][64] f32); the tile's last block adds them in chunk order
+// (gemv_tc2's red[0] + red[1] + ...), so every row's bits are gemv_tc2's. `count` holds a
+// ticket a tile, zero between launches (the last block resets it): launches that may run at
+// once (a side branch's) take other counters.
+// Four warps, warp w a 32-output x 16-row tile (outputs 32 (w & 1) .. + 32, rows 16 (w >> 1) ..
+// + 16), so a warp reads 1 KB of shared memory a key step s for 8 MMAs (gemv_tt's layout, which
+// gemv_ts used before, read it for 4: session 21's ncu had the L1/shared pipe at 79%, the bound). The 64-key steps go to shared memory by cp.async, two
+// buffers (a step's copies overlap the previous step's MMAs), in plain row order: a weight row
+// is 8 16-byte words (9 with the pad), an activation row 16 f32 words (17, and words 8-15
+// swapped in pairs: xsw), so every 8-thread phase of a fragment read hits 8 distinct bank
+// groups. The activations' hi / lo TF32 split is made at the read, as gemv_tc2 makes it.
+#ifndef TS_OCC
+#define TS_OCC 4
+#endif
+// rows a gemv_ts tile (the host's GEMV_TS_ROWS sizes the chunk sums' workspace from it)
+#define TS_RT 32
+// most key chunks a tile adds (the host gives a weight at most 16)
+#define TS_MAXC 16
+#define TS_WS 9
+#define TS_XS 17
+#define LB_TS __launch_bounds__(128, TS_OCC)
+__device__ __forceinline__ int ts_xsw(int w) { return w ^ (((w >> 3) & 1) << 1); }
+// 16 bytes global -> shared, asynchronously; zeros when !ok (nothing read)
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+    unsigned int d;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ unsigned int u4c(const uint4& v, int c) {
+    return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+template <int ACT>
+__device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                             float* __restrict__ y, int n_out, int K, int rows, int o0, int kc,
+                                             const float* __restrict__ u, float* __restrict__ part,
+                                             int* __restrict__ count) {
+    __shared__ uint4 Ws[2][64 * TS_WS];
+    __shared__ uint4 Xs[2][TS_RT * TS_XS];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wo = warp & 1, wr = warp >> 1;
+    const int r0 = blockIdx.y * TS_RT;
+    const int kbeg = (int)blockIdx.z * kc, kend = min(K, kbeg + kc);
+    // a step's 512 weight words (64 rows x 8) and 512 activation words (32 rows x 16): thread
+    // tid copies words tid + 128 m of each
+    float4 xreg[4];
+    auto issue = [&](int b, int kb) {
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int q = tid + 128 * m, row = q >> 3, w = q & 7, o = o0 + row;
+            const bool ok = o < n_out;
+            cp_async16(&Ws[b][row * TS_WS + w], W + (long long)(ok ? o : o0) * K + kb + 8 * w, ok);
+        }
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int q = tid + 128 * m, r = q >> 4, w = q & 15;
+            if (ACT == 0) {
+                const bool ok = r0 + r < rows;
+                cp_async16(&Xs[b][r * TS_XS + ts_xsw(w)], x + (long long)(ok ? r0 + r : 0) * K + kb + 4 * w, ok);
+            } else {
+                xreg[m] = act_load4<ACT>(x, u, r0 + r, rows, K, kb + 4 * w);
+            }
+        }
+        cp_async_commit();
+    };
+    auto put = [&](int b) {
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int q = tid + 128 * m, r = q >> 4, w = q & 15;
+            Xs[b][r * TS_XS + ts_xsw(w)] = make_uint4(__float_as_uint(xreg[m].x), __float_as_uint(xreg[m].y),
+                                                       __float_as_uint(xreg[m].z), __float_as_uint(xreg[m].w));
+        }
+    };
+    float hi[2][2][4], lo[2][2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = 0.0f;
+    issue(0, kbeg);
+    if (ACT != 0) put(0);
+    int b = 0;
+    for (int kb = kbeg; kb < kend; kb += 64, b ^= 1) {
+        cp_async_wait_all();
+        __syncthreads();  // this step's words in; every warp done with the other buffer
+        const bool more = kb + 64 < kend;
+        if (more) issue(b ^ 1, kb + 64);
+#if PLANT == 1
+        const bool skip = !more;  // the chunk's last step
+#else
+        const bool skip = false;
+#endif
+        if (!skip) {
+            // one half step at a time (unrolled, ptxas held both halves' fragments and spilled)
+#pragma unroll 1
+            for (int h = 0; h < 2; ++h) {
+                // weight words 8 t + 4 h .. + 3 (keys 16 t + 2 s, + 1 for s = 4 h ..) of rows
+                // 32 wo + 16 i + 8 q + g; activations keys 16 t + 8 h + 4 e .. of rows 16 wr + 8 j + g
+                uint4 wq[2][2], xq[2][2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) wq[i][q] = Ws[b][(32 * wo + 16 * i + 8 * q + g) * TS_WS + 2 * t + h];
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        xq[j][e] = Xs[b][(16 * wr + 8 * j + g) * TS_XS + ts_xsw(4 * t + 2 * h + e)];
+#pragma unroll
+                for (int s4 = 0; s4 < 4; ++s4) {
+                    unsigned int bh[2][2], bl[2][2];
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const float x0 = __uint_as_float(u4c(xq[j][s4 >> 1], 2 * (s4 & 1)));
+                        const float x1 = __uint_as_float(u4c(xq[j][s4 >> 1], 2 * (s4 & 1) + 1));
+                        bh[j][0] = to_tf32(x0);
+                        bh[j][1] = to_tf32(x1);
+                        bl[j][0] = to_tf32(x0 - __uint_as_float(bh[j][0]));
+                        bl[j][1] = to_tf32(x1 - __uint_as_float(bh[j][1]));
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const unsigned int wa = u4c(wq[i][0], s4), wb = u4c(wq[i][1], s4);
+                        const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) {
+                            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                            mma_tf32(d, a, bh[j][0], bh[j][1]);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
+#ifndef LOWP
+                            float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                            mma_tf32(dl, a, bl[j][0], bl[j][1]);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
+#endif
+                        }
+                    }
                 }
-        return;
+            }
+        }
+        if (ACT != 0 && more) put(b ^ 1);
     }
-    // this chunk's sums (the tile's RT x 64, row-major) at chunk z of the tile's run in `part`
-    constexpr int TS = 64 * RT;
+    // this chunk's sums (the tile's 32 x 64, row-major) at chunk z of the tile's run in `part`
+    constexpr int TS = 64 * TS_RT;
     const int nc = (int)gridDim.z;  // the chunks, as the host counted them
     const long long tile = (long long)blockIdx.y * gridDim.x + blockIdx.x;
     float* pt = part + tile * nc * TS;
@@ -518,12 +677,12 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < JT; ++j)
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int nl = 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
-                const int rl = (RT / 4) * wr + 8 * j + 2 * t + (e & 1);
-                mine[rl * 64 + nl] = tot[i][j][e];
+                const int rl = 16 * wr + 8 * j + 2 * t + (e & 1);
+                mine[rl * 64 + nl] = hi[i][j][e] + lo[i][j][e];
             }
     __shared__ int is_last;
     __threadfence();
@@ -534,7 +693,7 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
     __threadfence();
     // the tile's last block: the chunk sums added in chunk order (the whole-K walk's tot),
     // an output's TS_MAXC loads issued together before the adds (one L2 round trip, not nc)
-    for (int q = tid; q < TS; q += 256) {
+    for (int q = tid; q < TS; q += 128) {
         const int n = o0 + (q & 63), r = r0 + (q >> 6);
         float v[TS_MAXC];
 #pragma unroll
@@ -547,61 +706,25 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
     }
     if (tid == 0) count[tile] = 0;
 }
-
-extern "C" __global__ void LB_TT gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                         float* __restrict__ y, int n_out, int K, int rows, int kc) {
-    gemv_tt_body<0, 64, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, nullptr, nullptr);
-}
-extern "C" __global__ void LB_TT gemv_tt_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc) {
-    int j = 0;
-    while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_tt_body<0, 64, false>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,
-                               (blockIdx.x - m.start[j]) * 64, kc, nullptr, nullptr, nullptr);
-}
-extern "C" __global__ void LB_TT gemv_tt_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
-                                              int rows, int kc) {
-    gemv_tt_body<1, 64, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, nullptr, nullptr);
-}
-extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
-                                              int rows, int kc) {
-    gemv_tt_body<2, 64, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, nullptr, nullptr);
-}
-
-// ---------------------------------------------------------------- a few tens of rows: tiles split over K
-// gemv_tt's arithmetic in 64-output x 32-row tiles, each block one key chunk of kc keys (grid z):
-// at 17-64 rows a 64-row tile does twice the work, and a tile walking all of K leaves most of
-// the device idle (128 tiles for 8192 outputs, 32 for 2048). A block leaves its chunk's sums in
-// `part` ([tiles][chunks][32][64] f32); the tile's last block adds them in chunk order
-// (gemv_tc2's red[0] + red[1] + ...), so every row's bits are gemv_tc2's. `count` holds a
-// ticket a tile, zero between launches (the last block resets it): launches that may run at
-// once (a side branch's) take other counters.
-#ifndef TS_OCC
-#define TS_OCC 3
-#endif
-// rows a gemv_ts tile (the host's GEMV_TS_ROWS sizes the chunk sums' workspace from it)
-#define TS_RT 32
-#define LB_TS __launch_bounds__(256, TS_OCC)
 extern "C" __global__ void LB_TS gemv_ts(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int K, int rows, int kc,
                                          float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<0, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, part, count);
+    gemv_ts_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc,
                                                float* __restrict__ part, int* __restrict__ count) {
     int j = 0;
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_tt_body<0, TS_RT, true>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,
-                              (blockIdx.x - m.start[j]) * 64, kc, nullptr, part, count);
+    gemv_ts_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
+                    kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<1, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_ts_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_tt_body<2, TS_RT, true>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_ts_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
 }

@@ -1199,7 +1199,8 @@ pub const GEMV_TS_MAX_CHUNKS: usize = 16;
 /// w2, a head: 1.3 waves of three blocks a multiprocessor) ran slower split (30-38 us against
 /// 20-29 on `gemv_tc2`), but in the 32-lane round a bound of 1024 blocks, which gives them to
 /// `gemv_tc2`, made the kept round slower: 24.24 / 24.46 ms against 22.49 / 23.00 with every
-/// split (alternated, one call; NOTES.md).
+/// split (alternated, one call; NOTES.md). Session 21's `gemv_ts` (four-warp blocks, four a
+/// multiprocessor, cp.async) runs them alone about as fast as `gemv_tc2` (20.7 / 26.0 / 20.3 us).
 pub const TS_MIN_BLOCKS: usize = 0;
 
 /// `gemv_ts*` tiles a launch at most: each stream (the model's, a side branch's) has this many
@@ -1334,7 +1335,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
                 single: "gemv_ts",
                 multi: "gemv_ts_multi",
                 per_block: 64,
-                block: 256,
+                block: 128,
                 kc: Some(kc as i32),
                 act: Some(("gemv_ts_silu", "gemv_ts_sigm")),
                 row_tile: Some(GEMV_TS_ROWS),
