@@ -366,6 +366,31 @@ GEMV_TC2_SILU(4, 2)
 #else
 #define LB_TT __launch_bounds__(256)
 #endif
+// One 64-key step's key pair s for a warp's 2 x 2 MMA tiles, as gemv_tc2 (V = 2) adds it: for
+// output tile i (A registers from the bf16 words wa, wb: outputs g and g + 8) and row tile j,
+// each MMA from zero, hi += A bh, lo += A bl (LOWP: no lo).
+__device__ __forceinline__ void mma_hilo_2x2(float (&hi)[2][2][4], float (&lo)[2][2][4], const unsigned int (&wa)[2],
+                                             const unsigned int (&wb)[2], const unsigned int (&bh)[2][2],
+                                             const unsigned int (&bl)[2][2]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const unsigned int a[4] = {wa[i] << 16, wb[i] << 16, wa[i] & 0xffff0000u, wb[i] & 0xffff0000u};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(d, a, bh[j][0], bh[j][1]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
+#ifndef LOWP
+            float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_tf32(dl, a, bl[j][0], bl[j][1]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
+#endif
+        }
+    }
+}
+
 template <int ACT>
 __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                              float* __restrict__ y, int n_out, int K, int rows, int o0,
@@ -451,24 +476,8 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
                     bl[j][1] = v.w;
                 }
                 const uint4 wq = Wv[wo][s][g][t];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const unsigned int wa = i ? wq.z : wq.x, wb = i ? wq.w : wq.y;
-                    const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
-#pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_tf32(d, a, bh[j][0], bh[j][1]);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
-#ifndef LOWP
-                        float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                        mma_tf32(dl, a, bl[j][0], bl[j][1]);
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
-#endif
-                    }
-                }
+                const unsigned int wa[2] = {wq.x, wq.z}, wb[2] = {wq.y, wq.w};
+                mma_hilo_2x2(hi, lo, wa, wb, bh, bl);
             }
         }
         if (last) {
@@ -528,11 +537,14 @@ extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, cons
 // once (a side branch's) take other counters.
 // Four warps, warp w a 32-output x 16-row tile (outputs 32 (w & 1) .. + 32, rows 16 (w >> 1) ..
 // + 16), so a warp reads 1 KB of shared memory a key step s for 8 MMAs (gemv_tt's layout, which
-// gemv_ts used before, read it for 4: session 21's ncu had the L1/shared pipe at 79%, the bound). The 64-key steps go to shared memory by cp.async, two
-// buffers (a step's copies overlap the previous step's MMAs), in plain row order: a weight row
-// is 8 16-byte words (9 with the pad), an activation row 16 f32 words (17, and words 8-15
-// swapped in pairs: xsw), so every 8-thread phase of a fragment read hits 8 distinct bank
-// groups. The activations' hi / lo TF32 split is made at the read, as gemv_tc2 makes it.
+// gemv_ts used before, read it for 4: session 21's ncu had the L1/shared pipe at 79%, the
+// bound). The 64-key steps go to shared memory by cp.async, two buffers (a step's copies overlap
+// the previous step's MMAs), in plain row order: a weight row is 8 16-byte words (9 with the
+// pad), an activation row 16 16-byte words of 4 f32 (17 with the pad; ts_xsw swaps words 8, 9
+// with 10, 11 and 12, 13 with 14, 15), so every 8-thread phase of a fragment read hits 8
+// distinct bank groups. The activations' hi / lo TF32 split is made at the read, as gemv_tc2
+// makes it. The host gives whole 64-key steps: K and kc multiples of 64, grid z = ceil(K / kc)
+// <= TS_MAXC, 128 threads.
 #ifndef TS_OCC
 #define TS_OCC 4
 #endif
@@ -645,24 +657,9 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                         bl[j][0] = to_tf32(x0 - __uint_as_float(bh[j][0]));
                         bl[j][1] = to_tf32(x1 - __uint_as_float(bh[j][1]));
                     }
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        const unsigned int wa = u4c(wq[i][0], s4), wb = u4c(wq[i][1], s4);
-                        const unsigned int a[4] = {wa << 16, wb << 16, wa & 0xffff0000u, wb & 0xffff0000u};
-#pragma unroll
-                        for (int j = 0; j < 2; ++j) {
-                            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                            mma_tf32(d, a, bh[j][0], bh[j][1]);
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) hi[i][j][e] += d[e];
-#ifndef LOWP
-                            float dl[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                            mma_tf32(dl, a, bl[j][0], bl[j][1]);
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) lo[i][j][e] += dl[e];
-#endif
-                        }
-                    }
+                    const unsigned int wa[2] = {u4c(wq[0][0], s4), u4c(wq[1][0], s4)};
+                    const unsigned int wb[2] = {u4c(wq[0][1], s4), u4c(wq[1][1], s4)};
+                    mma_hilo_2x2(hi, lo, wa, wb, bh, bl);
                 }
             }
         }

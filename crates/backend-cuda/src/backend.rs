@@ -1152,7 +1152,8 @@ struct Bf16Gemv {
     multi: &'static str,
     per_block: usize,
     block: u32,
-    /// `gemv_tc2_*`: keys per warp, the kernels' last argument.
+    /// The kernels' key chunk (`gemv_tc2_*`: keys per warp; `gemv_tt*`: the chunk whose sums
+    /// it adds in order; `gemv_ts*`: a block's keys, grid z the chunk count).
     kc: Option<i32>,
     /// `gemv_tc2_*`: the single-weight kernels with `silu(x) * u` and `x * sigmoid(u)` made as
     /// the input loads (`Act`).
@@ -1323,7 +1324,9 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             };
         }
         let chunks = k.div_ceil(kc);
+        // gemv_ts walks 64-key steps and never checks: whole steps a chunk, the host's chunks
         if v == 2
+            && kc.is_multiple_of(64)
             && rows >= o.gemv_split_min
             && rows <= GEMV_TS_MAX_ROWS
             && chunks <= GEMV_TS_MAX_CHUNKS
