@@ -1330,7 +1330,8 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             && rows >= o.gemv_split_min
             && rows <= GEMV_TS_MAX_ROWS
             && chunks <= GEMV_TS_MAX_CHUNKS
-            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
+            // a several-weight launch's tiles are each weight's: up to one more a weight
+            && (outs.div_ceil(64) + MULTI_MAX - 1) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
             && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) * chunks >= o.gemv_split_blocks
         {
             // gemv_tc2 (V = 2)'s bits from 64 x 32 tiles, a key chunk a block
