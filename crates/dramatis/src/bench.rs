@@ -383,7 +383,9 @@ fn backend_env() -> serde_json::Map<String, serde_json::Value> {
 }
 
 /// The codec thread over the measured runs: decoder calls, frames, seconds inside the calls and
-/// their share of the runs' wall time (near 1: the codec paces the audio, not the rounds).
+/// their share of the runs' wall time (near 1: the codec paces the audio, not the rounds), and
+/// the frames it decoded per second inside its calls (with a share near 1, the most frames/s the
+/// runs could reach with the codec as it is, sharing the device with the rounds).
 fn codec_field(
     now: &speech::CodecCounts,
     before: &speech::CodecCounts,
@@ -398,6 +400,7 @@ fn codec_field(
         "frames_per_call": (calls > 0).then(|| frames as f64 / calls as f64),
         "busy_seconds": busy,
         "busy_fraction_of_runs": (walls > 0.0).then(|| busy / walls),
+        "frames_per_busy_second": (busy > 0.0).then(|| frames as f64 / busy),
     })
 }
 
@@ -636,9 +639,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             || "-".to_string(),
             |f| {
                 format!(
-                    "{:.0}% ({:.1} frames a call)",
+                    "{:.0}% ({:.1} frames a call, {:.0} frames/s busy)",
                     100.0 * f,
-                    r["codec"]["frames_per_call"].as_f64().unwrap_or(0.0)
+                    r["codec"]["frames_per_call"].as_f64().unwrap_or(0.0),
+                    r["codec"]["frames_per_busy_second"].as_f64().unwrap_or(0.0)
                 )
             },
         );
@@ -682,6 +686,30 @@ fn machine() -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_codec_field_counts_the_runs_only() {
+        let before = speech::CodecCounts {
+            calls: 5,
+            frames: 40,
+            busy_seconds: 1.0,
+        };
+        let now = speech::CodecCounts {
+            calls: 105,
+            frames: 1240,
+            busy_seconds: 2.5,
+        };
+        let f = codec_field(&now, &before, 2.0);
+        assert_eq!(f["calls"], 100);
+        assert_eq!(f["frames"], 1200);
+        assert_eq!(f["frames_per_call"].as_f64(), Some(12.0));
+        assert_eq!(f["busy_fraction_of_runs"].as_f64(), Some(0.75));
+        assert_eq!(f["frames_per_busy_second"].as_f64(), Some(800.0));
+        // no time inside the codec: no rate, rather than a division by zero
+        let idle = codec_field(&before, &before, 2.0);
+        assert!(idle["frames_per_busy_second"].is_null());
+        assert!(idle["frames_per_call"].is_null());
+    }
 
     #[test]
     fn the_floor_is_the_section_5_bytes_over_the_h200_rate() {
