@@ -1257,6 +1257,12 @@ pub(crate) fn bf16_gemv_grid(
     (gv.single, g)
 }
 
+/// A several-weight launch's outputs as the kernel choice counts them: each weight's in 64-wide
+/// tiles, so `bf16_gemv`'s tile count is the sum of the weights' tiles.
+pub(crate) fn tiled_outputs(outs: impl IntoIterator<Item = usize>) -> usize {
+    outs.into_iter().map(|n| n.div_ceil(64) * 64).sum()
+}
+
 /// The several-weight BF16 GEMV kernel that `rows` rows of K `k` into `outs` outputs in all (64
 /// a weight's tile, as `linear_many` counts them) run with options `o`: for the contract.
 pub(crate) fn bf16_gemv_multi(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> &'static str {
@@ -1330,8 +1336,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             && rows >= o.gemv_split_min
             && rows <= GEMV_TS_MAX_ROWS
             && chunks <= GEMV_TS_MAX_CHUNKS
-            // a several-weight launch's tiles are each weight's: up to one more a weight
-            && (outs.div_ceil(64) + MULTI_MAX - 1) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
+            && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) <= GEMV_TS_TILES
             && outs.div_ceil(64) * rows.div_ceil(GEMV_TS_ROWS) * chunks >= o.gemv_split_blocks
         {
             // gemv_tc2 (V = 2)'s bits from 64 x 32 tiles, a key chunk a block
@@ -3596,8 +3601,7 @@ impl Backend for CudaBackend {
             count: ws.len() as i32,
         };
         let mut outs = Vec::with_capacity(ws.len());
-        // outputs in 64-wide tiles as the launch counts them, weight by weight
-        let total: usize = ws.iter().map(|w| w.rows().div_ceil(64) * 64).sum();
+        let total = tiled_outputs(ws.iter().map(|w| w.rows()));
         let gv = bf16_gemv(&self.opts, x.rows, k, total);
         let Bf16Gemv {
             multi: name,

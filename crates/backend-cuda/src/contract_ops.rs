@@ -911,7 +911,7 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     // several weights of one input (the GDN projections' shape, with outputs that do not fill a
     // tile): one tiled launch against separate gemv_tc2 launches
     let (k, rows) = (2048usize, 77usize);
-    let outs = [300usize, 64, 33, 128];
+    let outs = MANY_OUTS;
     let (ws, x, reference) = many_case(c, k, rows, &outs);
     let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
     let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
@@ -930,6 +930,10 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     })?;
     Ok(())
 }
+
+/// The several-weight cases' outputs (the GDN projections' shape, outputs that do not fill a
+/// 64-wide tile).
+const MANY_OUTS: [usize; 4] = [300, 64, 33, 128];
 
 /// The `gemv_ts` case's options: the split tiles from one row, never the 64-row tiles; with
 /// `split` false, `gemv_tc2` (the kernel whose bits they keep).
@@ -1009,11 +1013,11 @@ pub(super) fn gemv_ts(c: &mut Ctx) -> Result<()> {
     // several weights of one input (the GDN projections' shape, outputs that do not fill a
     // tile): one split launch against separate gemv_tc2 launches
     let (k, rows) = (2048usize, 32usize);
-    let outs = [300usize, 64, 33, 128];
+    let outs = MANY_OUTS;
     let (ws, x, reference) = many_case(c, k, rows, &outs);
     let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
     let case = format!("{rows} rows x {k} into {outs:?}, one split launch");
-    let total: usize = outs.iter().map(|n| n.div_ceil(64) * 64).sum();
+    let total = crate::backend::tiled_outputs(outs);
     let (multi, other) = (
         crate::backend::bf16_gemv_multi(&ts_opts(true), rows, k, total),
         crate::backend::bf16_gemv_multi(&ts_opts(false), rows, k, total),
@@ -3852,11 +3856,7 @@ mod tests {
                 "{rows} x {k} into {n}"
             );
         }
-        // the 4-weight launch: outputs in 64-wide tiles, weight by weight (as linear_many counts)
-        let total: usize = [300usize, 64, 33, 128]
-            .iter()
-            .map(|n| n.div_ceil(64) * 64)
-            .sum();
+        let total = crate::backend::tiled_outputs(MANY_OUTS);
         assert_eq!(
             crate::backend::bf16_gemv_grid(&tt_opts(1), 77, 2048, total).0,
             "gemv_tt"
@@ -3887,11 +3887,7 @@ mod tests {
                 "{rows} x {k} into {n}"
             );
         }
-        // the 4-weight launch: outputs in 64-wide tiles, weight by weight (as linear_many counts)
-        let total: usize = [300usize, 64, 33, 128]
-            .iter()
-            .map(|n| n.div_ceil(64) * 64)
-            .sum();
+        let total = crate::backend::tiled_outputs(MANY_OUTS);
         assert_eq!(
             crate::backend::bf16_gemv_multi(&ts_opts(true), 32, 2048, total),
             "gemv_ts_multi"
