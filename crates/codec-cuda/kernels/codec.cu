@@ -330,8 +330,10 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // Warps WM x WN, each MT m16 x NT n8 tiles: a block of BM = 16 WM MT rows and BN = 8 WN NT
 // columns, ST stages of TCW_BK keys (up to ST - 1 chunks in flight). The B row stride BN + 8
-// floats makes the fragment reads (8t + g) hit 32 distinct banks.
-template <int WM, int WN, int MT, int NT, int ST>
+// floats makes the fragment reads (8t + g) hit 32 distinct banks. SEG1: the caller guarantees
+// a block one segment (K's segments across blocks, or K one segment), so no sum of segments is
+// kept (32 registers a thread fewer at 32 x 32 a warp).
+template <int WM, int WN, int MT, int NT, int ST, bool SEG1 = false>
 __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
                                               int cin, long long jstride, const float* B, float* C,
                                               const float* bias, int bias_n, const float* gamma,
@@ -366,7 +368,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                        gc < N ? 16 : 0);
         }
     };
-    float tot[MT][NT][4];
+    float tot[SEG1 ? 1 : MT][SEG1 ? 1 : NT][4];
     float acc[MT][NT][4];
 #pragma unroll
     for (int st = 0; st < ST - 1; ++st) {
@@ -414,14 +416,17 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 }
             }
         }
-        if (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0) {  // a segment ends
+        if (!SEG1 && (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0)) {  // a segment ends
             const bool first = k0 - k_first < ks;
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) tot[i][j][e] = first ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
+                    for (int e = 0; e < 4; ++e) {
+                        float& t_ = tot[SEG1 ? 0 : i][SEG1 ? 0 : j][e];
+                        t_ = first ? acc[i][j][e] : __fadd_rn(t_, acc[i][j][e]);
+                    }
         }
     }
     cp_async_wait<0>();
@@ -435,8 +440,9 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 const int r = row0 + wm + 16 * i + g + (e >= 2 ? 8 : 0);
                 const int c = col0 + wn + 8 * j + 2 * t + (e & 1);
                 if (r >= M || c >= N) continue;
-                if (split) part[((long long)z0 * M + r) * N + c] = tot[i][j][e];
-                else epilogue(tot[i][j][e], r, c, N, C, bias, bias_n, gamma, res, act);
+                const float v = SEG1 ? acc[i][j][e] : tot[SEG1 ? 0 : i][SEG1 ? 0 : j][e];
+                if (split) part[((long long)z0 * M + r) * N + c] = v;
+                else epilogue(v, r, c, N, C, bias, bias_n, gamma, res, act);
             }
 }
 
@@ -453,6 +459,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) gemm_tcw(GEMM_TCW_ARGS) {
 }
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2(GEMM_TCW_ARGS) {
     gemm_tcw_body<4, 2, 2, 4, 3>(GEMM_TCW_PASS);
+}
+// gemm_tcw2 for one segment a block (no spills at two blocks a multiprocessor).
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2s(GEMM_TCW_ARGS) {
+    gemm_tcw_body<4, 2, 2, 4, 3, true>(GEMM_TCW_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) gemm_tcw3s(GEMM_TCW_ARGS) {
+    gemm_tcw_body<4, 2, 2, 4, 3, true>(GEMM_TCW_PASS);
 }
 // Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
 // the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages. Opt-in

@@ -42,6 +42,10 @@ impl Shape {
         let (rsa, jstride) = (self.stride * self.cin, self.dil * self.cin);
         crate::cuda::staged(self.cin, self.k(), ks, self.n, rsa, jstride, 0, 0)
     }
+    /// K's segments (see [`crate::exec::split_len`]).
+    fn segments(&self) -> usize {
+        self.k().div_ceil(crate::exec::split_len(self.k(), self.n))
+    }
     /// A elements the GEMM may read: rows `m` at `stride·cin`, taps at `dil·cin`.
     fn a_len(&self) -> usize {
         (self.m - 1) * self.stride * self.cin + (self.taps - 1) * self.dil * self.cin + self.cin
@@ -84,11 +88,14 @@ pub struct TcCheck {
     pub rows_bitwise: bool,
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
-    /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcs`) equal
-    /// `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes.
+    /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
+    /// `gemm_tcs`) equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
+    /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`).
+    pub seg1_launches: u64,
     /// Launches that took `gemm_tcs`.
     pub small_launches: u64,
     /// Every shape reached the cp.async tiles exactly when its operands allow them (so a shape
@@ -108,6 +115,7 @@ impl TcCheck {
             && self.modes_bitwise
             && self.wide_bitwise
             && self.wide_launches > 0
+            && self.seg1_launches > 0
             && self.small_launches > 0
             && self.dispatch_as_expected
     }
@@ -272,10 +280,12 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         modes_bitwise: true,
         wide_bitwise: true,
         wide_launches: 0,
+        seg1_launches: 0,
         small_launches: 0,
         dispatch_as_expected: true,
     };
     let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
+    let seg10 = exact.seg1_launches();
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -293,31 +303,47 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 out.rows_bitwise &= crate::bit_identical(&one, &whole[r * s.n..(r + 1) * s.n]);
             }
         }
-        // the cp.async tiles against gemm_tc16 / gemm_tc64, whole launches in both modes
-        for (mode, whole) in [(usize::MAX, &split), (0, &inblock)] {
-            exact.set_split_below(Some(mode));
+        // the cp.async tiles against gemm_tc16 / gemm_tc64, whole launches in both modes and
+        // in the default one (the wide GEMMs' segments across blocks where a one-segment
+        // kernel is set)
+        for (mode, whole) in [
+            (Some(usize::MAX), &split),
+            (Some(0), &inblock),
+            (None, &split),
+        ] {
+            exact.set_split_below(mode);
             let mut runs = Vec::new();
-            for (w, small) in [
-                (None, false),
-                (None, true),
-                (Some("gemm_tcw"), false),
-                (Some("gemm_tcw2"), false),
+            for (w, seg1, small) in [
+                (None, None, false),
+                (None, None, true),
+                (Some("gemm_tcw"), None, false),
+                (Some("gemm_tcw2"), None, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false),
             ] {
                 exact.set_wide(w);
+                exact.set_seg1(seg1);
                 exact.set_small(small);
-                let before = (exact.wide_launches(), exact.small_launches());
+                let before = (
+                    exact.wide_launches(),
+                    exact.small_launches(),
+                    exact.seg1_launches(),
+                );
                 runs.push(case.run(&exact, 0..s.m)?);
                 let took = (
                     exact.wide_launches() > before.0,
                     exact.small_launches() > before.1,
                 );
-                let expect = (
-                    w.is_some() && s.staged() && s.m > crate::cuda::WIDE_MIN_ROWS,
-                    small && s.staged() && s.m <= 16,
-                );
+                let wide = w.is_some() && s.staged() && s.m > crate::cuda::WIDE_MIN_ROWS;
+                let expect = (wide, small && s.staged() && s.m <= 16);
                 out.dispatch_as_expected &= took == expect;
+                // a one-segment kernel takes every wide GEMM but those whose segments a forced
+                // in-block mode keeps together
+                let one_seg = wide && seg1.is_some() && (mode != Some(0) || s.segments() == 1);
+                out.dispatch_as_expected &= (exact.seg1_launches() > before.2) == one_seg;
             }
             exact.set_wide(crate::cuda::wide_kernel());
+            exact.set_seg1(crate::cuda::seg1_kernel());
             exact.set_small(crate::cuda::small_tiles());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
@@ -333,6 +359,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         twin.set_small(crate::cuda::small_tiles());
     }
     out.wide_launches = exact.wide_launches() - wide0;
+    out.seg1_launches = exact.seg1_launches() - seg10;
     out.small_launches = exact.small_launches() - small0;
     Ok(out)
 }

@@ -15,12 +15,14 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 19] = [
+pub const KERNELS: [&str; 21] = [
     "gemm_tc16",
     "gemm_tc64",
     "gemm_tcs",
     "gemm_tcw",
     "gemm_tcw2",
+    "gemm_tcw2s",
+    "gemm_tcw3s",
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -96,6 +98,15 @@ pub struct CudaExec {
     /// Launches of the wide kernels so far (checks count them, so a check that meant to run
     /// them cannot pass on the other kernels alone).
     wide_launches: std::cell::Cell<u64>,
+    /// The wide tiles' kernel for one K segment a block (`gemm_tcw2s`, or `gemm_tcw3s`: three
+    /// blocks a multiprocessor), which the wide GEMMs of several segments then split across
+    /// blocks; `None`: the wide kernel sums a tile's segments itself. See [`seg1_kernel`].
+    seg1: std::cell::Cell<Option<&'static str>>,
+    /// Whether the split was set by [`CudaExec::set_split_below`] (a check's forced mode: the
+    /// wide GEMMs then split exactly as it says).
+    split_forced: std::cell::Cell<bool>,
+    /// Launches of the one-segment kernels so far.
+    seg1_launches: std::cell::Cell<u64>,
     /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async` in
     /// six shared-memory stages; the same bits as `gemm_tc16`) where its operands allow
     /// (`DRAMATIS_CODEC_TCS=1`; off by default, see [`small_tiles`]).
@@ -138,6 +149,26 @@ pub(crate) fn staged(
 /// many rows).
 pub fn wide_kernel() -> Option<&'static str> {
     wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
+}
+
+/// The wide tiles' one-segment kernel from `DRAMATIS_CODEC_TCW_SEG1`: unset or `2`,
+/// `gemm_tcw2s` (90 registers, no spills, against `gemm_tcw2`'s 128 with 80 bytes spilled: the
+/// sum of a tile's segments is its 32 registers a thread); `3`, `gemm_tcw3s` (three blocks a
+/// multiprocessor, 80 registers, 20 bytes spilled); `0`, none (the wide kernel sums each tile's
+/// segments in one block unless the tiles are too few to fill the device). With one, a wide GEMM
+/// of several segments splits them across blocks and sums the partials in `gemm_reduce`: the
+/// same bits, more blocks for the device's two or three slots a multiprocessor (a 12-frame
+/// push's 7x192-key convolution had 288 blocks for 264 slots: two waves, the second 9% full).
+pub fn seg1_kernel() -> Option<&'static str> {
+    seg1_from(std::env::var("DRAMATIS_CODEC_TCW_SEG1").ok().as_deref())
+}
+
+pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
+    match v.map(str::trim) {
+        Some("0") => None,
+        Some("3") => Some("gemm_tcw3s"),
+        _ => Some("gemm_tcw2s"),
+    }
 }
 
 /// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS=1`; default off). In
@@ -219,6 +250,9 @@ impl CudaExec {
             split_below: std::cell::Cell::new(0),
             wide: std::cell::Cell::new(wide_kernel()),
             wide_launches: std::cell::Cell::new(0),
+            seg1: std::cell::Cell::new(seg1_kernel()),
+            split_forced: std::cell::Cell::new(false),
+            seg1_launches: std::cell::Cell::new(0),
             small: std::cell::Cell::new(small_tiles()),
             small_launches: std::cell::Cell::new(0),
         })
@@ -230,6 +264,17 @@ impl CudaExec {
     pub fn set_split_below(&self, tiles: Option<usize>) {
         let sms = usize::try_from(self.gpu.info.sm_count).unwrap_or(1);
         self.split_below.set(tiles.unwrap_or(2 * sms));
+        self.split_forced.set(tiles.is_some());
+    }
+
+    /// The wide tiles' one-segment kernel (`None`: the wide kernel for every wide GEMM).
+    pub fn set_seg1(&self, kernel: Option<&'static str>) {
+        self.seg1.set(kernel);
+    }
+
+    /// Launches of the one-segment wide kernels so far.
+    pub fn seg1_launches(&self) -> u64 {
+        self.seg1_launches.get()
     }
 
     /// The wide tensor-core kernel to use (`None`: `gemm_tc64` for every GEMM of many rows).
@@ -440,10 +485,19 @@ impl Exec for CudaExec {
             // segments across blocks only when the tiles alone would leave most of the
             // device idle (frame-rate layers); otherwise no partial sums go through memory
             let tiles = cdiv(g.n, 64) * cdiv(g.m, bm);
-            let zs = if tiles < self.split_below.get() {
-                nseg
-            } else {
-                1
+            let seg1 = self.seg1.get().filter(|_| wide.is_some());
+            let zs =
+                if tiles < self.split_below.get() || (seg1.is_some() && !self.split_forced.get()) {
+                    nseg
+                } else {
+                    1
+                };
+            let name = match seg1 {
+                Some(s) if zs > 1 || nseg == 1 => {
+                    self.seg1_launches.set(self.seg1_launches.get() + 1);
+                    s
+                }
+                _ => name,
             };
             if wide.is_some() {
                 self.wide_launches.set(self.wide_launches.get() + 1);

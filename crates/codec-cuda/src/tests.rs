@@ -360,6 +360,16 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
+/// `DRAMATIS_CODEC_TCW_SEG1`: the two-block one-segment kernel by default, three blocks on
+/// `3`, none on `0`.
+#[test]
+fn seg1_kernel_setting() {
+    assert_eq!(cuda::seg1_from(None), Some("gemm_tcw2s"));
+    assert_eq!(cuda::seg1_from(Some(" 2")), Some("gemm_tcw2s"));
+    assert_eq!(cuda::seg1_from(Some("3")), Some("gemm_tcw3s"));
+    assert_eq!(cuda::seg1_from(Some("0")), None);
+}
+
 /// `DRAMATIS_CODEC_TCW`: the two-block wide tiles by default, the one-block build on `1`, none
 /// on `0`.
 #[test]
