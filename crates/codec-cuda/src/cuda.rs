@@ -151,14 +151,16 @@ pub fn wide_kernel() -> Option<&'static str> {
     wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
 }
 
-/// The wide tiles' one-segment kernel from `DRAMATIS_CODEC_TCW_SEG1`: unset or `2`,
-/// `gemm_tcw2s` (90 registers, no spills, against `gemm_tcw2`'s 128 with 80 bytes spilled: the
-/// sum of a tile's segments is its 32 registers a thread); `3`, `gemm_tcw3s` (three blocks a
-/// multiprocessor, 80 registers, 20 bytes spilled); `0`, none (the wide kernel sums each tile's
-/// segments in one block unless the tiles are too few to fill the device). With one, a wide GEMM
-/// of several segments splits them across blocks and sums the partials in `gemm_reduce`: the
-/// same bits, more blocks for the device's two or three slots a multiprocessor (a 12-frame
-/// push's 7x192-key convolution had 288 blocks for 264 slots: two waves, the second 9% full).
+/// The wide tiles' one-segment kernel from `DRAMATIS_CODEC_TCW_SEG1`: unset or `3`,
+/// `gemm_tcw3s` (three blocks a multiprocessor, 80 registers, 20 bytes spilled); `2`,
+/// `gemm_tcw2s` (two, 90 registers, no spills); `0`, none (the wide kernel sums each tile's
+/// segments in one block unless the tiles are too few to fill the device). With one, a wide
+/// GEMM of several segments splits them across blocks and sums the partials in `gemm_reduce`:
+/// the same bits, more blocks for the device's slots (a 12-frame push's 7x192-key convolution
+/// had 288 blocks for 264: two waves, the second 9% full), and no sum of segments to hold
+/// (`gemm_tcw2`: 128 registers and 80 bytes spilled). Session 22, Drama 3 geometry on the H200:
+/// a 12-frame push 7135 (none) / 6233 (`2`) / 5875 us (`3`); 16-frame pushes 2019 / 2166 /
+/// 2267 frames/s; 32 lanes 722 / 739 / 743 frames/s in all.
 pub fn seg1_kernel() -> Option<&'static str> {
     seg1_from(std::env::var("DRAMATIS_CODEC_TCW_SEG1").ok().as_deref())
 }
@@ -166,8 +168,8 @@ pub fn seg1_kernel() -> Option<&'static str> {
 pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
     match v.map(str::trim) {
         Some("0") => None,
-        Some("3") => Some("gemm_tcw3s"),
-        _ => Some("gemm_tcw2s"),
+        Some("2") => Some("gemm_tcw2s"),
+        _ => Some("gemm_tcw3s"),
     }
 }
 

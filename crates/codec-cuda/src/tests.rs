@@ -360,11 +360,11 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
-/// `DRAMATIS_CODEC_TCW_SEG1`: the two-block one-segment kernel by default, three blocks on
-/// `3`, none on `0`.
+/// `DRAMATIS_CODEC_TCW_SEG1`: the three-block one-segment kernel by default, two blocks on
+/// `2`, none on `0`.
 #[test]
 fn seg1_kernel_setting() {
-    assert_eq!(cuda::seg1_from(None), Some("gemm_tcw2s"));
+    assert_eq!(cuda::seg1_from(None), Some("gemm_tcw3s"));
     assert_eq!(cuda::seg1_from(Some(" 2")), Some("gemm_tcw2s"));
     assert_eq!(cuda::seg1_from(Some("3")), Some("gemm_tcw3s"));
     assert_eq!(cuda::seg1_from(Some("0")), None);
