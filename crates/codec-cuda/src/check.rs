@@ -89,13 +89,15 @@ pub struct TcCheck {
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
     /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
-    /// `gemm_tcs`) equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// `gemm_tcs`) and on `gemm_fr` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
     /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
     /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`).
     pub seg1_launches: u64,
+    /// Launches that took `gemm_fr`.
+    pub frame_launches: u64,
     /// Launches that took `gemm_tcs`.
     pub small_launches: u64,
     /// Every shape reached the cp.async tiles exactly when its operands allow them (so a shape
@@ -116,6 +118,7 @@ impl TcCheck {
             && self.wide_bitwise
             && self.wide_launches > 0
             && self.seg1_launches > 0
+            && self.frame_launches > 0
             && self.small_launches > 0
             && self.dispatch_as_expected
     }
@@ -281,11 +284,12 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         wide_bitwise: true,
         wide_launches: 0,
         seg1_launches: 0,
+        frame_launches: 0,
         small_launches: 0,
         dispatch_as_expected: true,
     };
     let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
-    let seg10 = exact.seg1_launches();
+    let (seg10, frame0) = (exact.seg1_launches(), exact.frame_launches());
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -313,29 +317,34 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         ] {
             exact.set_split_below(mode);
             let mut runs = Vec::new();
-            for (w, seg1, small) in [
-                (None, None, false),
-                (None, None, true),
-                (Some("gemm_tcw"), None, false),
-                (Some("gemm_tcw2"), None, false),
-                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false),
+            for (w, seg1, small, frame) in [
+                (None, None, false, false),
+                (None, None, false, true),
+                (None, None, true, false),
+                (Some("gemm_tcw"), None, false, false),
+                (Some("gemm_tcw2"), None, false, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, false),
             ] {
                 exact.set_wide(w);
                 exact.set_seg1(seg1);
                 exact.set_small(small);
+                exact.set_frame(frame);
                 let before = (
                     exact.wide_launches(),
                     exact.small_launches(),
                     exact.seg1_launches(),
+                    exact.frame_launches(),
                 );
                 runs.push(case.run(&exact, 0..s.m)?);
                 let took = (
                     exact.wide_launches() > before.0,
                     exact.small_launches() > before.1,
+                    exact.frame_launches() > before.3,
                 );
                 let wide = w.is_some() && s.staged() && s.m > crate::cuda::WIDE_MIN_ROWS;
-                let expect = (wide, small && s.staged() && s.m <= 16);
+                let tcs = small && s.staged() && s.m <= 16;
+                let expect = (wide, tcs, frame && !tcs && s.m <= 16);
                 out.dispatch_as_expected &= took == expect;
                 // a one-segment kernel takes every wide GEMM but those whose segments a forced
                 // in-block mode keeps together
@@ -345,6 +354,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             exact.set_wide(crate::cuda::wide_kernel());
             exact.set_seg1(crate::cuda::seg1_kernel());
             exact.set_small(crate::cuda::small_tiles());
+            exact.set_frame(crate::cuda::frame_tiles());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
@@ -360,6 +370,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
     }
     out.wide_launches = exact.wide_launches() - wide0;
     out.seg1_launches = exact.seg1_launches() - seg10;
+    out.frame_launches = exact.frame_launches() - frame0;
     out.small_launches = exact.small_launches() - small0;
     Ok(out)
 }

@@ -15,8 +15,9 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 21] = [
+pub const KERNELS: [&str; 22] = [
     "gemm_tc16",
+    "gemm_fr",
     "gemm_tc64",
     "gemm_tcs",
     "gemm_tcw",
@@ -113,6 +114,11 @@ pub struct CudaExec {
     small: std::cell::Cell<bool>,
     /// Launches of `gemm_tcs` so far.
     small_launches: std::cell::Cell<u64>,
+    /// Tensor-core GEMMs of up to 16 rows on `gemm_fr` (the weights in flight a 128-key piece
+    /// a warp; the same bits as `gemm_tc16`) unless `gemm_tcs` takes them. See [`frame_tiles`].
+    frame: std::cell::Cell<bool>,
+    /// Launches of `gemm_fr` so far.
+    frame_launches: std::cell::Cell<u64>,
 }
 
 /// Rows above which a tensor-core GEMM may take the wide tiles (128 rows a block).
@@ -171,6 +177,16 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
         Some("2") => Some("gemm_tcw2s"),
         _ => Some("gemm_tcw3s"),
     }
+}
+
+/// Whether GEMMs of up to 16 rows take `gemm_fr` rather than `gemm_tc16`
+/// (`DRAMATIS_CODEC_FR`, default on; `0` off).
+pub fn frame_tiles() -> bool {
+    frame_from(std::env::var("DRAMATIS_CODEC_FR").ok().as_deref())
+}
+
+pub(crate) fn frame_from(v: Option<&str>) -> bool {
+    v.is_none_or(|v| v.trim() != "0")
 }
 
 /// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS=1`; default off). In
@@ -255,6 +271,8 @@ impl CudaExec {
             seg1: std::cell::Cell::new(seg1_kernel()),
             split_forced: std::cell::Cell::new(false),
             seg1_launches: std::cell::Cell::new(0),
+            frame: std::cell::Cell::new(frame_tiles()),
+            frame_launches: std::cell::Cell::new(0),
             small: std::cell::Cell::new(small_tiles()),
             small_launches: std::cell::Cell::new(0),
         })
@@ -272,6 +290,17 @@ impl CudaExec {
     /// The wide tiles' one-segment kernel (`None`: the wide kernel for every wide GEMM).
     pub fn set_seg1(&self, kernel: Option<&'static str>) {
         self.seg1.set(kernel);
+    }
+
+    /// Whether GEMMs of up to 16 rows take `gemm_fr` (else `gemm_tc16`; `gemm_tcs` first
+    /// where it is on and allowed).
+    pub fn set_frame(&self, on: bool) {
+        self.frame.set(on);
+    }
+
+    /// Launches of `gemm_fr` so far.
+    pub fn frame_launches(&self) -> u64 {
+        self.frame_launches.get()
     }
 
     /// Launches of the one-segment wide kernels so far.
@@ -478,11 +507,13 @@ impl Exec for CudaExec {
             let staged = staged(g.cin, g.k, ks, g.n, g.rsa, g.jstride, a, b);
             let wide = self.wide.get().filter(|_| staged && g.m > WIDE_MIN_ROWS);
             let small = staged && g.m <= 16 && self.small.get();
-            let (name, bm, threads) = match wide {
-                Some(w) => (w, 128, 256),
-                None if small => ("gemm_tcs", 16, 128),
-                None if g.m <= 16 => ("gemm_tc16", 16, 128),
-                None => ("gemm_tc64", 64, 128),
+            let frame = !small && g.m <= 16 && self.frame.get();
+            let (name, bm, bn, threads) = match wide {
+                Some(w) => (w, 128, 64, 256),
+                None if small => ("gemm_tcs", 16, 64, 128),
+                None if frame => ("gemm_fr", 16, 32, 128),
+                None if g.m <= 16 => ("gemm_tc16", 16, 64, 128),
+                None => ("gemm_tc64", 64, 64, 128),
             };
             // segments across blocks only when the tiles alone would leave most of the
             // device idle (frame-rate layers); otherwise no partial sums go through memory
@@ -505,8 +536,10 @@ impl Exec for CudaExec {
                 self.wide_launches.set(self.wide_launches.get() + 1);
             } else if small {
                 self.small_launches.set(self.small_launches.get() + 1);
+            } else if frame {
+                self.frame_launches.set(self.frame_launches.get() + 1);
             }
-            (name, bm, 64, threads, zs)
+            (name, bm, bn, threads, zs)
         } else if g.m <= SMALL_M {
             ("gemm_small", 8, 128, 256, nseg)
         } else {

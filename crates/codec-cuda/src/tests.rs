@@ -360,6 +360,14 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
+/// `DRAMATIS_CODEC_FR`: `gemm_fr` for up to 16 rows unless `0`.
+#[test]
+fn frame_tiles_setting() {
+    assert!(cuda::frame_from(None));
+    assert!(cuda::frame_from(Some("1")));
+    assert!(!cuda::frame_from(Some(" 0")));
+}
+
 /// `DRAMATIS_CODEC_TCW_SEG1`: the three-block one-segment kernel by default, two blocks on
 /// `2`, none on `0`.
 #[test]
