@@ -480,7 +480,7 @@ fn main() -> R<()> {
         "small_launches": tc.small_launches, "dispatch_as_expected": tc.dispatch_as_expected,
         "wide_kernel": codec_cuda::cuda::wide_kernel(),
         "seg1_kernel": codec_cuda::cuda::seg1_kernel(),
-        "frame_tiles": codec_cuda::cuda::frame_tiles(),
+        "frame_rows": codec_cuda::cuda::frame_rows(),
         "small_tiles": codec_cuda::cuda::small_tiles(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;

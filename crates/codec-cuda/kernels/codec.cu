@@ -485,49 +485,63 @@ extern "C" __global__ void __launch_bounds__(128) gemm_tcs(GEMM_TCW_ARGS) {
 // piece of its B fragments (32 floats a lane) and the block the piece's A (16 rows, 16 floats a
 // thread) while the piece before is multiplied. A sits raw in shared memory, split at the
 // fragment read.
-#define FR_PK 128
-#define FR_AS (FR_PK + 4)  // A row stride in floats: fragment reads (4g + t) hit 32 distinct banks
-extern "C" __global__ void __launch_bounds__(128)
-gemm_fr(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
-        const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-        const float* res, int act, int ks, float* part) {
-    __shared__ float As[16 * FR_AS];
+// gemm_fr4: the same for 17-64 rows (four m16 tiles a warp, 64-key pieces; the layers a
+// push's frame-rate rows reach after the first upsampling: gemm_tc64's bits).
+template <int MT, int PK>
+__device__ __forceinline__ void gemm_fr_body(int M, int N, int K, const float* A, long long rsa,
+                                             int cin, long long jstride, const float* B, float* C,
+                                             const float* bias, int bias_n, const float* gamma,
+                                             const float* res, int act, int ks, float* part) {
+    constexpr int R = 16 * MT, AS = PK + 4;  // A row stride: fragment reads (4g + t) hit 32 banks
+    constexpr int AN = R * PK / 128;          // A elements a thread stages
+    __shared__ float As[R * AS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.y * R;
     const int col = blockIdx.x * 32 + warp * 8;
     const bool idle = col >= N;  // uniform across the warp
     const int n = col + g;
     const int nseg = (K + ks - 1) / ks;
     const bool split = gridDim.z > 1;
     const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
-    // a piece: keys [k0, min(k0 + FR_PK, kend)) of the segment ending at kend; b[s][q] holds
-    // B[k0 + 8s + t + 4q][n], a[r] holds A[r][k0 + tid] (zero past the segment, M or N)
-    float bv[FR_PK / 8][2], bn[FR_PK / 8][2], an[16];
+    // a piece: keys [k0, min(k0 + PK, kend)) of the segment ending at kend; bn[s][q] holds
+    // B[k0 + 8s + t + 4q][n], an[u] A's element tid + 128u of the piece (row-major, PK keys a
+    // row: key tid % PK of rows tid / PK + (128 / PK) u); zero past the segment, M or N
+    float bv[PK / 8][2], bn[PK / 8][2], an[AN];
     auto load = [&](int k0, int kend) {
 #pragma unroll
-        for (int s = 0; s < FR_PK / 8; ++s)
+        for (int s = 0; s < PK / 8; ++s)
 #pragma unroll
             for (int q = 0; q < 2; ++q) {
                 const int k = k0 + 8 * s + t + 4 * q;
                 bn[s][q] = (!idle && n < N && k < kend) ? B[(long long)k * N + n] : 0.0f;
             }
-        const int k = k0 + tid;
+        const int k = k0 + tid % PK;
+        const int j = k / cin;
+        const long long off = (long long)j * jstride + (k - j * cin);  // load_a's column
 #pragma unroll
-        for (int r = 0; r < 16; ++r) an[r] = (r < M && k < kend) ? load_a(A, r, k, rsa, cin, jstride) : 0.0f;
+        for (int u = 0; u < AN; ++u) {
+            const int r = row0 + tid / PK + (128 / PK) * u;
+            an[u] = (r < M && k < kend) ? A[(long long)r * rsa + off] : 0.0f;
+        }
     };
     int z = z0, k0 = z0 * ks, kend = min(K, k0 + ks);
     load(k0, kend);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, tot[4];
+    float acc[MT][4], tot[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
     for (;;) {
         __syncthreads();  // the piece before is read
 #pragma unroll
-        for (int r = 0; r < 16; ++r) As[r * FR_AS + tid] = an[r];
+        for (int u = 0; u < AN; ++u) As[(tid / PK + (128 / PK) * u) * AS + tid % PK] = an[u];
 #pragma unroll
-        for (int s = 0; s < FR_PK / 8; ++s) {
+        for (int s = 0; s < PK / 8; ++s) {
             bv[s][0] = bn[s][0];
             bv[s][1] = bn[s][1];
         }
-        int nz = z, nk0 = k0 + FR_PK, nkend = kend;
+        int nz = z, nk0 = k0 + PK, nkend = kend;
         if (nk0 >= kend) {  // the next piece starts the next segment
             nz = z + 1;
             nk0 = nz * ks;
@@ -538,40 +552,61 @@ gemm_fr(int M, int N, int K, const float* A, long long rsa, int cin, long long j
         __syncthreads();  // the piece's A has landed
         if (!idle) {
 #pragma unroll
-            for (int s = 0; s < FR_PK / 8; ++s) {
+            for (int s = 0; s < PK / 8; ++s) {
                 if (k0 + 8 * s >= kend) break;  // uniform: past the segment
                 const int kk = 8 * s + t;
-                unsigned int ah[4], al[4], bh[2], bl[2];
-                tf32_split(As[g * FR_AS + kk], ah[0], al[0]);
-                tf32_split(As[(g + 8) * FR_AS + kk], ah[1], al[1]);
-                tf32_split(As[g * FR_AS + kk + 4], ah[2], al[2]);
-                tf32_split(As[(g + 8) * FR_AS + kk + 4], ah[3], al[3]);
+                unsigned int bh[2], bl[2];
                 tf32_split(bv[s][0], bh[0], bl[0]);
                 tf32_split(bv[s][1], bh[1], bl[1]);
-                step3(acc, ah, al, bh[0], bh[1], bl[0], bl[1]);
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    const int r = 16 * i + g;
+                    unsigned int ah[4], al[4];
+                    tf32_split(As[r * AS + kk], ah[0], al[0]);
+                    tf32_split(As[(r + 8) * AS + kk], ah[1], al[1]);
+                    tf32_split(As[r * AS + kk + 4], ah[2], al[2]);
+                    tf32_split(As[(r + 8) * AS + kk + 4], ah[3], al[3]);
+                    step3(acc[i], ah, al, bh[0], bh[1], bl[0], bl[1]);
+                }
             }
         }
         if (nz != z || !more) {  // a segment ends
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                tot[e] = z == z0 ? acc[e] : __fadd_rn(tot[e], acc[e]);
-                acc[e] = 0.0f;
-            }
+            for (int i = 0; i < MT; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    tot[i][e] = z == z0 ? acc[i][e] : __fadd_rn(tot[i][e], acc[i][e]);
+                    acc[i][e] = 0.0f;
+                }
         }
         if (!more) break;
         z = nz;
         k0 = nk0;
         kend = nkend;
     }
-    // c0 = (g, 2t), c1 = (g, 2t + 1), c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1)
+    // c0 = (g, 2t), c1 = (g, 2t + 1), c2 = (g + 8, 2t), c3 = (g + 8, 2t + 1) of each m16 tile
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        const int r = g + (e >= 2 ? 8 : 0);
-        const int c = col + 2 * t + (e & 1);
-        if (r >= M || c >= N) continue;
-        if (split) part[((long long)z0 * M + r) * N + c] = tot[e];
-        else epilogue(tot[e], r, c, N, C, bias, bias_n, gamma, res, act);
-    }
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = row0 + 16 * i + g + (e >= 2 ? 8 : 0);
+            const int c = col + 2 * t + (e & 1);
+            if (r >= M || c >= N) continue;
+            if (split) part[((long long)z0 * M + r) * N + c] = tot[i][e];
+            else epilogue(tot[i][e], r, c, N, C, bias, bias_n, gamma, res, act);
+        }
+}
+extern "C" __global__ void __launch_bounds__(128)
+gemm_fr(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+        const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+        const float* res, int act, int ks, float* part) {
+    gemm_fr_body<1, 128>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
+}
+extern "C" __global__ void __launch_bounds__(128)
+gemm_fr4(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
+         const float* B, float* C, const float* bias, int bias_n, const float* gamma,
+         const float* res, int act, int ks, float* part) {
+    gemm_fr_body<4, 64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 
 // Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.

@@ -89,14 +89,14 @@ pub struct TcCheck {
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
     /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
-    /// `gemm_tcs`) and on `gemm_fr` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
     /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
     /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`).
     pub seg1_launches: u64,
-    /// Launches that took `gemm_fr`.
+    /// Launches that took `gemm_fr` or `gemm_fr4`.
     pub frame_launches: u64,
     /// Launches that took `gemm_tcs`.
     pub small_launches: u64,
@@ -318,13 +318,14 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             exact.set_split_below(mode);
             let mut runs = Vec::new();
             for (w, seg1, small, frame) in [
-                (None, None, false, false),
-                (None, None, false, true),
-                (None, None, true, false),
-                (Some("gemm_tcw"), None, false, false),
-                (Some("gemm_tcw2"), None, false, false),
-                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, false),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, false),
+                (None, None, false, 0),
+                (None, None, false, 16),
+                (None, None, false, 64),
+                (None, None, true, 0),
+                (Some("gemm_tcw"), None, false, 0),
+                (Some("gemm_tcw2"), None, false, 0),
+                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0),
             ] {
                 exact.set_wide(w);
                 exact.set_seg1(seg1);
@@ -344,7 +345,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 );
                 let wide = w.is_some() && s.staged() && s.m > crate::cuda::WIDE_MIN_ROWS;
                 let tcs = small && s.staged() && s.m <= 16;
-                let expect = (wide, tcs, frame && !tcs && s.m <= 16);
+                let expect = (wide, tcs, !wide && !tcs && s.m <= frame);
                 out.dispatch_as_expected &= took == expect;
                 // a one-segment kernel takes every wide GEMM but those whose segments a forced
                 // in-block mode keeps together
@@ -354,7 +355,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             exact.set_wide(crate::cuda::wide_kernel());
             exact.set_seg1(crate::cuda::seg1_kernel());
             exact.set_small(crate::cuda::small_tiles());
-            exact.set_frame(crate::cuda::frame_tiles());
+            exact.set_frame(crate::cuda::frame_rows());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);

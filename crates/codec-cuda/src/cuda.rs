@@ -15,9 +15,10 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 22] = [
+pub const KERNELS: [&str; 23] = [
     "gemm_tc16",
     "gemm_fr",
+    "gemm_fr4",
     "gemm_tc64",
     "gemm_tcs",
     "gemm_tcw",
@@ -114,10 +115,11 @@ pub struct CudaExec {
     small: std::cell::Cell<bool>,
     /// Launches of `gemm_tcs` so far.
     small_launches: std::cell::Cell<u64>,
-    /// Tensor-core GEMMs of up to 16 rows on `gemm_fr` (the weights in flight a 128-key piece
-    /// a warp; the same bits as `gemm_tc16`) unless `gemm_tcs` takes them. See [`frame_tiles`].
-    frame: std::cell::Cell<bool>,
-    /// Launches of `gemm_fr` so far.
+    /// Tensor-core GEMMs of up to this many rows (0, 16 or 64) on `gemm_fr` / `gemm_fr4` (the
+    /// weights in flight a whole piece a warp; the same bits as `gemm_tc16` / `gemm_tc64`)
+    /// unless `gemm_tcs` takes them. See [`frame_rows`].
+    frame: std::cell::Cell<usize>,
+    /// Launches of `gemm_fr` and `gemm_fr4` so far.
     frame_launches: std::cell::Cell<u64>,
 }
 
@@ -179,14 +181,20 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
     }
 }
 
-/// Whether GEMMs of up to 16 rows take `gemm_fr` rather than `gemm_tc16`
-/// (`DRAMATIS_CODEC_FR`, default on; `0` off).
-pub fn frame_tiles() -> bool {
+/// The rows up to which tensor-core GEMMs take `gemm_fr` (up to 16 rows, for `gemm_tc16`) and
+/// `gemm_fr4` (17-64, for `gemm_tc64`), from `DRAMATIS_CODEC_FR`: unset or `64`, both; `16`
+/// (or `1`), `gemm_fr` alone; `0`, neither. Session 22, a 12-frame push at Drama 3 geometry:
+/// `gemm_fr`'s 33 launches 528 against `gemm_tc16`'s 774 us.
+pub fn frame_rows() -> usize {
     frame_from(std::env::var("DRAMATIS_CODEC_FR").ok().as_deref())
 }
 
-pub(crate) fn frame_from(v: Option<&str>) -> bool {
-    v.is_none_or(|v| v.trim() != "0")
+pub(crate) fn frame_from(v: Option<&str>) -> usize {
+    match v.map(str::trim) {
+        Some("0") => 0,
+        Some("1" | "16") => 16,
+        _ => 64,
+    }
 }
 
 /// Whether GEMMs of up to 16 rows take `gemm_tcs` (`DRAMATIS_CODEC_TCS=1`; default off). In
@@ -271,7 +279,7 @@ impl CudaExec {
             seg1: std::cell::Cell::new(seg1_kernel()),
             split_forced: std::cell::Cell::new(false),
             seg1_launches: std::cell::Cell::new(0),
-            frame: std::cell::Cell::new(frame_tiles()),
+            frame: std::cell::Cell::new(frame_rows()),
             frame_launches: std::cell::Cell::new(0),
             small: std::cell::Cell::new(small_tiles()),
             small_launches: std::cell::Cell::new(0),
@@ -292,13 +300,13 @@ impl CudaExec {
         self.seg1.set(kernel);
     }
 
-    /// Whether GEMMs of up to 16 rows take `gemm_fr` (else `gemm_tc16`; `gemm_tcs` first
-    /// where it is on and allowed).
-    pub fn set_frame(&self, on: bool) {
-        self.frame.set(on);
+    /// The rows up to which GEMMs take `gemm_fr` / `gemm_fr4` (0, 16 or 64; else `gemm_tc16` /
+    /// `gemm_tc64`; `gemm_tcs` first where it is on and allowed).
+    pub fn set_frame(&self, rows: usize) {
+        self.frame.set(rows);
     }
 
-    /// Launches of `gemm_fr` so far.
+    /// Launches of `gemm_fr` and `gemm_fr4` so far.
     pub fn frame_launches(&self) -> u64 {
         self.frame_launches.get()
     }
@@ -507,11 +515,12 @@ impl Exec for CudaExec {
             let staged = staged(g.cin, g.k, ks, g.n, g.rsa, g.jstride, a, b);
             let wide = self.wide.get().filter(|_| staged && g.m > WIDE_MIN_ROWS);
             let small = staged && g.m <= 16 && self.small.get();
-            let frame = !small && g.m <= 16 && self.frame.get();
+            let frame = wide.is_none() && !small && g.m <= self.frame.get();
             let (name, bm, bn, threads) = match wide {
                 Some(w) => (w, 128, 64, 256),
                 None if small => ("gemm_tcs", 16, 64, 128),
-                None if frame => ("gemm_fr", 16, 32, 128),
+                None if frame && g.m <= 16 => ("gemm_fr", 16, 32, 128),
+                None if frame => ("gemm_fr4", 64, 32, 128),
                 None if g.m <= 16 => ("gemm_tc16", 16, 64, 128),
                 None => ("gemm_tc64", 64, 64, 128),
             };

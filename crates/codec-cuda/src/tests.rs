@@ -360,12 +360,14 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
-/// `DRAMATIS_CODEC_FR`: `gemm_fr` for up to 16 rows unless `0`.
+/// `DRAMATIS_CODEC_FR`: `gemm_fr` and `gemm_fr4` up to 64 rows unless `16` (or `1`) or `0`.
 #[test]
-fn frame_tiles_setting() {
-    assert!(cuda::frame_from(None));
-    assert!(cuda::frame_from(Some("1")));
-    assert!(!cuda::frame_from(Some(" 0")));
+fn frame_rows_setting() {
+    assert_eq!(cuda::frame_from(None), 64);
+    assert_eq!(cuda::frame_from(Some("64")), 64);
+    assert_eq!(cuda::frame_from(Some("1")), 16);
+    assert_eq!(cuda::frame_from(Some("16 ")), 16);
+    assert_eq!(cuda::frame_from(Some(" 0")), 0);
 }
 
 /// `DRAMATIS_CODEC_TCW_SEG1`: the three-block one-segment kernel by default, two blocks on
