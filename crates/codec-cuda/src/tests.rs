@@ -360,6 +360,14 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
+/// `DRAMATIS_CODEC_FUSE_REDUCE`: the partials summed in the launch unless `0`.
+#[test]
+fn fused_reduce_setting() {
+    assert!(cuda::fuse_from(None));
+    assert!(cuda::fuse_from(Some("1")));
+    assert!(!cuda::fuse_from(Some("0 ")));
+}
+
 /// `DRAMATIS_CODEC_FR`: `gemm_fr` and `gemm_fr4` up to 64 rows unless `16` (or `1`) or `0`.
 #[test]
 fn frame_rows_setting() {
