@@ -368,6 +368,16 @@ fn fused_reduce_setting() {
     assert!(!cuda::fuse_from(Some("0 ")));
 }
 
+/// 96-column tiles only where they pad less than 64-column ones.
+#[test]
+fn tiles_of_96_columns() {
+    assert!(cuda::pads_less_at_96(96));
+    assert!(cuda::pads_less_at_96(90));
+    assert!(!cuda::pads_less_at_96(192));
+    assert!(!cuda::pads_less_at_96(64));
+    assert!(!cuda::pads_less_at_96(768));
+}
+
 /// `DRAMATIS_CODEC_FR`: `gemm_fr` and `gemm_fr4` up to 64 rows unless `16` (or `1`) or `0`.
 #[test]
 fn frame_rows_setting() {
