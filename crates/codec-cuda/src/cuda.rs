@@ -98,7 +98,8 @@ pub struct CudaExec {
     /// FMA tiles, whose codes match the encode goldens exactly.
     tc: bool,
     /// Tensor-core GEMMs with fewer tiles than this sum K's segments across blocks (partials
-    /// through memory, then `gemm_reduce`); others inside each block. The same bits either way.
+    /// through memory, then `gemm_reduce`); others inside each block, except the wide GEMMs
+    /// when a one-segment kernel is set (see `seg1`). The same bits either way.
     split_below: std::cell::Cell<usize>,
     /// Tensor-core GEMMs of many rows on `gemm_tc*`'s wide tiles (the same bits): `None` off,
     /// else the kernel (`gemm_tcw`, one block a multiprocessor, or `gemm_tcw2`, two).

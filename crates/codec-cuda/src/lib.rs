@@ -39,7 +39,7 @@ use codec::{Codec, CodecConfig, Codes};
 
 pub use cuda::CudaExec;
 pub use decoder::STEP_FRAMES;
-use decoder::{StateBufs, Weights};
+use decoder::{Scratch, StateBufs, Weights};
 use encoder::{EncCore, EncStateBufs};
 use exec::{Exec, HostExec};
 
@@ -71,11 +71,15 @@ pub fn pth_path(path: &Path) -> PathBuf {
     }
 }
 
-/// A decoder over any executor (weights uploaded, buffers owned).
+/// A decoder over any executor (weights uploaded, buffers owned, and one step's scratch for
+/// all its streams, made at the first push).
 struct Core<E: Exec> {
     exec: E,
     weights: Weights,
     bufs: Vec<usize>,
+    scratch: std::cell::RefCell<Option<Scratch>>,
+    /// The most frames a step takes (the scratch's size): [`STEP_FRAMES`] unless set lower.
+    step_frames: std::cell::Cell<usize>,
 }
 
 impl<E: Exec> Core<E> {
@@ -85,7 +89,22 @@ impl<E: Exec> Core<E> {
             exec,
             weights,
             bufs,
+            scratch: std::cell::RefCell::new(None),
+            step_frames: std::cell::Cell::new(STEP_FRAMES),
         })
+    }
+
+    /// Steps of at most `frames` frames (1 to [`STEP_FRAMES`]); the scratch is remade at the
+    /// next push if its size changes. The same samples whatever the step (any chunking is).
+    fn set_step_frames(&self, frames: usize) {
+        self.step_frames.set(frames.clamp(1, STEP_FRAMES));
+    }
+
+    /// Device elements one step's scratch holds, as [`Scratch::new`] allocates it.
+    fn scratch_elems(&self) -> usize {
+        let f = self.step_frames.get();
+        let (work, act, hid) = self.weights.sizes(f);
+        2 * work + 4 * act + hid + f * self.weights.post.hd
     }
 
     fn push(&self, st: &mut StateBufs, codes: &Codes) -> Result<Vec<f32>> {
@@ -97,14 +116,28 @@ impl<E: Exec> Core<E> {
             ))));
         }
         let t = codes.frames();
+        let step = self.step_frames.get();
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.as_ref().is_some_and(|s| s.frames != step) {
+            if let Some(old) = scratch.take() {
+                for b in old.bufs {
+                    self.exec.free(b);
+                }
+            }
+        }
+        if scratch.is_none() {
+            *scratch = Some(Scratch::new(&self.exec, &self.weights, step)?);
+        }
+        let sc = scratch.as_ref().expect("made above");
         let mut pcm = Vec::with_capacity(t * self.weights.frame_length());
         let mut f = 0;
         while f < t {
-            let end = (f + STEP_FRAMES).min(t);
+            let end = (f + step).min(t);
             pcm.extend(decoder::step(
                 &self.exec,
                 &self.weights,
                 st,
+                sc,
                 &codes.slice(f, end),
             )?);
             f = end;
@@ -117,6 +150,11 @@ impl<E: Exec> Drop for Core<E> {
     fn drop(&mut self) {
         for &b in &self.bufs {
             self.exec.free(b);
+        }
+        if let Some(sc) = self.scratch.get_mut().take() {
+            for b in sc.bufs {
+                self.exec.free(b);
+            }
         }
     }
 }
@@ -172,6 +210,25 @@ impl CudaDecoder {
     /// Whole decode (a fresh state, pushed once).
     pub fn decode(&self, codes: &Codes) -> Result<Vec<f32>> {
         self.state()?.push(codes)
+    }
+
+    /// Steps of at most `frames` frames (1 to [`STEP_FRAMES`]; the default is the most): the
+    /// decoder's one scratch, shared by its streams, is sized for them. The engine sets its
+    /// largest decoder call, which its memory plan counts. The same samples whatever the step.
+    pub fn set_step_frames(&self, frames: usize) {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_step_frames(frames);
+    }
+
+    /// Bytes of the decoder's step scratch at its step size (one, whatever the streams).
+    pub fn scratch_bytes(&self) -> usize {
+        4 * self
+            .core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .scratch_elems()
     }
 
     /// The wide tensor-core kernel its GEMMs of many rows use (`None`: `gemm_tc64`; see
@@ -270,6 +327,10 @@ impl HostDecoder {
     }
     pub fn push(&self, state: &mut HostDecoderState, codes: &Codes) -> Result<Vec<f32>> {
         self.core.push(&mut state.st, codes)
+    }
+    /// As [`CudaDecoder::set_step_frames`].
+    pub fn set_step_frames(&self, frames: usize) {
+        self.core.set_step_frames(frames);
     }
 }
 

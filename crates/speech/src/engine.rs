@@ -561,6 +561,9 @@ impl Engine {
                 let gpu_codec =
                     codec_cuda::CudaDecoder::from_state_dict(gpu.clone(), &sd, codec.config())
                         .map_err(gpu_err)?;
+                // its one step scratch sized for the largest call the codec thread makes (the
+                // frames of workspace the plan counts; see `codec_loop`)
+                gpu_codec.set_step_frames((lanes * codec_lane_frames).min(CODEC_MAX_CHUNK));
                 gpu_encoder = Some(
                     codec_cuda::CudaEncoder::from_state_dict(gpu, &sd, codec.config())
                         .map_err(gpu_err)?,
