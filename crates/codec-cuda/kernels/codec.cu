@@ -58,6 +58,15 @@ __device__ __forceinline__ void epilogue(float acc, int r, int c, int N, float* 
     C[(long long)r * N + c] = v;
 }
 
+// An output: its K segment z's partial sum (segments split across blocks) or, summed whole,
+// the epilogue into C. The tensor-core GEMMs' common store.
+__device__ __forceinline__ void put_out(float v, bool split, int z, int r, int c, int M, int N, float* part,
+                                        float* C, const float* bias, int bias_n, const float* gamma,
+                                        const float* res, int act) {
+    if (split) part[((long long)z * M + r) * N + c] = v;
+    else epilogue(v, r, c, N, C, bias, bias_n, gamma, res, act);
+}
+
 template <int BM, int BN, int BK, int TM, int TN>
 __device__ __forceinline__ void gemm_tile(int M, int N, int K, const float* A, long long rsa,
                                           int cin, long long jstride, const float* B, float* C,
@@ -316,8 +325,7 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                 const int r = row0 + 16 * i + g + (e >= 2 ? 8 : 0);
                 const int c = colw + 8 * j + 2 * t + (e & 1);
                 if (r >= M || c >= N) continue;
-                if (split) part[((long long)z0 * M + r) * N + c] = tot[i][j][e];
-                else epilogue(tot[i][j][e], r, c, N, C, bias, bias_n, gamma, res, act);
+                put_out(tot[i][j][e], split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
             }
     if (split && tickets)
         reduce_tile(tickets, part, M, N, row0, BM, blockIdx.x * 64, 64, C, bias, bias_n, gamma, res, act);
@@ -476,8 +484,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 const int c = col0 + wn + 8 * j + 2 * t + (e & 1);
                 if (r >= M || c >= N) continue;
                 const float v = SEG1 ? acc[i][j][e] : tot[SEG1 ? 0 : i][SEG1 ? 0 : j][e];
-                if (split) part[((long long)z0 * M + r) * N + c] = v;
-                else epilogue(v, r, c, N, C, bias, bias_n, gamma, res, act);
+                put_out(v, split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
             }
     if (split && tickets) reduce_tile(tickets, part, M, N, row0, BM, col0, BN, C, bias, bias_n, gamma, res, act);
 }
@@ -634,8 +641,7 @@ __device__ __forceinline__ void gemm_fr_body(int M, int N, int K, const float* A
             const int r = row0 + 16 * i + g + (e >= 2 ? 8 : 0);
             const int c = col + 2 * t + (e & 1);
             if (r >= M || c >= N) continue;
-            if (split) part[((long long)z0 * M + r) * N + c] = tot[i][e];
-            else epilogue(tot[i][e], r, c, N, C, bias, bias_n, gamma, res, act);
+            put_out(tot[i][e], split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
         }
     if (split && tickets)
         reduce_tile(tickets, part, M, N, row0, R, blockIdx.x * 32, 32, C, bias, bias_n, gamma, res, act);
