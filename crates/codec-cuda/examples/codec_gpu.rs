@@ -484,7 +484,6 @@ fn main() -> R<()> {
         "seg1_kernel": codec_cuda::cuda::seg1_kernel(),
         "frame_rows": codec_cuda::cuda::frame_rows(),
         "wide96": codec_cuda::cuda::wide96(),
-        "fused_reduce": codec_cuda::cuda::fused_reduce(),
         "small_tiles": codec_cuda::cuda::small_tiles(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;

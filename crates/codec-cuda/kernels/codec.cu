@@ -190,37 +190,6 @@ __device__ __forceinline__ void step3(float (&acc)[4], const unsigned int (&ah)[
     for (int e = 0; e < 4; ++e) acc[e] = __fadd_rn(acc[e], __fadd_rn(big[e], small[e]));
 }
 
-// Split K inside the launch (tickets non-null): once a block's partial tile is written, the
-// last of the tile's nseg blocks to finish (one ticket a tile) sums the tile's partials in
-// segment order as gemm_reduce does (the same bits), applies the epilogue and resets the ticket
-// for the next launch. Saves gemm_reduce's launch (57 a 12-frame push, 452 us, session 22).
-__device__ __forceinline__ void reduce_tile(unsigned int* tickets, const float* part, int M, int N,
-                                            int row0, int rows, int col0, int cols, float* C,
-                                            const float* bias, int bias_n, const float* gamma,
-                                            const float* res, int act) {
-    __shared__ unsigned int last;
-    __threadfence();  // this block's partials are visible device-wide before its ticket is
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int* tk = tickets + blockIdx.x + gridDim.x * blockIdx.y;
-        last = atomicAdd(tk, 1u) == gridDim.z - 1;
-        if (last) *tk = 0;  // every block of the tile has counted
-    }
-    __syncthreads();
-    if (!last) return;  // uniform across the block
-    __threadfence();
-    const int nseg = gridDim.z;
-    const long long mn = (long long)M * N;
-    for (int i = threadIdx.x; i < rows * cols; i += blockDim.x) {
-        const int r = row0 + i / cols, c = col0 + i % cols;
-        if (r >= M || c >= N) continue;
-        const long long o = (long long)r * N + c;
-        float acc = __ldcg(part + o);
-        for (int z = 1; z < nseg; ++z) acc = __fadd_rn(acc, __ldcg(part + z * mn + o));
-        epilogue(acc, r, c, N, C, bias, bias_n, gamma, res, act);
-    }
-}
-
 #define TC_BK 32
 // x = hi + lo in TF32 (hi = tf32(x), lo = tf32(x - hi)): every tensor-core GEMM's split.
 __device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
@@ -232,8 +201,7 @@ template <int BM>
 __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A, long long rsa, int cin,
                                              long long jstride, const float* B, float* C,
                                              const float* bias, int bias_n, const float* gamma,
-                                             const float* res, int act, int ks, float* part,
-                                             unsigned int* tickets) {
+                                             const float* res, int act, int ks, float* part) {
     constexpr int MT = BM / 16;
     __shared__ unsigned int Ah[TC_BK][BM + 4];
     __shared__ unsigned int Al[TC_BK][BM + 4];
@@ -327,8 +295,6 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
                 if (r >= M || c >= N) continue;
                 put_out(tot[i][j][e], split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
             }
-    if (split && tickets)
-        reduce_tile(tickets, part, M, N, row0, BM, blockIdx.x * 64, 64, C, bias, bias_n, gamma, res, act);
 }
 
 // 16 rows a block (frame-rate layers: few rows) and 64 rows a block (many rows): the same bits.
@@ -337,14 +303,14 @@ __device__ __forceinline__ void gemm_tc_body(int M, int N, int K, const float* A
 extern "C" __global__ void __launch_bounds__(128)
 gemm_tc16(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
           const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-          const float* res, int act, int ks, float* part, unsigned int* tickets) {
-    gemm_tc_body<16>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part, tickets);
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<16>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 extern "C" __global__ void __launch_bounds__(128)
 gemm_tc64(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
           const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-          const float* res, int act, int ks, float* part, unsigned int* tickets) {
-    gemm_tc_body<64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part, tickets);
+          const float* res, int act, int ks, float* part) {
+    gemm_tc_body<64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 
 // ------------------------------------------- tensor-core GEMM, wide tiles (3xTF32, same bits)
@@ -379,8 +345,7 @@ template <int WM, int WN, int MT, int NT, int ST, bool SEG1 = false>
 __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
                                               int cin, long long jstride, const float* B, float* C,
                                               const float* bias, int bias_n, const float* gamma,
-                                              const float* res, int act, int ks, float* part,
-                                              unsigned int* tickets) {
+                                              const float* res, int act, int ks, float* part) {
     constexpr int BM = 16 * WM * MT, BN = 8 * WN * NT, BS = BN + 8, T = 32 * WM * WN;
     __shared__ __align__(16) float As[ST][BM * TCW_AS];
     __shared__ __align__(16) float Bs[ST][TCW_BK * BS];
@@ -486,14 +451,13 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 const float v = SEG1 ? acc[i][j][e] : tot[SEG1 ? 0 : i][SEG1 ? 0 : j][e];
                 put_out(v, split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
             }
-    if (split && tickets) reduce_tile(tickets, part, M, N, row0, BM, col0, BN, C, bias, bias_n, gamma, res, act);
 }
 
 #define GEMM_TCW_ARGS                                                                                  \
     int M, int N, int K, const float *A, long long rsa, int cin, long long jstride, const float *B,    \
         float *C, const float *bias, int bias_n, const float *gamma, const float *res, int act, int ks, \
-        float *part, unsigned int *tickets
-#define GEMM_TCW_PASS M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part, tickets
+        float *part
+#define GEMM_TCW_PASS M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part
 // Many rows: 128 x 64 tiles, 8 warps of 32 x 32, 3 stages. One block a
 // multiprocessor with the registers the body wants (no spills), or two held to 128 registers
 // each (a few spilled): the same bits, the faster one chosen by measurement.
@@ -539,8 +503,7 @@ template <int MT, int PK>
 __device__ __forceinline__ void gemm_fr_body(int M, int N, int K, const float* A, long long rsa,
                                              int cin, long long jstride, const float* B, float* C,
                                              const float* bias, int bias_n, const float* gamma,
-                                             const float* res, int act, int ks, float* part,
-                                             unsigned int* tickets) {
+                                             const float* res, int act, int ks, float* part) {
     constexpr int R = 16 * MT, AS = PK + 4;  // A row stride: fragment reads (4g + t) hit 32 banks
     constexpr int AN = R * PK / 128;          // A elements a thread stages
     __shared__ float As[R * AS];
@@ -643,20 +606,18 @@ __device__ __forceinline__ void gemm_fr_body(int M, int N, int K, const float* A
             if (r >= M || c >= N) continue;
             put_out(tot[i][e], split, z0, r, c, M, N, part, C, bias, bias_n, gamma, res, act);
         }
-    if (split && tickets)
-        reduce_tile(tickets, part, M, N, row0, R, blockIdx.x * 32, 32, C, bias, bias_n, gamma, res, act);
 }
 extern "C" __global__ void __launch_bounds__(128)
 gemm_fr(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
         const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-        const float* res, int act, int ks, float* part, unsigned int* tickets) {
-    gemm_fr_body<1, 128>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part, tickets);
+        const float* res, int act, int ks, float* part) {
+    gemm_fr_body<1, 128>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 extern "C" __global__ void __launch_bounds__(128)
 gemm_fr4(int M, int N, int K, const float* A, long long rsa, int cin, long long jstride,
          const float* B, float* C, const float* bias, int bias_n, const float* gamma,
-         const float* res, int act, int ks, float* part, unsigned int* tickets) {
-    gemm_fr_body<4, 64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part, tickets);
+         const float* res, int act, int ks, float* part) {
+    gemm_fr_body<4, 64>(M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part);
 }
 
 // Split-K combine: acc = part[0] + part[1] + ... in segment order, then the epilogue.

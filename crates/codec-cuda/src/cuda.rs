@@ -88,11 +88,6 @@ pub struct CudaExec {
     bufs: RefCell<Vec<Option<DevBuf>>>,
     /// Split-K partial sums, grown on demand (used only between a GEMM and its combine).
     part: RefCell<Option<DevBuf>>,
-    /// One ticket (u32, zero between launches) a tile of a split tensor-core GEMM whose last
-    /// block sums the partials itself, grown on demand. See [`fused_reduce`].
-    tickets: RefCell<Option<DevBuf>>,
-    /// Whether split tensor-core GEMMs sum their partials in the launch (else `gemm_reduce`).
-    fuse: std::cell::Cell<bool>,
     /// GEMMs of two or more columns on tensor cores (3xTF32, `gemm_tc*`) instead of the FMA
     /// tiles: the decoder's choice (`DRAMATIS_CODEC_TC=0` turns it off); the encoder keeps the
     /// FMA tiles, whose codes match the encode goldens exactly.
@@ -196,7 +191,7 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
 /// Whether one-segment wide GEMMs of N = 96 (or any N that 96-wide tiles pad less) take
 /// `gemm_tcw96s`, 64 x 96 tiles (`DRAMATIS_CODEC_TCW96`, default on, `0` off; the same bits).
 pub fn wide96() -> bool {
-    fuse_from(std::env::var("DRAMATIS_CODEC_TCW96").ok().as_deref())
+    on_unless_zero(std::env::var("DRAMATIS_CODEC_TCW96").ok().as_deref())
 }
 
 /// Whether 96-wide tiles pad `n` columns less than 64-wide ones.
@@ -204,14 +199,8 @@ pub(crate) fn pads_less_at_96(n: usize) -> bool {
     n.div_ceil(96) * 96 < n.div_ceil(64) * 64
 }
 
-/// Whether split tensor-core GEMMs sum their partials inside the launch, the last block of
-/// each tile in segment order (the same bits as `gemm_reduce`, one launch fewer a GEMM):
-/// `DRAMATIS_CODEC_FUSE_REDUCE`, default on, `0` off.
-pub fn fused_reduce() -> bool {
-    fuse_from(std::env::var("DRAMATIS_CODEC_FUSE_REDUCE").ok().as_deref())
-}
-
-pub(crate) fn fuse_from(v: Option<&str>) -> bool {
+/// An on/off setting: on unless `0`.
+pub(crate) fn on_unless_zero(v: Option<&str>) -> bool {
     v.is_none_or(|v| v.trim() != "0")
 }
 
@@ -306,8 +295,6 @@ impl CudaExec {
             funcs,
             bufs: RefCell::new(Vec::new()),
             part: RefCell::new(None),
-            tickets: RefCell::new(None),
-            fuse: std::cell::Cell::new(fused_reduce()),
             tc,
             split_below: std::cell::Cell::new(0),
             wide: std::cell::Cell::new(wide_kernel()),
@@ -342,11 +329,6 @@ impl CudaExec {
     /// `gemm_tc64`; `gemm_tcs` first where it is on and allowed).
     pub fn set_frame(&self, rows: usize) {
         self.frame.set(rows);
-    }
-
-    /// Whether split tensor-core GEMMs sum their partials in the launch.
-    pub fn set_fuse(&self, on: bool) {
-        self.fuse.set(on);
     }
 
     /// Launches of `gemm_fr` and `gemm_fr4` so far.
@@ -413,24 +395,6 @@ impl CudaExec {
         let mut p = self.part.borrow_mut();
         if p.as_ref().is_none_or(|(s, _)| s.len() < n) {
             // The old buffer is freed in stream order, after the work queued on it.
-            *p = None;
-            let s = self
-                .stream()
-                .alloc_zeros::<f32>(n)
-                .map_err(backend_cuda::CudaError::from)?;
-            let base = {
-                let (ptr, _sync) = s.device_ptr(self.stream());
-                ptr
-            };
-            *p = Some((s, base));
-        }
-        Ok(p.as_ref().map_or(0, |(_, b)| *b))
-    }
-
-    /// `n` tickets, zero (each launch's last blocks leave theirs at zero).
-    fn tickets(&self, n: usize) -> Result<u64> {
-        let mut p = self.tickets.borrow_mut();
-        if p.as_ref().is_none_or(|(s, _)| s.len() < n) {
             *p = None;
             let s = self
                 .stream()
@@ -641,25 +605,11 @@ impl Exec for CudaExec {
             shared_mem_bytes: 0,
         };
         let ksi = i32_of(ks)?;
-        // the tensor-core kernels take a ticket buffer: a split GEMM's last block a tile sums
-        // its partials (0: none, `gemm_reduce` does)
-        let tickets = if self.tc && zs > 1 && self.fuse.get() {
-            self.tickets(cdiv(g.n, bn) * cdiv(g.m, bm))?
-        } else {
-            0
-        };
-        if self.tc {
-            launch!(
-                self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma,
-                &res, &act, &ksi, &part, &tickets
-            );
-        } else {
-            launch!(
-                self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma,
-                &res, &act, &ksi, &part
-            );
-        }
-        if zs > 1 && tickets == 0 {
+        launch!(
+            self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma, &res,
+            &act, &ksi, &part
+        );
+        if zs > 1 {
             let ns = i32_of(zs)?;
             launch!(
                 self,

@@ -10,9 +10,15 @@ use codec::CodecConfig;
 use crate::exec::{Exec, Gemm, P};
 use crate::{CudaCodecError, Result};
 
-/// Frames one internal step decodes at most (longer pushes are split; any split gives the
-/// same samples).
+/// Frames one internal step decodes at most by default (longer pushes are split; any split
+/// gives the same samples), and the encoder's step.
 pub const STEP_FRAMES: usize = 16;
+
+/// The most frames a decoder step may be set to take ([`crate::CudaDecoder::set_step_frames`]):
+/// the engine's largest decoder call. A step's fixed cost (its ~150 launches and the
+/// post-module's weights read once) is paid once per step, so a call of more frames than the
+/// step pays it again.
+pub const MAX_STEP_FRAMES: usize = 64;
 
 fn miss(name: &str) -> CudaCodecError {
     CudaCodecError::Weights(format!("tensor {name} is missing"))
@@ -588,10 +594,6 @@ impl Weights {
     pub(crate) fn num_codebooks(&self) -> usize {
         self.cfg.num_codebooks()
     }
-    fn ring(&self) -> usize {
-        self.post.ring(STEP_FRAMES)
-    }
-
     /// Scratch sizes (f32) for a step of `t` frames: (work, activation, hidden).
     pub(crate) fn sizes(&self, t: usize) -> (usize, usize, usize) {
         let (h, qkv, att, mut hid) = self.post.scratch(t);
@@ -625,6 +627,8 @@ impl Weights {
 /// decoder's, [`Scratch`], shared by its streams: one push runs at a time).
 pub(crate) struct StateBufs {
     pub(crate) pos: u64,
+    /// KV ring slots: the window's history plus the largest step this state takes.
+    ring: usize,
     hists: Vec<P>,
     kring: Vec<P>,
     vring: Vec<P>,
@@ -632,7 +636,14 @@ pub(crate) struct StateBufs {
 }
 
 impl StateBufs {
-    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights) -> Result<StateBufs> {
+    /// The most frames a step of this state may take (its ring's room).
+    pub(crate) fn max_step(&self, wt: &Weights) -> usize {
+        self.ring + 1 - wt.post.window
+    }
+
+    /// For steps of up to `step` frames (1 to [`MAX_STEP_FRAMES`]).
+    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights, step: usize) -> Result<StateBufs> {
+        let ring = wt.post.ring(step.clamp(1, MAX_STEP_FRAMES));
         let mut bufs = Vec::new();
         let mut mk = |n: usize| -> Result<P> {
             let b = e.alloc(n.max(1))?;
@@ -644,7 +655,7 @@ impl StateBufs {
             .iter()
             .map(|&(r, c)| mk(r * c))
             .collect::<Result<Vec<_>>>()?;
-        let kv = wt.ring() * wt.post.heads * wt.post.hd;
+        let kv = ring * wt.post.heads * wt.post.hd;
         let kring = (0..wt.post.n_layers())
             .map(|_| mk(kv))
             .collect::<Result<Vec<_>>>()?;
@@ -653,6 +664,7 @@ impl StateBufs {
             .collect::<Result<Vec<_>>>()?;
         Ok(StateBufs {
             pos: 0,
+            ring,
             hists,
             kring,
             vring,
@@ -679,9 +691,9 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    /// For steps of up to `frames` frames (at most [`STEP_FRAMES`]).
+    /// For steps of up to `frames` frames (at most [`MAX_STEP_FRAMES`]).
     pub(crate) fn new<E: Exec>(e: &E, wt: &Weights, frames: usize) -> Result<Scratch> {
-        let frames = frames.clamp(1, STEP_FRAMES);
+        let frames = frames.clamp(1, MAX_STEP_FRAMES);
         let mut bufs = Vec::new();
         let mut mk = |n: usize| -> Result<P> {
             let b = e.alloc(n.max(1))?;
@@ -916,15 +928,7 @@ pub(crate) fn step<E: Exec>(
         rope: sc.rope,
     };
     transformer_layers(
-        e,
-        &wt.post,
-        &st.kring,
-        &st.vring,
-        wt.ring(),
-        st.pos,
-        &scratch,
-        x,
-        t,
+        e, &wt.post, &st.kring, &st.vring, st.ring, st.pos, &scratch, x, t,
     )?;
     st.pos += t as u64;
 

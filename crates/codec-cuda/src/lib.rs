@@ -38,8 +38,8 @@ use checkpoint::pth::PthStateDict;
 use codec::{Codec, CodecConfig, Codes};
 
 pub use cuda::CudaExec;
-pub use decoder::STEP_FRAMES;
 use decoder::{Scratch, StateBufs, Weights};
+pub use decoder::{MAX_STEP_FRAMES, STEP_FRAMES};
 use encoder::{EncCore, EncStateBufs};
 use exec::{Exec, HostExec};
 
@@ -94,10 +94,16 @@ impl<E: Exec> Core<E> {
         })
     }
 
-    /// Steps of at most `frames` frames (1 to [`STEP_FRAMES`]); the scratch is remade at the
-    /// next push if its size changes. The same samples whatever the step (any chunking is).
+    /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]); the scratch is remade at
+    /// the next push if its size changes, and states made before take steps of at most what
+    /// their KV rings were made for. The same samples whatever the step (any chunking is).
     fn set_step_frames(&self, frames: usize) {
-        self.step_frames.set(frames.clamp(1, STEP_FRAMES));
+        self.step_frames.set(frames.clamp(1, MAX_STEP_FRAMES));
+    }
+
+    /// A stream's state, its KV rings made for the current step.
+    fn state(&self) -> Result<StateBufs> {
+        StateBufs::new(&self.exec, &self.weights, self.step_frames.get())
     }
 
     /// Device elements one step's scratch holds, as [`Scratch::new`] allocates it.
@@ -116,9 +122,10 @@ impl<E: Exec> Core<E> {
             ))));
         }
         let t = codes.frames();
-        let step = self.step_frames.get();
+        let size = self.step_frames.get();
+        let step = size.min(st.max_step(&self.weights));
         let mut scratch = self.scratch.borrow_mut();
-        if scratch.as_ref().is_some_and(|s| s.frames != step) {
+        if scratch.as_ref().is_some_and(|s| s.frames != size) {
             if let Some(old) = scratch.take() {
                 for b in old.bufs {
                     self.exec.free(b);
@@ -126,7 +133,7 @@ impl<E: Exec> Core<E> {
             }
         }
         if scratch.is_none() {
-            *scratch = Some(Scratch::new(&self.exec, &self.weights, step)?);
+            *scratch = Some(Scratch::new(&self.exec, &self.weights, size)?);
         }
         let sc = scratch.as_ref().expect("made above");
         let mut pcm = Vec::with_capacity(t * self.weights.frame_length());
@@ -199,7 +206,7 @@ impl CudaDecoder {
     /// A fresh streaming state (position 0, zero histories), with its own device buffers.
     pub fn state(&self) -> Result<CudaDecoderState> {
         let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
-        let st = StateBufs::new(&core.exec, &core.weights)?;
+        let st = core.state()?;
         drop(core);
         Ok(CudaDecoderState {
             core: self.core.clone(),
@@ -212,9 +219,10 @@ impl CudaDecoder {
         self.state()?.push(codes)
     }
 
-    /// Steps of at most `frames` frames (1 to [`STEP_FRAMES`]; the default is the most): the
-    /// decoder's one scratch, shared by its streams, is sized for them. The engine sets its
-    /// largest decoder call, which its memory plan counts. The same samples whatever the step.
+    /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]; [`STEP_FRAMES`] by default):
+    /// the decoder's one scratch, shared by its streams, and the KV rings of the streams made
+    /// after are sized for them. The engine sets its largest decoder call, which its memory
+    /// plan counts. The same samples whatever the step.
     pub fn set_step_frames(&self, frames: usize) {
         self.core
             .lock()
@@ -322,7 +330,7 @@ impl HostDecoder {
     }
     pub fn state(&self) -> Result<HostDecoderState> {
         Ok(HostDecoderState {
-            st: StateBufs::new(&self.core.exec, &self.core.weights)?,
+            st: self.core.state()?,
         })
     }
     pub fn push(&self, state: &mut HostDecoderState, codes: &Codes) -> Result<Vec<f32>> {

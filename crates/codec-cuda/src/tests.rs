@@ -76,9 +76,18 @@ fn streams_share_the_step_scratch() {
     let whole_a = push_chunks(&dec, &a, a.frames());
     let whole_b = push_chunks(&dec, &b, b.frames());
     assert!(!bit_identical(&whole_a, &whole_b), "two different streams");
-    for step in [1, 5, STEP_FRAMES] {
-        dec.set_step_frames(step);
+    // steps past STEP_FRAMES (one 21-frame push as one step); and a state made for 5-frame
+    // steps, then pushed after the decoder's step is raised, keeps to what its KV ring holds
+    for (made, step) in [
+        (1, 1),
+        (5, 5),
+        (STEP_FRAMES, STEP_FRAMES),
+        (24, 24),
+        (5, MAX_STEP_FRAMES),
+    ] {
+        dec.set_step_frames(made);
         let (mut sa, mut sb) = (dec.state().unwrap(), dec.state().unwrap());
+        dec.set_step_frames(step);
         let (mut pa, mut pb) = (Vec::new(), Vec::new());
         for (f0, f1) in [(0, 2), (2, 9), (9, 30), (30, 37)] {
             pa.extend(dec.push(&mut sa, &a.slice(f0, f1)).unwrap());
@@ -384,12 +393,12 @@ fn gpu_encoder_when_present() {
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
 }
 
-/// `DRAMATIS_CODEC_FUSE_REDUCE`: the partials summed in the launch unless `0`.
+/// On/off settings (`DRAMATIS_CODEC_TCW96`): on unless `0`.
 #[test]
-fn fused_reduce_setting() {
-    assert!(cuda::fuse_from(None));
-    assert!(cuda::fuse_from(Some("1")));
-    assert!(!cuda::fuse_from(Some("0 ")));
+fn on_unless_zero_setting() {
+    assert!(cuda::on_unless_zero(None));
+    assert!(cuda::on_unless_zero(Some("1")));
+    assert!(!cuda::on_unless_zero(Some("0 ")));
 }
 
 /// 96-column tiles only where they pad less than 64-column ones.

@@ -532,6 +532,14 @@ impl Codec {
         b + conv(i.dec_out.history_rows(), i.dec_out.cin)
     }
 
+    /// Bytes a stream's decoder state holds beyond [`Codec::decoder_state_bytes`] for each frame
+    /// of its largest step, where its post-module keeps keys and values in a ring of the
+    /// window's history plus one step (the GPU decoder's).
+    pub fn decoder_ring_bytes_per_step_frame(&self) -> usize {
+        let p = &self.inner.post;
+        2 * p.layers.len() * p.heads * p.hd * 4
+    }
+
     /// Transient bytes one push of `frames` frames needs (the widest activations, a few live at
     /// once, and the GPU decoder's split-K partial sums); a planning estimate, not a bound
     /// enforced anywhere. The GPU decoder holds one step's scratch whatever its streams, sized
