@@ -475,6 +475,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_tcw2s(GEMM_TCW_ARGS) {
 extern "C" __global__ void __launch_bounds__(256, 3) gemm_tcw3s(GEMM_TCW_ARGS) {
     gemm_tcw_body<4, 2, 2, 4, 3, true>(GEMM_TCW_PASS);
 }
+// One segment a block on 64 x 96 tiles, 6 warps of 32 x 32, four blocks a multiprocessor: for
+// N = 96 (the last stage), which 64-column tiles pad to 128.
+extern "C" __global__ void __launch_bounds__(192, 4) gemm_tcw96s(GEMM_TCW_ARGS) {
+    gemm_tcw_body<2, 3, 2, 4, 3, true>(GEMM_TCW_PASS);
+}
 // Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
 // the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages. Opt-in
 // (DRAMATIS_CODEC_TCS=1): faster than gemm_tc16 at 16 rows, slower at one (session 14).

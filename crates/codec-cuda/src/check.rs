@@ -89,13 +89,15 @@ pub struct TcCheck {
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
     /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
-    /// `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// `gemm_tcw96s`, `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
     /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
     /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`).
     pub seg1_launches: u64,
+    /// Launches that took `gemm_tcw96s`.
+    pub wide96_launches: u64,
     /// Launches that took `gemm_fr` or `gemm_fr4`.
     pub frame_launches: u64,
     /// Launches that took `gemm_tcs`.
@@ -118,6 +120,7 @@ impl TcCheck {
             && self.wide_bitwise
             && self.wide_launches > 0
             && self.seg1_launches > 0
+            && self.wide96_launches > 0
             && self.frame_launches > 0
             && self.small_launches > 0
             && self.dispatch_as_expected
@@ -284,12 +287,14 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         wide_bitwise: true,
         wide_launches: 0,
         seg1_launches: 0,
+        wide96_launches: 0,
         frame_launches: 0,
         small_launches: 0,
         dispatch_as_expected: true,
     };
     let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
     let (seg10, frame0) = (exact.seg1_launches(), exact.frame_launches());
+    let w960 = exact.wide96_launches();
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -317,17 +322,19 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         ] {
             exact.set_split_below(mode);
             let mut runs = Vec::new();
-            for (w, seg1, small, frame) in [
-                (None, None, false, 0),
-                (None, None, false, 16),
-                (None, None, false, 64),
-                (None, None, true, 0),
-                (Some("gemm_tcw"), None, false, 0),
-                (Some("gemm_tcw2"), None, false, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0),
+            for (w, seg1, small, frame, w96) in [
+                (None, None, false, 0, false),
+                (None, None, false, 16, false),
+                (None, None, false, 64, false),
+                (None, None, true, 0, false),
+                (Some("gemm_tcw"), None, false, 0, false),
+                (Some("gemm_tcw2"), None, false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, true),
             ] {
                 exact.set_wide(w);
+                exact.set_wide96(w96);
                 exact.set_seg1(seg1);
                 exact.set_small(small);
                 exact.set_frame(frame);
@@ -336,6 +343,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                     exact.small_launches(),
                     exact.seg1_launches(),
                     exact.frame_launches(),
+                    exact.wide96_launches(),
                 );
                 runs.push(case.run(&exact, 0..s.m)?);
                 let took = (
@@ -351,11 +359,14 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 // in-block mode keeps together
                 let one_seg = wide && seg1.is_some() && (mode != Some(0) || s.segments() == 1);
                 out.dispatch_as_expected &= (exact.seg1_launches() > before.2) == one_seg;
+                let at96 = one_seg && w96 && crate::cuda::pads_less_at_96(s.n);
+                out.dispatch_as_expected &= (exact.wide96_launches() > before.4) == at96;
             }
             exact.set_wide(crate::cuda::wide_kernel());
             exact.set_seg1(crate::cuda::seg1_kernel());
             exact.set_small(crate::cuda::small_tiles());
             exact.set_frame(crate::cuda::frame_rows());
+            exact.set_wide96(crate::cuda::wide96());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
@@ -371,6 +382,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
     }
     out.wide_launches = exact.wide_launches() - wide0;
     out.seg1_launches = exact.seg1_launches() - seg10;
+    out.wide96_launches = exact.wide96_launches() - w960;
     out.frame_launches = exact.frame_launches() - frame0;
     out.small_launches = exact.small_launches() - small0;
     Ok(out)

@@ -15,7 +15,7 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 23] = [
+pub const KERNELS: [&str; 24] = [
     "gemm_tc16",
     "gemm_fr",
     "gemm_fr4",
@@ -25,6 +25,7 @@ pub const KERNELS: [&str; 23] = [
     "gemm_tcw2",
     "gemm_tcw2s",
     "gemm_tcw3s",
+    "gemm_tcw96s",
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -110,6 +111,11 @@ pub struct CudaExec {
     split_forced: std::cell::Cell<bool>,
     /// Launches of the one-segment kernels so far.
     seg1_launches: std::cell::Cell<u64>,
+    /// Whether one-segment wide GEMMs whose columns 96-wide tiles pad less than 64-wide ones
+    /// (N = 96: 128 columns on 64-wide tiles) take `gemm_tcw96s`. See [`wide96`].
+    wide96: std::cell::Cell<bool>,
+    /// Launches of `gemm_tcw96s` so far.
+    wide96_launches: std::cell::Cell<u64>,
     /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async` in
     /// six shared-memory stages; the same bits as `gemm_tc16`) where its operands allow
     /// (`DRAMATIS_CODEC_TCS=1`; off by default, see [`small_tiles`]).
@@ -180,6 +186,22 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
         Some("2") => Some("gemm_tcw2s"),
         _ => Some("gemm_tcw3s"),
     }
+}
+
+/// Whether one-segment wide GEMMs of N = 96 (or any N that 96-wide tiles pad less) take
+/// `gemm_tcw96s`, 64 x 96 tiles (`DRAMATIS_CODEC_TCW96`, default on, `0` off; the same bits).
+pub fn wide96() -> bool {
+    on_unless_zero(std::env::var("DRAMATIS_CODEC_TCW96").ok().as_deref())
+}
+
+/// Whether 96-wide tiles pad `n` columns less than 64-wide ones.
+pub(crate) fn pads_less_at_96(n: usize) -> bool {
+    n.div_ceil(96) * 96 < n.div_ceil(64) * 64
+}
+
+/// An on/off setting: on unless `0`.
+pub(crate) fn on_unless_zero(v: Option<&str>) -> bool {
+    v.is_none_or(|v| v.trim() != "0")
 }
 
 /// The rows up to which tensor-core GEMMs take `gemm_fr` (up to 16 rows, for `gemm_tc16`) and
@@ -280,6 +302,8 @@ impl CudaExec {
             seg1: std::cell::Cell::new(seg1_kernel()),
             split_forced: std::cell::Cell::new(false),
             seg1_launches: std::cell::Cell::new(0),
+            wide96: std::cell::Cell::new(wide96()),
+            wide96_launches: std::cell::Cell::new(0),
             frame: std::cell::Cell::new(frame_rows()),
             frame_launches: std::cell::Cell::new(0),
             small: std::cell::Cell::new(small_tiles()),
@@ -310,6 +334,16 @@ impl CudaExec {
     /// Launches of `gemm_fr` and `gemm_fr4` so far.
     pub fn frame_launches(&self) -> u64 {
         self.frame_launches.get()
+    }
+
+    /// Whether one-segment wide GEMMs that 96-wide tiles pad less take `gemm_tcw96s`.
+    pub fn set_wide96(&self, on: bool) {
+        self.wide96.set(on);
+    }
+
+    /// Launches of `gemm_tcw96s` so far.
+    pub fn wide96_launches(&self) -> u64 {
+        self.wide96_launches.get()
     }
 
     /// Launches of the one-segment wide kernels so far.
@@ -535,12 +569,17 @@ impl Exec for CudaExec {
                 } else {
                     1
                 };
-            let name = match seg1 {
+            let (name, bm, bn, threads) = match seg1 {
+                Some(_) if (zs > 1 || nseg == 1) && self.wide96.get() && pads_less_at_96(g.n) => {
+                    self.seg1_launches.set(self.seg1_launches.get() + 1);
+                    self.wide96_launches.set(self.wide96_launches.get() + 1);
+                    ("gemm_tcw96s", 64, 96, 192)
+                }
                 Some(s) if zs > 1 || nseg == 1 => {
                     self.seg1_launches.set(self.seg1_launches.get() + 1);
-                    s
+                    (s, bm, bn, threads)
                 }
-                _ => name,
+                _ => (name, bm, bn, threads),
             };
             if wide.is_some() {
                 self.wide_launches.set(self.wide_launches.get() + 1);

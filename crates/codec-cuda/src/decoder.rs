@@ -10,9 +10,15 @@ use codec::CodecConfig;
 use crate::exec::{Exec, Gemm, P};
 use crate::{CudaCodecError, Result};
 
-/// Frames one internal step decodes at most (longer pushes are split; any split gives the
-/// same samples).
+/// Frames one internal step decodes at most by default (longer pushes are split; any split
+/// gives the same samples), and the encoder's step.
 pub const STEP_FRAMES: usize = 16;
+
+/// The most frames a decoder step may be set to take ([`crate::CudaDecoder::set_step_frames`]):
+/// the engine's largest decoder call. A step's fixed cost (its ~150 launches and the
+/// post-module's weights read once) is paid once per step, so a call of more frames than the
+/// step pays it again.
+pub const MAX_STEP_FRAMES: usize = 64;
 
 fn miss(name: &str) -> CudaCodecError {
     CudaCodecError::Weights(format!("tensor {name} is missing"))
@@ -262,7 +268,7 @@ pub(crate) struct Weights {
     cb: usize,
     vq_w: P,
     vq_b: P,
-    post: TfW,
+    pub(crate) post: TfW,
     up: Vec<(ConvTW, NextW)>,
     dec_in: ConvW,
     blocks: Vec<BlockW>,
@@ -588,12 +594,8 @@ impl Weights {
     pub(crate) fn num_codebooks(&self) -> usize {
         self.cfg.num_codebooks()
     }
-    fn ring(&self) -> usize {
-        self.post.ring(STEP_FRAMES)
-    }
-
     /// Scratch sizes (f32) for a step of `t` frames: (work, activation, hidden).
-    fn sizes(&self, t: usize) -> (usize, usize, usize) {
+    pub(crate) fn sizes(&self, t: usize) -> (usize, usize, usize) {
         let (h, qkv, att, mut hid) = self.post.scratch(t);
         let mut work = 0;
         let mut act = h.max(qkv).max(att).max(t * self.num_codebooks() * self.cb);
@@ -621,25 +623,27 @@ impl Weights {
     }
 }
 
-/// Per-stream device state: histories, KV rings, position, and the step scratch.
+/// Per-stream device state: histories, KV rings and position (a step's scratch is the
+/// decoder's, [`Scratch`], shared by its streams: one push runs at a time).
 pub(crate) struct StateBufs {
     pub(crate) pos: u64,
+    /// KV ring slots: the window's history plus the largest step this state takes.
+    ring: usize,
     hists: Vec<P>,
     kring: Vec<P>,
     vring: Vec<P>,
-    w0: P,
-    w1: P,
-    a0: P,
-    a1: P,
-    a2: P,
-    y: P,
-    hid: P,
-    rope: P,
     pub(crate) bufs: Vec<usize>,
 }
 
 impl StateBufs {
-    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights) -> Result<StateBufs> {
+    /// The most frames a step of this state may take (its ring's room).
+    pub(crate) fn max_step(&self, wt: &Weights) -> usize {
+        self.ring + 1 - wt.post.window
+    }
+
+    /// For steps of up to `step` frames (1 to [`MAX_STEP_FRAMES`]).
+    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights, step: usize) -> Result<StateBufs> {
+        let ring = wt.post.ring(step.clamp(1, MAX_STEP_FRAMES));
         let mut bufs = Vec::new();
         let mut mk = |n: usize| -> Result<P> {
             let b = e.alloc(n.max(1))?;
@@ -651,19 +655,54 @@ impl StateBufs {
             .iter()
             .map(|&(r, c)| mk(r * c))
             .collect::<Result<Vec<_>>>()?;
-        let kv = wt.ring() * wt.post.heads * wt.post.hd;
+        let kv = ring * wt.post.heads * wt.post.hd;
         let kring = (0..wt.post.n_layers())
             .map(|_| mk(kv))
             .collect::<Result<Vec<_>>>()?;
         let vring = (0..wt.post.n_layers())
             .map(|_| mk(kv))
             .collect::<Result<Vec<_>>>()?;
-        let (work, act, hid) = wt.sizes(STEP_FRAMES);
         Ok(StateBufs {
             pos: 0,
+            ring,
             hists,
             kring,
             vring,
+            bufs,
+        })
+    }
+}
+
+/// A step's scratch for up to `frames` frames: the work buffers (history then input rows), the
+/// activations and the ConvNeXt hidden rows. One a decoder, whichever stream it steps: before,
+/// every stream held its own, ~76 MB at 16 frames and Drama 3 geometry (2.4 GB at 32 lanes, none
+/// of it in the memory plan).
+pub(crate) struct Scratch {
+    pub(crate) frames: usize,
+    w0: P,
+    w1: P,
+    a0: P,
+    a1: P,
+    a2: P,
+    y: P,
+    hid: P,
+    rope: P,
+    pub(crate) bufs: Vec<usize>,
+}
+
+impl Scratch {
+    /// For steps of up to `frames` frames (at most [`MAX_STEP_FRAMES`]).
+    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights, frames: usize) -> Result<Scratch> {
+        let frames = frames.clamp(1, MAX_STEP_FRAMES);
+        let mut bufs = Vec::new();
+        let mut mk = |n: usize| -> Result<P> {
+            let b = e.alloc(n.max(1))?;
+            bufs.push(b);
+            Ok(P { buf: b, off: 0 })
+        };
+        let (work, act, hid) = wt.sizes(frames);
+        Ok(Scratch {
+            frames,
             w0: mk(work)?,
             w1: mk(work)?,
             a0: mk(act)?,
@@ -671,7 +710,7 @@ impl StateBufs {
             a2: mk(act)?,
             y: mk(act)?,
             hid: mk(hid)?,
-            rope: mk(STEP_FRAMES * wt.post.hd)?,
+            rope: mk(frames * wt.post.hd)?,
             bufs,
         })
     }
@@ -851,15 +890,17 @@ pub(crate) fn transformer_layers<E: Exec>(
     Ok(())
 }
 
-/// Decodes `codes` (`[num_codebooks, t]`, `t ≤ STEP_FRAMES`) into `t · frame_length` samples.
+/// Decodes `codes` (`[num_codebooks, t]`, `t` at most the scratch's frames) into
+/// `t · frame_length` samples.
 pub(crate) fn step<E: Exec>(
     e: &E,
     wt: &Weights,
     st: &mut StateBufs,
+    sc: &Scratch,
     codes: &codec::Codes,
 ) -> Result<Vec<f32>> {
     let t = codes.frames();
-    debug_assert!(t > 0 && t <= STEP_FRAMES);
+    debug_assert!(t > 0 && t <= sc.frames);
     let cfg = &wt.cfg;
     let dim = cfg.quantizer.dim;
     let nq = wt.num_codebooks();
@@ -874,47 +915,39 @@ pub(crate) fn step<E: Exec>(
                 .copy_from_slice(&book[c * cb..(c + 1) * cb]);
         }
     }
-    e.write(st.a2, &rows)?;
-    let x = st.a0;
-    e.vq_sum(st.a2, wt.vq_w, wt.vq_b, x, t, nq, cb, dim)?;
+    e.write(sc.a2, &rows)?;
+    let x = sc.a0;
+    e.vq_sum(sc.a2, wt.vq_w, wt.vq_b, x, t, nq, cb, dim)?;
 
     // post_module over the KV ring at absolute positions.
     let scratch = TfScratch {
-        h: st.a1,
-        qkv: st.a2,
-        att: st.y,
-        hid: st.hid,
-        rope: st.rope,
+        h: sc.a1,
+        qkv: sc.a2,
+        att: sc.y,
+        hid: sc.hid,
+        rope: sc.rope,
     };
     transformer_layers(
-        e,
-        &wt.post,
-        &st.kring,
-        &st.vring,
-        wt.ring(),
-        st.pos,
-        &scratch,
-        x,
-        t,
+        e, &wt.post, &st.kring, &st.vring, st.ring, st.pos, &scratch, x, t,
     )?;
     st.pos += t as u64;
 
     // Final norm straight into the first upsampler's input rows (or dec_in's).
     let mut r = t;
     let first_in = match wt.up.first() {
-        Some((ct, _)) => hist_in(e, st, wt, ct.hist, st.w0)?,
-        None => hist_in(e, st, wt, wt.dec_in.hist, st.w0)?,
+        Some((ct, _)) => hist_in(e, st, wt, ct.hist, sc.w0)?,
+        None => hist_in(e, st, wt, wt.dec_in.hist, sc.w0)?,
     };
     e.rms_norm(x, wt.post.norm, first_in, t, dim, wt.post.eps)?;
 
     for (i, (ct, nx)) in wt.up.iter().enumerate() {
         // ConvTranspose (work w0) → dwconv input rows (work w1).
-        let dw_in = hist_in(e, st, wt, nx.hist, st.w1)?;
+        let dw_in = hist_in(e, st, wt, nx.hist, sc.w1)?;
         e.gemm(&Gemm {
             m: r,
             n: ct.s * ct.cout,
             k: ct.m * ct.cin,
-            a: st.w0,
+            a: sc.w0,
             rsa: ct.cin,
             cin: ct.cin,
             jstride: ct.cin,
@@ -926,25 +959,25 @@ pub(crate) fn step<E: Exec>(
             res: None,
             tanh: false,
         })?;
-        hist_out(e, st, wt, ct.hist, st.w0, r)?;
+        hist_out(e, st, wt, ct.hist, sc.w0, r)?;
         r *= ct.s;
         let c = nx.c;
-        e.dwconv(st.w1, nx.dw_w, nx.dw_b, st.y, r, c, DW_K)?;
-        hist_out(e, st, wt, nx.hist, st.w1, r)?;
+        e.dwconv(sc.w1, nx.dw_w, nx.dw_b, sc.y, r, c, DW_K)?;
+        hist_out(e, st, wt, nx.hist, sc.w1, r)?;
         let next_in = match wt.up.get(i + 1) {
-            Some((ct2, _)) => hist_in(e, st, wt, ct2.hist, st.w0)?,
-            None => hist_in(e, st, wt, wt.dec_in.hist, st.w0)?,
+            Some((ct2, _)) => hist_in(e, st, wt, ct2.hist, sc.w0)?,
+            None => hist_in(e, st, wt, wt.dec_in.hist, sc.w0)?,
         };
-        convnext_mlp(e, nx, st.y, st.hid, dw_in, next_in, r)?;
+        convnext_mlp(e, nx, sc.y, sc.hid, dw_in, next_in, r)?;
     }
 
     // DAC decoder.
-    let (mut cur, mut other) = (st.a0, st.a1);
-    conv_gemm(e, &wt.dec_in, st.w0, r, cur, None, false)?;
-    hist_out(e, st, wt, wt.dec_in.hist, st.w0, r)?;
+    let (mut cur, mut other) = (sc.a0, sc.a1);
+    conv_gemm(e, &wt.dec_in, sc.w0, r, cur, None, false)?;
+    hist_out(e, st, wt, wt.dec_in.hist, sc.w0, r)?;
     for blk in &wt.blocks {
         let ct = &blk.convt;
-        let ct_in = hist_in(e, st, wt, ct.hist, st.w0)?;
+        let ct_in = hist_in(e, st, wt, ct.hist, sc.w0)?;
         e.snake(
             cur,
             blk.snake.alpha,
@@ -957,7 +990,7 @@ pub(crate) fn step<E: Exec>(
             m: r,
             n: ct.s * ct.cout,
             k: ct.m * ct.cin,
-            a: st.w0,
+            a: sc.w0,
             rsa: ct.cin,
             cin: ct.cin,
             jstride: ct.cin,
@@ -969,24 +1002,24 @@ pub(crate) fn step<E: Exec>(
             res: None,
             tanh: false,
         })?;
-        hist_out(e, st, wt, ct.hist, st.w0, r)?;
+        hist_out(e, st, wt, ct.hist, sc.w0, r)?;
         r *= ct.s;
         std::mem::swap(&mut cur, &mut other);
         let c = ct.cout;
         for ru in &blk.res {
-            let c1_in = hist_in(e, st, wt, ru.c1.hist, st.w1)?;
+            let c1_in = hist_in(e, st, wt, ru.c1.hist, sc.w1)?;
             e.snake(cur, ru.s1.alpha, ru.s1.inv, c1_in, r * c, c)?;
-            conv_gemm(e, &ru.c1, st.w1, r, st.y, None, false)?;
-            hist_out(e, st, wt, ru.c1.hist, st.w1, r)?;
-            e.snake(st.y, ru.s2.alpha, ru.s2.inv, st.y, r * c, c)?;
-            conv_gemm(e, &ru.c2, st.y, r, cur, Some(cur), false)?;
+            conv_gemm(e, &ru.c1, sc.w1, r, sc.y, None, false)?;
+            hist_out(e, st, wt, ru.c1.hist, sc.w1, r)?;
+            e.snake(sc.y, ru.s2.alpha, ru.s2.inv, sc.y, r * c, c)?;
+            conv_gemm(e, &ru.c2, sc.y, r, cur, Some(cur), false)?;
         }
     }
     let c = wt.dec_snake.c;
-    let out_in = hist_in(e, st, wt, wt.dec_out.hist, st.w0)?;
+    let out_in = hist_in(e, st, wt, wt.dec_out.hist, sc.w0)?;
     e.snake(cur, wt.dec_snake.alpha, wt.dec_snake.inv, out_in, r * c, c)?;
-    conv_gemm(e, &wt.dec_out, st.w0, r, st.a2, None, true)?;
-    hist_out(e, st, wt, wt.dec_out.hist, st.w0, r)?;
+    conv_gemm(e, &wt.dec_out, sc.w0, r, sc.a2, None, true)?;
+    hist_out(e, st, wt, wt.dec_out.hist, sc.w0, r)?;
     debug_assert_eq!(r, t * wt.frame_length());
-    e.read(st.a2, r)
+    e.read(sc.a2, r)
 }

@@ -38,8 +38,8 @@ use checkpoint::pth::PthStateDict;
 use codec::{Codec, CodecConfig, Codes};
 
 pub use cuda::CudaExec;
-pub use decoder::STEP_FRAMES;
-use decoder::{StateBufs, Weights};
+use decoder::{Scratch, StateBufs, Weights};
+pub use decoder::{MAX_STEP_FRAMES, STEP_FRAMES};
 use encoder::{EncCore, EncStateBufs};
 use exec::{Exec, HostExec};
 
@@ -71,11 +71,15 @@ pub fn pth_path(path: &Path) -> PathBuf {
     }
 }
 
-/// A decoder over any executor (weights uploaded, buffers owned).
+/// A decoder over any executor (weights uploaded, buffers owned, and one step's scratch for
+/// all its streams, made at the first push).
 struct Core<E: Exec> {
     exec: E,
     weights: Weights,
     bufs: Vec<usize>,
+    scratch: std::cell::RefCell<Option<Scratch>>,
+    /// The most frames a step takes (the scratch's size): [`STEP_FRAMES`] unless set lower.
+    step_frames: std::cell::Cell<usize>,
 }
 
 impl<E: Exec> Core<E> {
@@ -85,7 +89,28 @@ impl<E: Exec> Core<E> {
             exec,
             weights,
             bufs,
+            scratch: std::cell::RefCell::new(None),
+            step_frames: std::cell::Cell::new(STEP_FRAMES),
         })
+    }
+
+    /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]); the scratch is remade at
+    /// the next push if its size changes, and states made before take steps of at most what
+    /// their KV rings were made for. The same samples whatever the step (any chunking is).
+    fn set_step_frames(&self, frames: usize) {
+        self.step_frames.set(frames.clamp(1, MAX_STEP_FRAMES));
+    }
+
+    /// A stream's state, its KV rings made for the current step.
+    fn state(&self) -> Result<StateBufs> {
+        StateBufs::new(&self.exec, &self.weights, self.step_frames.get())
+    }
+
+    /// Device elements one step's scratch holds, as [`Scratch::new`] allocates it.
+    fn scratch_elems(&self) -> usize {
+        let f = self.step_frames.get();
+        let (work, act, hid) = self.weights.sizes(f);
+        2 * work + 4 * act + hid + f * self.weights.post.hd
     }
 
     fn push(&self, st: &mut StateBufs, codes: &Codes) -> Result<Vec<f32>> {
@@ -97,14 +122,29 @@ impl<E: Exec> Core<E> {
             ))));
         }
         let t = codes.frames();
+        let size = self.step_frames.get();
+        let step = size.min(st.max_step(&self.weights));
+        let mut scratch = self.scratch.borrow_mut();
+        if scratch.as_ref().is_some_and(|s| s.frames != size) {
+            if let Some(old) = scratch.take() {
+                for b in old.bufs {
+                    self.exec.free(b);
+                }
+            }
+        }
+        if scratch.is_none() {
+            *scratch = Some(Scratch::new(&self.exec, &self.weights, size)?);
+        }
+        let sc = scratch.as_ref().expect("made above");
         let mut pcm = Vec::with_capacity(t * self.weights.frame_length());
         let mut f = 0;
         while f < t {
-            let end = (f + STEP_FRAMES).min(t);
+            let end = (f + step).min(t);
             pcm.extend(decoder::step(
                 &self.exec,
                 &self.weights,
                 st,
+                sc,
                 &codes.slice(f, end),
             )?);
             f = end;
@@ -117,6 +157,11 @@ impl<E: Exec> Drop for Core<E> {
     fn drop(&mut self) {
         for &b in &self.bufs {
             self.exec.free(b);
+        }
+        if let Some(sc) = self.scratch.get_mut().take() {
+            for b in sc.bufs {
+                self.exec.free(b);
+            }
         }
     }
 }
@@ -161,7 +206,7 @@ impl CudaDecoder {
     /// A fresh streaming state (position 0, zero histories), with its own device buffers.
     pub fn state(&self) -> Result<CudaDecoderState> {
         let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
-        let st = StateBufs::new(&core.exec, &core.weights)?;
+        let st = core.state()?;
         drop(core);
         Ok(CudaDecoderState {
             core: self.core.clone(),
@@ -172,6 +217,26 @@ impl CudaDecoder {
     /// Whole decode (a fresh state, pushed once).
     pub fn decode(&self, codes: &Codes) -> Result<Vec<f32>> {
         self.state()?.push(codes)
+    }
+
+    /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]; [`STEP_FRAMES`] by default):
+    /// the decoder's one scratch, shared by its streams, and the KV rings of the streams made
+    /// after are sized for them. The engine sets its largest decoder call, which its memory
+    /// plan counts. The same samples whatever the step.
+    pub fn set_step_frames(&self, frames: usize) {
+        self.core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_step_frames(frames);
+    }
+
+    /// Bytes of the decoder's step scratch at its step size (one, whatever the streams).
+    pub fn scratch_bytes(&self) -> usize {
+        4 * self
+            .core
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .scratch_elems()
     }
 
     /// The wide tensor-core kernel its GEMMs of many rows use (`None`: `gemm_tc64`; see
@@ -265,11 +330,15 @@ impl HostDecoder {
     }
     pub fn state(&self) -> Result<HostDecoderState> {
         Ok(HostDecoderState {
-            st: StateBufs::new(&self.core.exec, &self.core.weights)?,
+            st: self.core.state()?,
         })
     }
     pub fn push(&self, state: &mut HostDecoderState, codes: &Codes) -> Result<Vec<f32>> {
         self.core.push(&mut state.st, codes)
+    }
+    /// As [`CudaDecoder::set_step_frames`].
+    pub fn set_step_frames(&self, frames: usize) {
+        self.core.set_step_frames(frames);
     }
 }
 

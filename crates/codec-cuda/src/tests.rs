@@ -65,6 +65,39 @@ fn host_executor_chunking_is_bit_exact() {
     }
 }
 
+/// Streams share the decoder's one step scratch: two streams pushed in turns, at every step
+/// size, each equal their own whole decode bit for bit.
+#[test]
+fn streams_share_the_step_scratch() {
+    let (_, dec) = host();
+    let goldens = fixture_goldens(&fixture()).expect("goldens");
+    let (_, long, _) = goldens.last().unwrap();
+    let (a, b) = (long.slice(0, 37), long.slice(3, 40));
+    let whole_a = push_chunks(&dec, &a, a.frames());
+    let whole_b = push_chunks(&dec, &b, b.frames());
+    assert!(!bit_identical(&whole_a, &whole_b), "two different streams");
+    // steps past STEP_FRAMES (one 21-frame push as one step); and a state made for 5-frame
+    // steps, then pushed after the decoder's step is raised, keeps to what its KV ring holds
+    for (made, step) in [
+        (1, 1),
+        (5, 5),
+        (STEP_FRAMES, STEP_FRAMES),
+        (24, 24),
+        (5, MAX_STEP_FRAMES),
+    ] {
+        dec.set_step_frames(made);
+        let (mut sa, mut sb) = (dec.state().unwrap(), dec.state().unwrap());
+        dec.set_step_frames(step);
+        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        for (f0, f1) in [(0, 2), (2, 9), (9, 30), (30, 37)] {
+            pa.extend(dec.push(&mut sa, &a.slice(f0, f1)).unwrap());
+            pb.extend(dec.push(&mut sb, &b.slice(f0, f1)).unwrap());
+        }
+        assert!(bit_identical(&pa, &whole_a), "stream a, step {step}");
+        assert!(bit_identical(&pb, &whole_b), "stream b, step {step}");
+    }
+}
+
 #[test]
 fn wrong_codebook_count_is_an_error() {
     let (_, dec) = host();
@@ -358,6 +391,24 @@ fn gpu_encoder_when_present() {
         frames.extend((0..c.frames()).map(|f| (0..10).map(|q| c.get(q, f)).collect::<Vec<_>>()));
     }
     assert_eq!(Codes::from_frames(10, &frames).unwrap(), *want);
+}
+
+/// On/off settings (`DRAMATIS_CODEC_TCW96`): on unless `0`.
+#[test]
+fn on_unless_zero_setting() {
+    assert!(cuda::on_unless_zero(None));
+    assert!(cuda::on_unless_zero(Some("1")));
+    assert!(!cuda::on_unless_zero(Some("0 ")));
+}
+
+/// 96-column tiles only where they pad less than 64-column ones.
+#[test]
+fn tiles_of_96_columns() {
+    assert!(cuda::pads_less_at_96(96));
+    assert!(cuda::pads_less_at_96(90));
+    assert!(!cuda::pads_less_at_96(192));
+    assert!(!cuda::pads_less_at_96(64));
+    assert!(!cuda::pads_less_at_96(768));
 }
 
 /// `DRAMATIS_CODEC_FR`: `gemm_fr` and `gemm_fr4` up to 64 rows unless `16` (or `1`) or `0`.

@@ -532,8 +532,18 @@ impl Codec {
         b + conv(i.dec_out.history_rows(), i.dec_out.cin)
     }
 
+    /// Bytes a stream's decoder state holds beyond [`Codec::decoder_state_bytes`] for each frame
+    /// of its largest step, where its post-module keeps keys and values in a ring of the
+    /// window's history plus one step (the GPU decoder's).
+    pub fn decoder_ring_bytes_per_step_frame(&self) -> usize {
+        let p = &self.inner.post;
+        2 * p.layers.len() * p.heads * p.hd * 4
+    }
+
     /// Transient bytes one push of `frames` frames needs (the widest activations, a few live at
-    /// once); a planning estimate, not a bound enforced anywhere.
+    /// once, and the GPU decoder's split-K partial sums); a planning estimate, not a bound
+    /// enforced anywhere. The GPU decoder holds one step's scratch whatever its streams, sized
+    /// for the engine's largest call, which the plan's lanes x per-lane frames covers.
     pub fn decoder_workspace_bytes(&self, frames: usize) -> usize {
         let i = &self.inner;
         let mut rows = frames * i.cfg.downsample_factor.iter().product::<usize>();
@@ -542,8 +552,11 @@ impl Codec {
             rows *= blk.convt.stride;
             widest = widest.max(rows * blk.convt.cout);
         }
-        // input, output and residual copy, plus im2col tiles and GEMM packing.
-        widest.saturating_mul(4 * 4)
+        // Six copies (the GPU decoder's step scratch: two work buffers, history then input, and
+        // four activations; on the host, input, output and residual copies, im2col tiles and
+        // GEMM packing) and its split-K partial sums, up to six more (a 16-frame step's
+        // 6-segment stage-3 convolution at Drama 3 geometry: 6.0x the widest).
+        widest.saturating_mul(12 * 4)
     }
 
     /// Decodes codes `[num_codebooks, T]` to `T · frame_length` PCM samples (streamed

@@ -457,6 +457,18 @@ impl Engine {
         let codec_lane_frames = codec_min_chunk.div_ceil(lanes);
         geom.codec.workspace_bytes_per_lane =
             codec.decoder_workspace_bytes(codec_lane_frames) as u64;
+        // the GPU decoder's step: its largest call, one step (its fixed cost paid once); each
+        // stream's KV ring holds one step beyond the window
+        let codec_on_gpu =
+            cfg!(feature = "cuda") && opts.backend == BackendChoice::Cuda && !opts.codec_on_host;
+        let codec_step = codec_step_frames(
+            std::env::var("DRAMATIS_CODEC_STEP").ok().as_deref(),
+            lanes * codec_lane_frames,
+        );
+        if codec_on_gpu {
+            geom.codec.state_bytes_per_lane +=
+                (codec_step * codec.decoder_ring_bytes_per_step_frame()) as u64;
+        }
         // The codec's weights as stored (f32 in codec.pth): an upper bound on what the codec
         // keeps resident, on the host (CPU codec) or the device (GPU decoder and encoder).
         geom.codec.weight_bytes = std::fs::metadata(dir.join("codec.pth"))
@@ -561,6 +573,9 @@ impl Engine {
                 let gpu_codec =
                     codec_cuda::CudaDecoder::from_state_dict(gpu.clone(), &sd, codec.config())
                         .map_err(gpu_err)?;
+                // its one step scratch sized for the largest call the codec thread makes (the
+                // frames of workspace the plan counts; see `codec_loop`)
+                gpu_codec.set_step_frames(codec_step);
                 gpu_encoder = Some(
                     codec_cuda::CudaEncoder::from_state_dict(gpu, &sd, codec.config())
                         .map_err(gpu_err)?,
@@ -1403,6 +1418,19 @@ struct CodecJob {
 /// lanes), at least one a lane), and the codec thread decodes one chunk at a time, so a chunk
 /// stays inside it.
 const CODEC_MAX_CHUNK: usize = 64;
+// a call of the most frames is one GPU decoder step
+#[cfg(feature = "cuda")]
+const _: () = assert!(CODEC_MAX_CHUNK <= codec_cuda::MAX_STEP_FRAMES);
+
+/// The GPU decoder's step (frames): the largest call the codec thread makes (`largest`, at most
+/// [`CODEC_MAX_CHUNK`]), or `DRAMATIS_CODEC_STEP` (1 to [`CODEC_MAX_CHUNK`]) for measuring one
+/// step against another; the same samples either way.
+fn codec_step_frames(setting: Option<&str>, largest: usize) -> usize {
+    setting
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(largest)
+        .clamp(1, CODEC_MAX_CHUNK)
+}
 
 /// Default of [`EngineOptions::codec_min_chunk`]: a decoder call has a fixed cost (about 150
 /// launches and a read-back on the GPU, ~2 ms of the codec thread for one frame against ~0.4 ms
@@ -2407,6 +2435,18 @@ mod codec_thread_tests {
                 .map(|f| (1000 * codes.get(0, f) + codes.get(1, f)) as f32)
                 .collect())
         }
+    }
+
+    /// The GPU decoder's step: the engine's largest call unless `DRAMATIS_CODEC_STEP` says,
+    /// always 1 to `CODEC_MAX_CHUNK`.
+    #[test]
+    fn codec_step_setting() {
+        assert_eq!(codec_step_frames(None, 32), 32);
+        assert_eq!(codec_step_frames(None, 0), 1);
+        assert_eq!(codec_step_frames(None, 4096), CODEC_MAX_CHUNK);
+        assert_eq!(codec_step_frames(Some(" 16"), 32), 16);
+        assert_eq!(codec_step_frames(Some("500"), 32), CODEC_MAX_CHUNK);
+        assert_eq!(codec_step_frames(Some("x"), 32), 32);
     }
 
     fn summary() -> JobSummary {
