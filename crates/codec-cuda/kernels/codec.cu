@@ -718,12 +718,12 @@ extern "C" __global__ void swiglu(const float* ab, float* out, int rows, int F) 
 }
 
 // qkv [t, 3W] (W = heads*hd): rotate q in place (interleaved pairs), write rotated k and v to
-// the rings at slot (pos0 + r) % ring. cs: cos [t, hd/2] then sin [t, hd/2].
-extern "C" __global__ void rope_kv(float* qkv, const float* cs, float* kring, float* vring,
-                                   int t, int heads, int hd, long long pos0, int ring) {
+// the rings at slot (pos0 + r) % ring. cs: cos [t, hd/2] then sin [t, hd/2]. Element pair i
+// (row, head, pair): one thread's work in rope_kv_many.
+__device__ __forceinline__ void rope_kv_at(float* qkv, const float* cs, float* kring, float* vring,
+                                           int t, int heads, int hd, long long pos0, int ring,
+                                           long long i) {
     int half = hd / 2, W = heads * hd;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)t * heads * half) return;
     int p = (int)(i % half);
     int h = (int)((i / half) % heads);
     int r = (int)(i / ((long long)half * heads));
@@ -741,15 +741,14 @@ extern "C" __global__ void rope_kv(float* qkv, const float* cs, float* kring, fl
     vring[slot + o + 1] = row[2 * W + o + 1];
 }
 
-// Causal window attention; one block per (row, head), blockDim a multiple of 32; dynamic shared
-// memory: window floats. Row r (absolute position pos0 + r) attends to the last `window`
-// positions up to itself, read from the rings.
-extern "C" __global__ void attention(const float* qkv, const float* kring, const float* vring,
-                                     float* out, int heads, int hd, long long pos0, int window,
-                                     int ring, float scale) {
+// Causal window attention of row r (absolute position pos0 + r), head h: one block, blockDim a
+// multiple of 32; dynamic shared memory: window floats. Attends to the last `window` positions
+// up to itself, read from the rings. The body of attention_many.
+__device__ __forceinline__ void attention_at(const float* qkv, const float* kring, const float* vring,
+                                             float* out, int r, int h, int heads, int hd, long long pos0,
+                                             int window, int ring, float scale) {
     extern __shared__ float p[];
     __shared__ float scratch[32];
-    int r = blockIdx.x / heads, h = blockIdx.x % heads;
     int W = heads * hd;
     long long me = pos0 + r;
     long long lo = me + 1 - window;
@@ -782,6 +781,57 @@ extern "C" __global__ void attention(const float* qkv, const float* kring, const
         }
         out[(long long)r * W + h * hd + d] = acc;
     }
+}
+
+// Several streams in one launch (a decoder step over several streams): up to MANY entries,
+// passed by value. Entry b of Segs: copy n[b] floats from src[b] to dst[b] (blockIdx.y = b).
+#define MANY 64
+struct Segs {
+    long long dst[MANY];
+    long long src[MANY];
+    long long n[MANY];
+    int count;
+};
+extern "C" __global__ void copy_many(Segs s) {
+    const int b = blockIdx.y;
+    if (b >= s.count) return;
+    float* d = (float*)s.dst[b];
+    const float* src = (const float*)s.src[b];
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < s.n[b];
+         i += (long long)gridDim.x * blockDim.x)
+        d[i] = src[i];
+}
+
+// Entry b of Streams: stream b's rows row0[b].. row0[b] + rows[b] of the step's qkv / out, its
+// RoPE table (rows[b] cos rows then rows[b] sin rows), rings (ring[b] slots) and first position.
+struct Streams {
+    long long k[MANY];
+    long long v[MANY];
+    long long cs[MANY];
+    long long pos0[MANY];
+    int row0[MANY];
+    int rows[MANY];
+    int ring[MANY];
+    int count;
+};
+// RoPE and the ring writes over each stream's rows (blockIdx.y = stream, one thread an element pair).
+extern "C" __global__ void rope_kv_many(float* qkv, Streams s, int heads, int hd) {
+    const int b = blockIdx.y;
+    if (b >= s.count) return;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)s.rows[b] * heads * (hd / 2)) return;
+    rope_kv_at(qkv + (long long)s.row0[b] * 3 * heads * hd, (const float*)s.cs[b], (float*)s.k[b],
+               (float*)s.v[b], s.rows[b], heads, hd, s.pos0[b], s.ring[b], i);
+}
+// Attention over each stream's rows (blockIdx.y = stream, blockIdx.x = row x heads + head).
+extern "C" __global__ void attention_many(const float* qkv, float* out, Streams s, int heads,
+                                          int hd, int window, float scale) {
+    const int b = blockIdx.y;
+    if (b >= s.count || (int)blockIdx.x >= s.rows[b] * heads) return;  // uniform in the block
+    const long long W = (long long)heads * hd;
+    attention_at(qkv + (long long)s.row0[b] * 3 * W, (const float*)s.k[b], (const float*)s.v[b],
+                 out + (long long)s.row0[b] * W, blockIdx.x / heads, blockIdx.x % heads, heads, hd,
+                 s.pos0[b], window, s.ring[b], scale);
 }
 
 // z = (e_0 W_0 + b_0) + sum_{q>=1} (e_q W_q + b_q); e [t, Q*cb] gathered codebook rows,

@@ -7,15 +7,15 @@ use std::sync::Arc;
 
 use backend_cuda::runtime::{cache_dir, cache_key, compile_options, nvrtc_version, Variant};
 use backend_cuda::Gpu;
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use crate::exec::{Exec, Gemm, P};
+use crate::exec::{Exec, Gemm, StreamRows, P};
 use crate::{CudaCodecError, Result};
 
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 24] = [
+pub const KERNELS: [&str; 25] = [
     "gemm_tc16",
     "gemm_fr",
     "gemm_fr4",
@@ -36,11 +36,47 @@ pub const KERNELS: [&str; 24] = [
     "rms_norm",
     "gelu",
     "swiglu",
-    "rope_kv",
-    "attention",
+    "copy_many",
+    "rope_kv_many",
+    "attention_many",
     "vq_sum",
     "vq_nearest",
 ];
+
+/// Most entries of one `copy_many`, `rope_kv_many` or `attention_many` launch (`MANY` in
+/// kernels/codec.cu); longer lists take several launches.
+pub const MANY: usize = 64;
+
+/// `Segs` in kernels/codec.cu: copies by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Segs {
+    dst: [u64; MANY],
+    src: [u64; MANY],
+    n: [i64; MANY],
+    count: i32,
+}
+
+/// `Streams` in kernels/codec.cu: each stream's rings, RoPE table, position and rows.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Streams {
+    k: [u64; MANY],
+    v: [u64; MANY],
+    cs: [u64; MANY],
+    pos0: [i64; MANY],
+    row0: [i32; MANY],
+    rows: [i32; MANY],
+    ring: [i32; MANY],
+    count: i32,
+}
+
+// SAFETY: plain integers in #[repr(C)] structs whose layout matches `Segs` and `Streams` in
+// kernels/codec.cu (u64 / i64 arrays, then i32 arrays and the count; the tail padding is the
+// same), passed by value.
+unsafe impl DeviceRepr for Segs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Streams {}
 
 /// Rows at or under which the frame-rate GEMM tiling is used (the same fma chains either way).
 const SMALL_M: usize = 32;
@@ -422,6 +458,42 @@ impl CudaExec {
     }
 
     /// Waits for all queued work.
+    /// The `Streams` table of up to [`MANY`] streams (rings of `w` floats a slot, every pointer
+    /// range-checked; their RoPE tables too, `hd` floats a row, when `cs_hd` is given), and the
+    /// most rows of one.
+    fn stream_table(
+        &self,
+        part: &[StreamRows],
+        w: usize,
+        cs_hd: Option<usize>,
+    ) -> Result<(Streams, usize)> {
+        let mut t = Streams {
+            k: [0; MANY],
+            v: [0; MANY],
+            cs: [0; MANY],
+            pos0: [0; MANY],
+            row0: [0; MANY],
+            rows: [0; MANY],
+            ring: [0; MANY],
+            count: i32_of(part.len())?,
+        };
+        let mut most = 0;
+        for (i, s) in part.iter().enumerate() {
+            t.k[i] = self.ptr(s.kring, s.ring * w)?;
+            t.v[i] = self.ptr(s.vring, s.ring * w)?;
+            if let Some(hd) = cs_hd {
+                t.cs[i] = self.ptr(s.cs, s.rows * hd)?;
+            }
+            t.pos0[i] =
+                i64::try_from(s.pos0).map_err(|_| CudaCodecError::Shape("position".into()))?;
+            t.row0[i] = i32_of(s.row0)?;
+            t.rows[i] = i32_of(s.rows)?;
+            t.ring[i] = i32_of(s.ring)?;
+            most = most.max(s.rows);
+        }
+        Ok((t, most))
+    }
+
     pub fn sync(&self) -> Result<()> {
         self.stream()
             .synchronize()
@@ -700,82 +772,99 @@ impl Exec for CudaExec {
         Ok(())
     }
 
-    fn rope_kv(
-        &self,
-        qkv: P,
-        cs: P,
-        kring: P,
-        vring: P,
-        t: usize,
-        heads: usize,
-        hd: usize,
-        pos0: u64,
-        ring: usize,
-    ) -> Result<()> {
-        let w = heads * hd;
-        let qp = self.ptr(qkv, t * 3 * w)?;
-        let cp = self.ptr(cs, t * hd)?;
-        let (kp, vp) = (self.ptr(kring, ring * w)?, self.ptr(vring, ring * w)?);
-        let (tt, hh, dd, rr) = (i32_of(t)?, i32_of(heads)?, i32_of(hd)?, i32_of(ring)?);
-        let p0 = i64::try_from(pos0).map_err(|_| CudaCodecError::Shape("position".into()))?;
-        let n = t * heads * (hd / 2);
-        launch!(
-            self,
-            "rope_kv",
-            grid1(n, 256)?,
-            &qp,
-            &cp,
-            &kp,
-            &vp,
-            &tt,
-            &hh,
-            &dd,
-            &p0,
-            &rr
-        );
+    fn copy_many(&self, list: &[(P, P, usize)]) -> Result<()> {
+        for part in list.chunks(MANY) {
+            let mut t = Segs {
+                dst: [0; MANY],
+                src: [0; MANY],
+                n: [0; MANY],
+                count: i32_of(part.len())?,
+            };
+            let mut most = 0;
+            for (i, &(d, s, n)) in part.iter().enumerate() {
+                t.dst[i] = self.ptr(d, n)?;
+                t.src[i] = self.ptr(s, n)?;
+                t.n[i] = i64_of(n);
+                most = most.max(n);
+            }
+            if most == 0 {
+                continue;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32_of(most.div_ceil(256).min(1024))?,
+                    u32_of(part.len())?,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "copy_many", cfg, &t);
+        }
         Ok(())
     }
 
-    fn attention(
+    fn rope_kv_many(&self, qkv: P, streams: &[StreamRows], heads: usize, hd: usize) -> Result<()> {
+        let w = heads * hd;
+        for part in streams.chunks(MANY) {
+            let (t, most) = self.stream_table(part, w, Some(hd))?;
+            if most == 0 {
+                continue;
+            }
+            let end = part.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
+            let qp = self.ptr(qkv, end * 3 * w)?;
+            let (hh, dd) = (i32_of(heads)?, i32_of(hd)?);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32_of((most * heads * (hd / 2)).div_ceil(256))?,
+                    u32_of(part.len())?,
+                    1,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "rope_kv_many", cfg, &qp, &t, &hh, &dd);
+        }
+        Ok(())
+    }
+
+    fn attention_many(
         &self,
         qkv: P,
-        kring: P,
-        vring: P,
         out: P,
-        t: usize,
+        streams: &[StreamRows],
         heads: usize,
         hd: usize,
-        pos0: u64,
         window: usize,
-        ring: usize,
     ) -> Result<()> {
         let w = heads * hd;
-        let qp = self.ptr(qkv, t * 3 * w)?;
-        let (kp, vp) = (self.ptr(kring, ring * w)?, self.ptr(vring, ring * w)?);
-        let op = self.ptr(out, t * w)?;
-        let (hh, dd, ww, rr) = (i32_of(heads)?, i32_of(hd)?, i32_of(window)?, i32_of(ring)?);
-        let p0 = i64::try_from(pos0).map_err(|_| CudaCodecError::Shape("position".into()))?;
-        let scale = 1.0f32 / (hd as f32).sqrt();
-        let cfg = LaunchConfig {
-            grid_dim: (u32_of(t * heads)?, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: u32_of(4 * window)?,
-        };
-        launch!(
-            self,
-            "attention",
-            cfg,
-            &qp,
-            &kp,
-            &vp,
-            &op,
-            &hh,
-            &dd,
-            &p0,
-            &ww,
-            &rr,
-            &scale
-        );
+        for part in streams.chunks(MANY) {
+            let (t, most) = self.stream_table(part, w, None)?;
+            if most == 0 {
+                continue;
+            }
+            let end = part.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
+            let (qp, op) = (self.ptr(qkv, end * 3 * w)?, self.ptr(out, end * w)?);
+            let (hh, dd, ww) = (i32_of(heads)?, i32_of(hd)?, i32_of(window)?);
+            let scale = 1.0f32 / (hd as f32).sqrt();
+            let cfg = LaunchConfig {
+                grid_dim: (u32_of(most * heads)?, u32_of(part.len())?, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: u32_of(4 * window)?,
+            };
+            launch!(
+                self,
+                "attention_many",
+                cfg,
+                &qp,
+                &op,
+                &t,
+                &hh,
+                &dd,
+                &ww,
+                &scale
+            );
+        }
         Ok(())
     }
 

@@ -7,7 +7,7 @@ use checkpoint::pth::PthStateDict;
 use codec::ops::Rope;
 use codec::CodecConfig;
 
-use crate::exec::{Exec, Gemm, P};
+use crate::exec::{Exec, Gemm, StreamRows, P};
 use crate::{CudaCodecError, Result};
 
 /// Frames one internal step decodes at most by default (longer pushes are split; any split
@@ -817,40 +817,69 @@ fn hist_out<E: Exec>(
     copy_hist_out(e, st.hists[h], wt.hists[h], work, l)
 }
 
-/// The layers of transformer `tw` over `t` rows `x` (`[t, dim]`, updated in place) at absolute
-/// positions `pos..pos + t`, keys and values kept in the per-layer rings (`ring` slots, at
-/// least `window − 1 + t`). The final RMSNorm is left to the caller (it picks the output).
-#[allow(clippy::too_many_arguments)]
+/// One stream's rows in a transformer step: rows `row0..row0 + rows` of the step's `x`, at
+/// absolute positions `pos..pos + rows`, keys and values kept in its per-layer rings (`ring`
+/// slots, at least `window − 1 + rows`).
+pub(crate) struct TfStream<'a> {
+    pub(crate) row0: usize,
+    pub(crate) rows: usize,
+    pub(crate) pos: u64,
+    pub(crate) kring: &'a [P],
+    pub(crate) vring: &'a [P],
+    pub(crate) ring: usize,
+}
+
+/// The layers of transformer `tw` over `t` rows `x` (`[t, dim]`, updated in place) holding the
+/// rows of `streams` (rows of none, a step's gaps, go through the row-wise layers and are
+/// left out of RoPE and attention). The final RMSNorm is left to the caller (it picks the
+/// output).
 pub(crate) fn transformer_layers<E: Exec>(
     e: &E,
     tw: &TfW,
-    kring: &[P],
-    vring: &[P],
-    ring: usize,
-    pos: u64,
+    streams: &[TfStream],
     s: &TfScratch,
     x: P,
     t: usize,
 ) -> Result<()> {
-    debug_assert!(t + tw.window - 1 <= ring);
     let (dim, heads, hd, ffn) = (tw.dim, tw.heads, tw.hd, tw.ffn);
     let w = heads * hd;
-    // RoPE tables at absolute positions, exactly as the CPU codec makes them.
+    // RoPE tables at absolute positions, exactly as the CPU codec makes them: a stream's cos
+    // rows then its sin rows, the streams one after another.
     let half = hd / 2;
-    let mut cs = vec![0.0f32; 2 * t * half];
-    for r in 0..t {
-        let (c, sn) = tw.rope.table(pos + r as u64);
-        cs[r * half..(r + 1) * half].copy_from_slice(&c);
-        cs[t * half + r * half..t * half + (r + 1) * half].copy_from_slice(&sn);
+    let mut cs = Vec::with_capacity(streams.iter().map(|st| st.rows * hd).sum());
+    let mut cs_at = Vec::with_capacity(streams.len());
+    for st in streams {
+        debug_assert!(st.rows + tw.window - 1 <= st.ring && st.row0 + st.rows <= t);
+        cs_at.push(cs.len());
+        let tables: Vec<_> = (0..st.rows)
+            .map(|r| tw.rope.table(st.pos + r as u64))
+            .collect();
+        for (c, _) in &tables {
+            cs.extend_from_slice(&c[..half]);
+        }
+        for (_, sn) in &tables {
+            cs.extend_from_slice(&sn[..half]);
+        }
     }
     e.write(s.rope, &cs)?;
     for (l, ly) in tw.layers.iter().enumerate() {
+        let rows: Vec<StreamRows> = streams
+            .iter()
+            .zip(&cs_at)
+            .map(|(st, &at)| StreamRows {
+                row0: st.row0,
+                rows: st.rows,
+                cs: s.rope.at(at),
+                kring: st.kring[l],
+                vring: st.vring[l],
+                ring: st.ring,
+                pos0: st.pos,
+            })
+            .collect();
         e.rms_norm(x, ly.attn_norm, s.h, t, dim, tw.eps)?;
         linear(e, s.h, t, dim, ly.wqkv, 3 * w, s.qkv)?;
-        e.rope_kv(s.qkv, s.rope, kring[l], vring[l], t, heads, hd, pos, ring)?;
-        e.attention(
-            s.qkv, kring[l], vring[l], s.att, t, heads, hd, pos, tw.window, ring,
-        )?;
+        e.rope_kv_many(s.qkv, &rows, heads, hd)?;
+        e.attention_many(s.qkv, s.att, &rows, heads, hd, tw.window)?;
         e.gemm(&Gemm {
             m: t,
             n: dim,
@@ -927,9 +956,15 @@ pub(crate) fn step<E: Exec>(
         hid: sc.hid,
         rope: sc.rope,
     };
-    transformer_layers(
-        e, &wt.post, &st.kring, &st.vring, st.ring, st.pos, &scratch, x, t,
-    )?;
+    let one = TfStream {
+        row0: 0,
+        rows: t,
+        pos: st.pos,
+        kring: &st.kring,
+        vring: &st.vring,
+        ring: st.ring,
+    };
+    transformer_layers(e, &wt.post, &[one], &scratch, x, t)?;
     st.pos += t as u64;
 
     // Final norm straight into the first upsampler's input rows (or dec_in's).

@@ -12,7 +12,7 @@ use codec::{CodecConfig, CodecError, Codes};
 
 use crate::decoder::{
     conv_gemm, convnext_mlp, copy_hist_in, copy_hist_out, transformer_layers, transpose, Builder,
-    ConvW, NextW, ResW, SnakeW, TfScratch, TfW, DW_K, STEP_FRAMES,
+    ConvW, NextW, ResW, SnakeW, TfScratch, TfStream, TfW, DW_K, STEP_FRAMES,
 };
 use crate::exec::{Exec, Gemm, P};
 use crate::{CudaCodecError, Result};
@@ -414,7 +414,15 @@ pub(crate) fn step<E: Exec>(
             ring_i += 1;
             debug_assert_eq!(r, t * rows);
             let pos = st.frames * *rows as u64;
-            transformer_layers(e, tw, &rg.k, &rg.v, rg.ring, pos, &st.tf, cur, r)?;
+            let one = TfStream {
+                row0: 0,
+                rows: r,
+                pos,
+                kring: &rg.k,
+                vring: &rg.v,
+                ring: rg.ring,
+            };
+            transformer_layers(e, tw, &[one], &st.tf, cur, r)?;
             e.rms_norm(cur, tw.norm, cur, r, tw.dim, tw.eps)?;
         }
     }
@@ -450,7 +458,15 @@ pub(crate) fn step<E: Exec>(
     // pre_module; its final norm gives the first residual (in `other`).
     let rg = &st.rings[ring_i];
     let pos = st.frames;
-    transformer_layers(e, &wt.pre, &rg.k, &rg.v, rg.ring, pos, &st.tf, cur, t)?;
+    let one = TfStream {
+        row0: 0,
+        rows: t,
+        pos,
+        kring: &rg.k,
+        vring: &rg.v,
+        ring: rg.ring,
+    };
+    transformer_layers(e, &wt.pre, &[one], &st.tf, cur, t)?;
     let resid = other;
     e.rms_norm(cur, wt.pre.norm, resid, t, dim, wt.pre.eps)?;
 

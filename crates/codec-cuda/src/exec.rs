@@ -45,6 +45,21 @@ pub struct Gemm {
     pub tanh: bool,
 }
 
+/// One stream's rows in a transformer step over several streams: rows `row0..row0 + rows` of
+/// the step's `qkv` and attention output, its RoPE table `cs` (`rows` cos rows then `rows` sin
+/// rows, as [`Exec::rope_kv_many`] reads them), its K and V rings of `ring` slots and the absolute
+/// position of its first row.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamRows {
+    pub row0: usize,
+    pub rows: usize,
+    pub cs: P,
+    pub kring: P,
+    pub vring: P,
+    pub ring: usize,
+    pub pos0: u64,
+}
+
 /// Split-K segment length of a GEMM: a function of the layer's K and N only (never of the row
 /// count), so every chunking sums the same segments in the same order.
 pub fn split_len(k: usize, n: usize) -> usize {
@@ -74,32 +89,28 @@ pub trait Exec {
     fn rms_norm(&self, x: P, w: P, out: P, rows: usize, c: usize, eps: f32) -> Result<()>;
     fn gelu(&self, x: P, n: usize) -> Result<()>;
     fn swiglu(&self, ab: P, out: P, rows: usize, f: usize) -> Result<()>;
-    #[allow(clippy::too_many_arguments)]
-    fn rope_kv(
+    /// [`Exec::copy`] of each `(dst, src, n)`, in one launch where the back end can.
+    fn copy_many(&self, list: &[(P, P, usize)]) -> Result<()> {
+        for &(d, s, n) in list {
+            self.copy(d, s, n)?;
+        }
+        Ok(())
+    }
+    /// Rotates each stream's rows of `qkv` (`[rows, 3·heads·hd]`: q, k, v) by RoPE with its
+    /// table (cos `[rows, hd/2]` then sin), in place for q, and writes its rotated k and its v
+    /// into its rings at slots `(pos0 + r) % ring`. One launch on the GPU.
+    fn rope_kv_many(&self, qkv: P, streams: &[StreamRows], heads: usize, hd: usize) -> Result<()>;
+    /// Causal window attention of each stream's rows over its rings (row `r` at position
+    /// `pos0 + r` attends to the last `window` positions up to itself), into the same rows of
+    /// `out` (`[rows, heads·hd]`). One launch on the GPU.
+    fn attention_many(
         &self,
         qkv: P,
-        cs: P,
-        kring: P,
-        vring: P,
-        t: usize,
-        heads: usize,
-        hd: usize,
-        pos0: u64,
-        ring: usize,
-    ) -> Result<()>;
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        qkv: P,
-        kring: P,
-        vring: P,
         out: P,
-        t: usize,
+        streams: &[StreamRows],
         heads: usize,
         hd: usize,
-        pos0: u64,
         window: usize,
-        ring: usize,
     ) -> Result<()>;
     #[allow(clippy::too_many_arguments)]
     fn vq_sum(
@@ -166,6 +177,92 @@ impl HostExec {
     }
     fn buf_len(&self, p: P) -> usize {
         self.bufs.borrow()[p.buf].len() - p.off
+    }
+    /// One stream of [`Exec::rope_kv_many`] (its rows from `qkv`, its table at `cs`).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv(
+        &self,
+        qkv: P,
+        cs: P,
+        kring: P,
+        vring: P,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        pos0: u64,
+        ring: usize,
+    ) -> Result<()> {
+        let w = heads * hd;
+        let half = hd / 2;
+        let mut x = self.get(qkv, t * 3 * w);
+        let cs = self.get(cs, 2 * t * half);
+        for r in 0..t {
+            let slot = ((pos0 + r as u64) % ring as u64) as usize * w;
+            let row = &mut x[r * 3 * w..(r + 1) * 3 * w];
+            for h in 0..heads {
+                for p in 0..half {
+                    let (c, s) = (cs[r * half + p], cs[t * half + r * half + p]);
+                    let o = h * hd + 2 * p;
+                    let (a, b) = (row[o], row[o + 1]);
+                    row[o] = a * c - b * s;
+                    row[o + 1] = b * c + a * s;
+                    let (ka, kb) = (row[w + o], row[w + o + 1]);
+                    self.put(kring.at(slot + o), &[ka * c - kb * s, kb * c + ka * s]);
+                    self.put(vring.at(slot + o), &row[2 * w + o..2 * w + o + 2]);
+                }
+            }
+        }
+        self.put(qkv, &x);
+        Ok(())
+    }
+    /// One stream of [`Exec::attention_many`] (its rows from `qkv` into `out`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        qkv: P,
+        kring: P,
+        vring: P,
+        out: P,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        pos0: u64,
+        window: usize,
+        ring: usize,
+    ) -> Result<()> {
+        let w = heads * hd;
+        let x = self.get(qkv, t * 3 * w);
+        let kr = self.get(kring, ring * w);
+        let vr = self.get(vring, ring * w);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut o = vec![0.0f32; t * w];
+        for r in 0..t {
+            let me = pos0 + r as u64;
+            let lo = (me + 1).saturating_sub(window as u64);
+            let slots: Vec<usize> = (lo..=me).map(|j| (j % ring as u64) as usize * w).collect();
+            for h in 0..heads {
+                let q = &x[r * 3 * w + h * hd..r * 3 * w + (h + 1) * hd];
+                let mut p: Vec<f32> = slots
+                    .iter()
+                    .map(|&s| {
+                        let k = &kr[s + h * hd..s + (h + 1) * hd];
+                        q.iter().zip(k).fold(0.0f32, |a, (x, y)| x.mul_add(*y, a)) * scale
+                    })
+                    .collect();
+                let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                p.iter_mut().for_each(|v| *v = (*v - mx).exp());
+                let sum = block_sum(p.iter().copied());
+                for d in 0..hd {
+                    let mut acc = 0.0f32;
+                    for (j, &s) in slots.iter().enumerate() {
+                        acc = (p[j] / sum).mul_add(vr[s + h * hd + d], acc);
+                    }
+                    o[r * w + h * hd + d] = acc;
+                }
+            }
+        }
+        self.put(out, &o);
+        Ok(())
     }
 }
 
@@ -307,86 +404,46 @@ impl Exec for HostExec {
         self.put(out, &o);
         Ok(())
     }
-    fn rope_kv(
-        &self,
-        qkv: P,
-        cs: P,
-        kring: P,
-        vring: P,
-        t: usize,
-        heads: usize,
-        hd: usize,
-        pos0: u64,
-        ring: usize,
-    ) -> Result<()> {
-        let w = heads * hd;
-        let half = hd / 2;
-        let mut x = self.get(qkv, t * 3 * w);
-        let cs = self.get(cs, 2 * t * half);
-        for r in 0..t {
-            let slot = ((pos0 + r as u64) % ring as u64) as usize * w;
-            let row = &mut x[r * 3 * w..(r + 1) * 3 * w];
-            for h in 0..heads {
-                for p in 0..half {
-                    let (c, s) = (cs[r * half + p], cs[t * half + r * half + p]);
-                    let o = h * hd + 2 * p;
-                    let (a, b) = (row[o], row[o + 1]);
-                    row[o] = a * c - b * s;
-                    row[o + 1] = b * c + a * s;
-                    let (ka, kb) = (row[w + o], row[w + o + 1]);
-                    self.put(kring.at(slot + o), &[ka * c - kb * s, kb * c + ka * s]);
-                    self.put(vring.at(slot + o), &row[2 * w + o..2 * w + o + 2]);
-                }
-            }
+    fn rope_kv_many(&self, qkv: P, streams: &[StreamRows], heads: usize, hd: usize) -> Result<()> {
+        for st in streams {
+            self.rope_kv(
+                qkv.at(st.row0 * 3 * heads * hd),
+                st.cs,
+                st.kring,
+                st.vring,
+                st.rows,
+                heads,
+                hd,
+                st.pos0,
+                st.ring,
+            )?;
         }
-        self.put(qkv, &x);
         Ok(())
     }
-    fn attention(
+    fn attention_many(
         &self,
         qkv: P,
-        kring: P,
-        vring: P,
         out: P,
-        t: usize,
+        streams: &[StreamRows],
         heads: usize,
         hd: usize,
-        pos0: u64,
         window: usize,
-        ring: usize,
     ) -> Result<()> {
         let w = heads * hd;
-        let x = self.get(qkv, t * 3 * w);
-        let kr = self.get(kring, ring * w);
-        let vr = self.get(vring, ring * w);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut o = vec![0.0f32; t * w];
-        for r in 0..t {
-            let me = pos0 + r as u64;
-            let lo = (me + 1).saturating_sub(window as u64);
-            let slots: Vec<usize> = (lo..=me).map(|j| (j % ring as u64) as usize * w).collect();
-            for h in 0..heads {
-                let q = &x[r * 3 * w + h * hd..r * 3 * w + (h + 1) * hd];
-                let mut p: Vec<f32> = slots
-                    .iter()
-                    .map(|&s| {
-                        let k = &kr[s + h * hd..s + (h + 1) * hd];
-                        q.iter().zip(k).fold(0.0f32, |a, (x, y)| x.mul_add(*y, a)) * scale
-                    })
-                    .collect();
-                let mx = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                p.iter_mut().for_each(|v| *v = (*v - mx).exp());
-                let sum = block_sum(p.iter().copied());
-                for d in 0..hd {
-                    let mut acc = 0.0f32;
-                    for (j, &s) in slots.iter().enumerate() {
-                        acc = (p[j] / sum).mul_add(vr[s + h * hd + d], acc);
-                    }
-                    o[r * w + h * hd + d] = acc;
-                }
-            }
+        for st in streams {
+            self.attention(
+                qkv.at(st.row0 * 3 * w),
+                st.kring,
+                st.vring,
+                out.at(st.row0 * w),
+                st.rows,
+                heads,
+                hd,
+                st.pos0,
+                window,
+                st.ring,
+            )?;
         }
-        self.put(out, &o);
         Ok(())
     }
     fn vq_sum(
