@@ -594,32 +594,45 @@ impl Weights {
     pub(crate) fn num_codebooks(&self) -> usize {
         self.cfg.num_codebooks()
     }
-    /// Scratch sizes (f32) for a step of `t` frames: (work, activation, hidden).
-    pub(crate) fn sizes(&self, t: usize) -> (usize, usize, usize) {
-        let (h, qkv, att, mut hid) = self.post.scratch(t);
-        let mut work = 0;
-        let mut act = h.max(qkv).max(att).max(t * self.num_codebooks() * self.cb);
-        let mut r = t;
+    /// Scratch sizes (f32) for a step of `frames` frames in all over `streams` streams (each
+    /// level's rows: the frames' and a gap a stream, [`step`]'s layout).
+    pub(crate) fn scratch_sizes(&self, frames: usize, streams: usize) -> ScratchSizes {
+        let levels = self.levels();
+        let rows = |l: usize| frames * levels[l].factor + streams * levels[l].gap;
+        // the rows a ConvTranspose from level l writes before they go to their places
+        let convt_rows = |l: usize, s: usize| (rows(l) - levels[l].gap) * s;
+        let t0 = rows(0);
+        let (h, qkv, att, mut hid) = self.post.scratch(t0);
+        let mut work = t0 * self.post.dim;
+        let mut act = h.max(qkv).max(att).max(t0 * self.num_codebooks() * self.cb);
+        let mut l = 0;
         for (ct, nx) in &self.up {
-            work = work.max((ct.m - 1 + r) * ct.cin);
-            r *= ct.s;
-            work = work.max((DW_K - 1 + r) * nx.c);
-            act = act.max(r * nx.c);
-            hid = hid.max(r * nx.hidden);
+            work = work.max(rows(l) * ct.cin);
+            act = act.max(convt_rows(l, ct.s) * ct.cout);
+            l += 1;
+            work = work.max(rows(l) * nx.c);
+            act = act.max(rows(l) * nx.c);
+            hid = hid.max(rows(l) * nx.hidden);
         }
-        work = work.max((self.dec_in.hist_rows() + r) * self.dec_in.cin);
-        act = act.max(r * self.dec_in.cout);
+        work = work.max(rows(l) * self.dec_in.cin);
+        act = act.max(rows(l) * self.dec_in.cout);
         for blk in &self.blocks {
-            work = work.max((blk.convt.m - 1 + r) * blk.convt.cin);
-            r *= blk.convt.s;
-            act = act.max(r * blk.convt.cout);
+            work = work.max(rows(l) * blk.convt.cin);
+            act = act.max(convt_rows(l, blk.convt.s) * blk.convt.cout);
+            l += 1;
+            act = act.max(rows(l) * blk.convt.cout);
             for ru in &blk.res {
-                work = work.max((ru.c1.hist_rows() + r) * ru.c1.cin);
+                work = work.max(rows(l) * ru.c1.cin);
             }
         }
-        work = work.max((self.dec_out.hist_rows() + r) * self.dec_out.cin);
-        act = act.max(r);
-        (work, act, hid)
+        work = work.max(rows(l) * self.dec_out.cin);
+        act = act.max(rows(l) * self.dec_out.cout);
+        ScratchSizes {
+            work,
+            act,
+            hid,
+            rope: frames * self.post.hd,
+        }
     }
 }
 
@@ -678,7 +691,7 @@ impl StateBufs {
 /// every stream held its own, ~76 MB at 16 frames and Drama 3 geometry (2.4 GB at 32 lanes, none
 /// of it in the memory plan).
 pub(crate) struct Scratch {
-    pub(crate) frames: usize,
+    pub(crate) sizes: ScratchSizes,
     w0: P,
     w1: P,
     a0: P,
@@ -690,27 +703,54 @@ pub(crate) struct Scratch {
     pub(crate) bufs: Vec<usize>,
 }
 
+/// Elements of a [`Scratch`]'s buffers: two work buffers, four activations, the ConvNeXt
+/// hidden rows and the RoPE tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ScratchSizes {
+    pub(crate) work: usize,
+    pub(crate) act: usize,
+    pub(crate) hid: usize,
+    pub(crate) rope: usize,
+}
+
+impl ScratchSizes {
+    /// Every buffer at least as large as both.
+    pub(crate) fn max(self, o: ScratchSizes) -> ScratchSizes {
+        ScratchSizes {
+            work: self.work.max(o.work),
+            act: self.act.max(o.act),
+            hid: self.hid.max(o.hid),
+            rope: self.rope.max(o.rope),
+        }
+    }
+    /// Whether every buffer holds `o`'s.
+    pub(crate) fn holds(self, o: ScratchSizes) -> bool {
+        self.max(o) == self
+    }
+    /// Elements in all.
+    pub(crate) fn elems(self) -> usize {
+        2 * self.work + 4 * self.act + self.hid + self.rope
+    }
+}
+
 impl Scratch {
-    /// For steps of up to `frames` frames (at most [`MAX_STEP_FRAMES`]).
-    pub(crate) fn new<E: Exec>(e: &E, wt: &Weights, frames: usize) -> Result<Scratch> {
-        let frames = frames.clamp(1, MAX_STEP_FRAMES);
+    pub(crate) fn new<E: Exec>(e: &E, sizes: ScratchSizes) -> Result<Scratch> {
         let mut bufs = Vec::new();
         let mut mk = |n: usize| -> Result<P> {
             let b = e.alloc(n.max(1))?;
             bufs.push(b);
             Ok(P { buf: b, off: 0 })
         };
-        let (work, act, hid) = wt.sizes(frames);
         Ok(Scratch {
-            frames,
-            w0: mk(work)?,
-            w1: mk(work)?,
-            a0: mk(act)?,
-            a1: mk(act)?,
-            a2: mk(act)?,
-            y: mk(act)?,
-            hid: mk(hid)?,
-            rope: mk(frames * wt.post.hd)?,
+            sizes,
+            w0: mk(sizes.work)?,
+            w1: mk(sizes.work)?,
+            a0: mk(sizes.act)?,
+            a1: mk(sizes.act)?,
+            a2: mk(sizes.act)?,
+            y: mk(sizes.act)?,
+            hid: mk(sizes.hid)?,
+            rope: mk(sizes.rope)?,
             bufs,
         })
     }
@@ -798,23 +838,6 @@ pub(crate) fn copy_hist_out<E: Exec>(
         e.copy(hist, work.at(l * c), rows * c)?;
     }
     Ok(())
-}
-
-/// History in for the decoder's layer history `h`.
-fn hist_in<E: Exec>(e: &E, st: &StateBufs, wt: &Weights, h: usize, work: P) -> Result<P> {
-    copy_hist_in(e, st.hists[h], wt.hists[h], work)
-}
-
-/// History out for the decoder's layer history `h`.
-fn hist_out<E: Exec>(
-    e: &E,
-    st: &StateBufs,
-    wt: &Weights,
-    h: usize,
-    work: P,
-    l: usize,
-) -> Result<()> {
-    copy_hist_out(e, st.hists[h], wt.hists[h], work, l)
 }
 
 /// One stream's rows in a transformer step: rows `row0..row0 + rows` of the step's `x`, at
@@ -919,36 +942,265 @@ pub(crate) fn transformer_layers<E: Exec>(
     Ok(())
 }
 
-/// Decodes `codes` (`[num_codebooks, t]`, `t` at most the scratch's frames) into
-/// `t · frame_length` samples.
+/// A level of a decoder step: the rows one frame makes at it, and the gap left before each
+/// stream's rows (the most history rows a layer reading it takes).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Level {
+    factor: usize,
+    gap: usize,
+}
+
+/// Where each stream's rows sit at one level of a step over several streams: stream `b`'s
+/// `rows[b]` rows from row `start[b]`, each after a gap of `gap` rows (which holds, before a
+/// layer reads it, the history that layer keeps for the stream); `total` rows in all.
+struct Lay {
+    gap: usize,
+    start: Vec<usize>,
+    rows: Vec<usize>,
+    total: usize,
+}
+
+impl Lay {
+    fn new(level: Level, frames: &[usize]) -> Lay {
+        let (mut start, mut rows, mut at) = (Vec::new(), Vec::new(), 0);
+        for &t in frames {
+            at += level.gap;
+            start.push(at);
+            rows.push(t * level.factor);
+            at += t * level.factor;
+        }
+        Lay {
+            gap: level.gap,
+            start,
+            rows,
+            total: at,
+        }
+    }
+}
+
+impl Weights {
+    /// The history rows of what reads the decoder's input at `dec_in`'s level: `dec_in`, and
+    /// the first block's ConvTranspose (or `dec_out`) once `dec_in` has run.
+    fn dec_in_gap(&self) -> usize {
+        let next = match self.blocks.first() {
+            Some(b) => b.convt.m - 1,
+            None => self.dec_out.hist_rows(),
+        };
+        self.dec_in.hist_rows().max(next)
+    }
+
+    /// A step's levels: the frame rate, after each upsampler, after each decoder block.
+    pub(crate) fn levels(&self) -> Vec<Level> {
+        let mut out = Vec::new();
+        let mut factor = 1;
+        out.push(Level {
+            factor,
+            gap: match self.up.first() {
+                Some((ct, _)) => ct.m - 1,
+                None => self.dec_in_gap(),
+            },
+        });
+        for (i, (ct, _)) in self.up.iter().enumerate() {
+            factor *= ct.s;
+            let next = match self.up.get(i + 1) {
+                Some((ct2, _)) => ct2.m - 1,
+                None => self.dec_in_gap(),
+            };
+            out.push(Level {
+                factor,
+                gap: (DW_K - 1).max(next),
+            });
+        }
+        for (j, blk) in self.blocks.iter().enumerate() {
+            factor *= blk.convt.s;
+            let mut gap = match self.blocks.get(j + 1) {
+                Some(b) => b.convt.m - 1,
+                None => self.dec_out.hist_rows(),
+            };
+            for ru in &blk.res {
+                gap = gap.max(ru.c1.hist_rows()).max(ru.c2.hist_rows());
+            }
+            out.push(Level { factor, gap });
+        }
+        out
+    }
+}
+
+/// History in for every stream: its history `h` into the gap before its rows of `work`.
+fn hists_in<E: Exec>(
+    e: &E,
+    sts: &[&mut StateBufs],
+    wt: &Weights,
+    h: usize,
+    work: P,
+    lay: &Lay,
+) -> Result<()> {
+    let (rows, c) = wt.hists[h];
+    debug_assert!(rows <= lay.gap);
+    if rows == 0 {
+        return Ok(());
+    }
+    let list: Vec<_> = sts
+        .iter()
+        .zip(&lay.start)
+        .map(|(st, &s0)| (work.at((s0 - rows) * c), st.hists[h], rows * c))
+        .collect();
+    e.copy_many(&list)
+}
+
+/// History out for every stream: the last rows of its history and rows in `work` into its
+/// history `h` (the rows after the gap's history, or some of those when it has fewer rows).
+fn hists_out<E: Exec>(
+    e: &E,
+    sts: &[&mut StateBufs],
+    wt: &Weights,
+    h: usize,
+    work: P,
+    lay: &Lay,
+) -> Result<()> {
+    let (rows, c) = wt.hists[h];
+    if rows == 0 {
+        return Ok(());
+    }
+    let list: Vec<_> = sts
+        .iter()
+        .enumerate()
+        .map(|(b, st)| {
+            let end = lay.start[b] + lay.rows[b];
+            (st.hists[h], work.at((end - rows) * c), rows * c)
+        })
+        .collect();
+    e.copy_many(&list)
+}
+
+/// A stride-1 causal convolution over every stream's rows at a level: `work` holds each
+/// stream's history in its gap, `out` (and `res`) the same layout, their gaps left with rows
+/// of no stream.
+fn conv_many<E: Exec>(
+    e: &E,
+    cv: &ConvW,
+    work: P,
+    lay: &Lay,
+    out: P,
+    res: Option<P>,
+    tanh: bool,
+) -> Result<()> {
+    let h = cv.hist_rows();
+    debug_assert!(cv.stride == 1 && h <= lay.gap);
+    e.gemm(&Gemm {
+        m: lay.total - lay.gap,
+        n: cv.cout,
+        k: cv.k * cv.cin,
+        a: work.at((lay.gap - h) * cv.cin),
+        rsa: cv.cin,
+        cin: cv.cin,
+        jstride: cv.dil * cv.cin,
+        b: cv.w,
+        c: out.at(lay.gap * cv.cout),
+        bias: Some(cv.b),
+        bias_n: cv.cout,
+        gamma: None,
+        res: res.map(|r| r.at(lay.gap * cv.cout)),
+        tanh,
+    })
+}
+
+/// A causal ConvTranspose from level `lay` (each stream's history in its gap of `work`) to
+/// `next`'s rows of `out`. One stream's outputs land in place; several streams' go to `tmp`
+/// first (the rows between them belong to none) and are copied to their places.
+#[allow(clippy::too_many_arguments)]
+fn convt_many<E: Exec>(
+    e: &E,
+    ct: &ConvTW,
+    work: P,
+    lay: &Lay,
+    tmp: P,
+    out: P,
+    next: &Lay,
+) -> Result<()> {
+    let h = ct.m - 1;
+    debug_assert!(h <= lay.gap);
+    let one = lay.start.len() == 1;
+    let dst = if one {
+        out.at(next.start[0] * ct.cout)
+    } else {
+        tmp
+    };
+    e.gemm(&Gemm {
+        m: lay.total - lay.gap,
+        n: ct.s * ct.cout,
+        k: ct.m * ct.cin,
+        a: work.at((lay.gap - h) * ct.cin),
+        rsa: ct.cin,
+        cin: ct.cin,
+        jstride: ct.cin,
+        b: ct.w,
+        c: dst,
+        bias: Some(ct.b),
+        bias_n: ct.cout,
+        gamma: None,
+        res: None,
+        tanh: false,
+    })?;
+    if one {
+        return Ok(());
+    }
+    // input row q makes output rows (q − gap)·s ..: stream b's from (start[b] − gap)·s
+    let list: Vec<_> = (0..lay.start.len())
+        .map(|b| {
+            let from = (lay.start[b] - lay.gap) * ct.s;
+            (
+                out.at(next.start[b] * ct.cout),
+                tmp.at(from * ct.cout),
+                next.rows[b] * ct.cout,
+            )
+        })
+        .collect();
+    e.copy_many(&list)
+}
+
+/// Decodes each stream's `codes` (`[num_codebooks, t_b]`, `t_b` at most what its KV ring holds
+/// a step; the scratch sized by [`Weights::scratch_sizes`] for the frames in all and the
+/// streams) into `t_b · frame_length` samples, in one pass through the layers: every layer's
+/// rows of all streams in one launch, each stream's rows after a gap that holds its history.
+/// Every row's arithmetic is the one-stream step's, so each stream's samples are bit for bit
+/// those of decoding it alone, in any steps.
 pub(crate) fn step<E: Exec>(
     e: &E,
     wt: &Weights,
-    st: &mut StateBufs,
+    sts: &mut [&mut StateBufs],
     sc: &Scratch,
-    codes: &codec::Codes,
-) -> Result<Vec<f32>> {
-    let t = codes.frames();
-    debug_assert!(t > 0 && t <= sc.frames);
+    codes: &[codec::Codes],
+) -> Result<Vec<Vec<f32>>> {
+    let frames: Vec<usize> = codes.iter().map(|c| c.frames()).collect();
+    debug_assert!(frames.iter().all(|&t| t > 0) && sts.len() == codes.len());
+    debug_assert!(sc
+        .sizes
+        .holds(wt.scratch_sizes(frames.iter().sum(), frames.len())));
     let cfg = &wt.cfg;
     let dim = cfg.quantizer.dim;
     let nq = wt.num_codebooks();
     let cb = wt.cb;
+    let levels = wt.levels();
+    let mut lay = Lay::new(levels[0], &frames);
 
     // Codebook rows gathered on the host (codes clamped to n − 1), summed on the device.
-    let mut rows = vec![0.0f32; t * nq * cb];
-    for f in 0..t {
-        for (q, (book, n)) in wt.codebooks.iter().enumerate() {
-            let c = (codes.get(q, f) as usize).min(n - 1);
-            rows[(f * nq + q) * cb..(f * nq + q + 1) * cb]
-                .copy_from_slice(&book[c * cb..(c + 1) * cb]);
+    let mut rows = vec![0.0f32; lay.total * nq * cb];
+    for (b, c) in codes.iter().enumerate() {
+        for f in 0..frames[b] {
+            let r = lay.start[b] + f;
+            for (q, (book, n)) in wt.codebooks.iter().enumerate() {
+                let code = (c.get(q, f) as usize).min(n - 1);
+                rows[(r * nq + q) * cb..(r * nq + q + 1) * cb]
+                    .copy_from_slice(&book[code * cb..(code + 1) * cb]);
+            }
         }
     }
     e.write(sc.a2, &rows)?;
     let x = sc.a0;
-    e.vq_sum(sc.a2, wt.vq_w, wt.vq_b, x, t, nq, cb, dim)?;
+    e.vq_sum(sc.a2, wt.vq_w, wt.vq_b, x, lay.total, nq, cb, dim)?;
 
-    // post_module over the KV ring at absolute positions.
+    // post_module over each stream's KV rings at its absolute positions.
     let scratch = TfScratch {
         h: sc.a1,
         qkv: sc.a2,
@@ -956,105 +1208,106 @@ pub(crate) fn step<E: Exec>(
         hid: sc.hid,
         rope: sc.rope,
     };
-    let one = TfStream {
-        row0: 0,
-        rows: t,
-        pos: st.pos,
-        kring: &st.kring,
-        vring: &st.vring,
-        ring: st.ring,
-    };
-    transformer_layers(e, &wt.post, &[one], &scratch, x, t)?;
-    st.pos += t as u64;
+    let streams: Vec<TfStream> = sts
+        .iter()
+        .enumerate()
+        .map(|(b, st)| TfStream {
+            row0: lay.start[b],
+            rows: frames[b],
+            pos: st.pos,
+            kring: &st.kring,
+            vring: &st.vring,
+            ring: st.ring,
+        })
+        .collect();
+    transformer_layers(e, &wt.post, &streams, &scratch, x, lay.total)?;
+    for (st, &t) in sts.iter_mut().zip(&frames) {
+        st.pos += t as u64;
+    }
 
-    // Final norm straight into the first upsampler's input rows (or dec_in's).
-    let mut r = t;
-    let first_in = match wt.up.first() {
-        Some((ct, _)) => hist_in(e, st, wt, ct.hist, sc.w0)?,
-        None => hist_in(e, st, wt, wt.dec_in.hist, sc.w0)?,
+    // Final norm into the first upsampler's input (or dec_in's), then its histories.
+    e.rms_norm(x, wt.post.norm, sc.w0, lay.total, dim, wt.post.eps)?;
+    let first = match wt.up.first() {
+        Some((ct, _)) => ct.hist,
+        None => wt.dec_in.hist,
     };
-    e.rms_norm(x, wt.post.norm, first_in, t, dim, wt.post.eps)?;
+    hists_in(e, sts, wt, first, sc.w0, &lay)?;
 
     for (i, (ct, nx)) in wt.up.iter().enumerate() {
-        // ConvTranspose (work w0) → dwconv input rows (work w1).
-        let dw_in = hist_in(e, st, wt, nx.hist, sc.w1)?;
-        e.gemm(&Gemm {
-            m: r,
-            n: ct.s * ct.cout,
-            k: ct.m * ct.cin,
-            a: sc.w0,
-            rsa: ct.cin,
-            cin: ct.cin,
-            jstride: ct.cin,
-            b: ct.w,
-            c: dw_in,
-            bias: Some(ct.b),
-            bias_n: ct.cout,
-            gamma: None,
-            res: None,
-            tanh: false,
-        })?;
-        hist_out(e, st, wt, ct.hist, sc.w0, r)?;
-        r *= ct.s;
+        // ConvTranspose (work w0) → dwconv input rows (work w1), through y.
+        let next = Lay::new(levels[i + 1], &frames);
+        convt_many(e, ct, sc.w0, &lay, sc.y, sc.w1, &next)?;
+        hists_out(e, sts, wt, ct.hist, sc.w0, &lay)?;
+        lay = next;
         let c = nx.c;
-        e.dwconv(sc.w1, nx.dw_w, nx.dw_b, sc.y, r, c, DW_K)?;
-        hist_out(e, st, wt, nx.hist, sc.w1, r)?;
-        let next_in = match wt.up.get(i + 1) {
-            Some((ct2, _)) => hist_in(e, st, wt, ct2.hist, sc.w0)?,
-            None => hist_in(e, st, wt, wt.dec_in.hist, sc.w0)?,
+        hists_in(e, sts, wt, nx.hist, sc.w1, &lay)?;
+        let dw = DW_K - 1;
+        e.dwconv(
+            sc.w1.at((lay.gap - dw) * c),
+            nx.dw_w,
+            nx.dw_b,
+            sc.y.at(lay.gap * c),
+            lay.total - lay.gap,
+            c,
+            DW_K,
+        )?;
+        hists_out(e, sts, wt, nx.hist, sc.w1, &lay)?;
+        convnext_mlp(e, nx, sc.y, sc.hid, sc.w1, sc.w0, lay.total)?;
+        let next_hist = match wt.up.get(i + 1) {
+            Some((ct2, _)) => ct2.hist,
+            None => wt.dec_in.hist,
         };
-        convnext_mlp(e, nx, sc.y, sc.hid, dw_in, next_in, r)?;
+        hists_in(e, sts, wt, next_hist, sc.w0, &lay)?;
     }
 
     // DAC decoder.
+    let mut l = wt.up.len();
     let (mut cur, mut other) = (sc.a0, sc.a1);
-    conv_gemm(e, &wt.dec_in, sc.w0, r, cur, None, false)?;
-    hist_out(e, st, wt, wt.dec_in.hist, sc.w0, r)?;
+    conv_many(e, &wt.dec_in, sc.w0, &lay, cur, None, false)?;
+    hists_out(e, sts, wt, wt.dec_in.hist, sc.w0, &lay)?;
     for blk in &wt.blocks {
         let ct = &blk.convt;
-        let ct_in = hist_in(e, st, wt, ct.hist, sc.w0)?;
         e.snake(
             cur,
             blk.snake.alpha,
             blk.snake.inv,
-            ct_in,
-            r * blk.snake.c,
+            sc.w0,
+            lay.total * blk.snake.c,
             blk.snake.c,
         )?;
-        e.gemm(&Gemm {
-            m: r,
-            n: ct.s * ct.cout,
-            k: ct.m * ct.cin,
-            a: sc.w0,
-            rsa: ct.cin,
-            cin: ct.cin,
-            jstride: ct.cin,
-            b: ct.w,
-            c: other,
-            bias: Some(ct.b),
-            bias_n: ct.cout,
-            gamma: None,
-            res: None,
-            tanh: false,
-        })?;
-        hist_out(e, st, wt, ct.hist, sc.w0, r)?;
-        r *= ct.s;
+        hists_in(e, sts, wt, ct.hist, sc.w0, &lay)?;
+        l += 1;
+        let next = Lay::new(levels[l], &frames);
+        convt_many(e, ct, sc.w0, &lay, sc.y, other, &next)?;
+        hists_out(e, sts, wt, ct.hist, sc.w0, &lay)?;
+        lay = next;
         std::mem::swap(&mut cur, &mut other);
         let c = ct.cout;
         for ru in &blk.res {
-            let c1_in = hist_in(e, st, wt, ru.c1.hist, sc.w1)?;
-            e.snake(cur, ru.s1.alpha, ru.s1.inv, c1_in, r * c, c)?;
-            conv_gemm(e, &ru.c1, sc.w1, r, sc.y, None, false)?;
-            hist_out(e, st, wt, ru.c1.hist, sc.w1, r)?;
-            e.snake(sc.y, ru.s2.alpha, ru.s2.inv, sc.y, r * c, c)?;
-            conv_gemm(e, &ru.c2, sc.y, r, cur, Some(cur), false)?;
+            e.snake(cur, ru.s1.alpha, ru.s1.inv, sc.w1, lay.total * c, c)?;
+            hists_in(e, sts, wt, ru.c1.hist, sc.w1, &lay)?;
+            conv_many(e, &ru.c1, sc.w1, &lay, sc.y, None, false)?;
+            hists_out(e, sts, wt, ru.c1.hist, sc.w1, &lay)?;
+            e.snake(sc.y, ru.s2.alpha, ru.s2.inv, sc.y, lay.total * c, c)?;
+            conv_many(e, &ru.c2, sc.y, &lay, cur, Some(cur), false)?;
         }
     }
     let c = wt.dec_snake.c;
-    let out_in = hist_in(e, st, wt, wt.dec_out.hist, sc.w0)?;
-    e.snake(cur, wt.dec_snake.alpha, wt.dec_snake.inv, out_in, r * c, c)?;
-    conv_gemm(e, &wt.dec_out, sc.w0, r, sc.a2, None, true)?;
-    hist_out(e, st, wt, wt.dec_out.hist, sc.w0, r)?;
-    debug_assert_eq!(r, t * wt.frame_length());
-    e.read(sc.a2, r)
+    e.snake(
+        cur,
+        wt.dec_snake.alpha,
+        wt.dec_snake.inv,
+        sc.w0,
+        lay.total * c,
+        c,
+    )?;
+    hists_in(e, sts, wt, wt.dec_out.hist, sc.w0, &lay)?;
+    conv_many(e, &wt.dec_out, sc.w0, &lay, sc.a2, None, true)?;
+    hists_out(e, sts, wt, wt.dec_out.hist, sc.w0, &lay)?;
+    let fl = wt.frame_length();
+    debug_assert!(lay.rows.iter().zip(&frames).all(|(&r, &t)| r == t * fl));
+    let pcm = e.read(sc.a2, lay.total)?;
+    Ok((0..frames.len())
+        .map(|b| pcm[lay.start[b]..lay.start[b] + lay.rows[b]].to_vec())
+        .collect())
 }

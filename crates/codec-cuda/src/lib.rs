@@ -94,11 +94,16 @@ impl<E: Exec> Core<E> {
         })
     }
 
-    /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]); the scratch is remade at
-    /// the next push if its size changes, and states made before take steps of at most what
+    /// Steps of at most `frames` frames a stream (1 to [`MAX_STEP_FRAMES`]); the scratch is
+    /// remade for them at the next push, and states made before take steps of at most what
     /// their KV rings were made for. The same samples whatever the step (any chunking is).
     fn set_step_frames(&self, frames: usize) {
         self.step_frames.set(frames.clamp(1, MAX_STEP_FRAMES));
+        if let Some(old) = self.scratch.borrow_mut().take() {
+            for b in old.bufs {
+                self.exec.free(b);
+            }
+        }
     }
 
     /// A stream's state, its KV rings made for the current step.
@@ -106,50 +111,81 @@ impl<E: Exec> Core<E> {
         StateBufs::new(&self.exec, &self.weights, self.step_frames.get())
     }
 
-    /// Device elements one step's scratch holds, as [`Scratch::new`] allocates it.
+    /// Device elements the scratch of one stream's step holds (what a push of one stream
+    /// needs; several streams' steps grow it).
     fn scratch_elems(&self) -> usize {
-        let f = self.step_frames.get();
-        let (work, act, hid) = self.weights.sizes(f);
-        2 * work + 4 * act + hid + f * self.weights.post.hd
+        self.weights
+            .scratch_sizes(self.step_frames.get(), 1)
+            .elems()
     }
 
     fn push(&self, st: &mut StateBufs, codes: &Codes) -> Result<Vec<f32>> {
+        let mut out = self.push_many(&mut [st], &[codes])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Decodes each stream's next frames, in steps that take every stream's next frames (at
+    /// most the decoder's step and what its KV ring holds) in one pass through the layers:
+    /// each stream's samples are bit for bit those of pushing it alone.
+    fn push_many(&self, sts: &mut [&mut StateBufs], codes: &[&Codes]) -> Result<Vec<Vec<f32>>> {
         let nc = self.weights.num_codebooks();
-        if codes.num_codebooks() != nc {
+        if sts.len() != codes.len() {
+            return Err(CudaCodecError::Shape(format!(
+                "{} decoder states for {} streams of codes",
+                sts.len(),
+                codes.len()
+            )));
+        }
+        if let Some(c) = codes.iter().find(|c| c.num_codebooks() != nc) {
             return Err(CudaCodecError::Codec(codec::CodecError::Codes(format!(
                 "{} codebooks given, the codec has {nc}",
-                codes.num_codebooks()
+                c.num_codebooks()
             ))));
         }
-        let t = codes.frames();
-        let size = self.step_frames.get();
-        let step = size.min(st.max_step(&self.weights));
-        let mut scratch = self.scratch.borrow_mut();
-        if scratch.as_ref().is_some_and(|s| s.frames != size) {
-            if let Some(old) = scratch.take() {
-                for b in old.bufs {
-                    self.exec.free(b);
+        let step = self.step_frames.get();
+        let fl = self.weights.frame_length();
+        let mut pcm: Vec<Vec<f32>> = codes
+            .iter()
+            .map(|c| Vec::with_capacity(c.frames() * fl))
+            .collect();
+        let mut done = vec![0; codes.len()];
+        loop {
+            // this step: each unfinished stream's next frames
+            let mut parts = Vec::new();
+            let mut chosen = Vec::new();
+            for (b, st) in sts.iter_mut().enumerate() {
+                let left = codes[b].frames() - done[b];
+                if left > 0 {
+                    let t = left.min(step).min(st.max_step(&self.weights));
+                    parts.push(codes[b].slice(done[b], done[b] + t));
+                    chosen.push((b, &mut **st));
                 }
             }
+            if parts.is_empty() {
+                return Ok(pcm);
+            }
+            let frames = parts.iter().map(|c| c.frames()).sum();
+            let need = self.weights.scratch_sizes(frames, parts.len());
+            let mut scratch = self.scratch.borrow_mut();
+            if scratch.as_ref().is_some_and(|s| !s.sizes.holds(need)) {
+                if let Some(old) = scratch.take() {
+                    for b in old.bufs {
+                        self.exec.free(b);
+                    }
+                }
+            }
+            if scratch.is_none() {
+                let own = self.weights.scratch_sizes(step, 1);
+                *scratch = Some(Scratch::new(&self.exec, need.max(own))?);
+            }
+            let sc = scratch.as_ref().expect("made above");
+            let (idx, mut states): (Vec<usize>, Vec<&mut StateBufs>) = chosen.into_iter().unzip();
+            let out = decoder::step(&self.exec, &self.weights, &mut states, sc, &parts)?;
+            for ((b, p), part) in idx.into_iter().zip(out).zip(&parts) {
+                pcm[b].extend(p);
+                done[b] += part.frames();
+            }
         }
-        if scratch.is_none() {
-            *scratch = Some(Scratch::new(&self.exec, &self.weights, size)?);
-        }
-        let sc = scratch.as_ref().expect("made above");
-        let mut pcm = Vec::with_capacity(t * self.weights.frame_length());
-        let mut f = 0;
-        while f < t {
-            let end = (f + step).min(t);
-            pcm.extend(decoder::step(
-                &self.exec,
-                &self.weights,
-                st,
-                sc,
-                &codes.slice(f, end),
-            )?);
-            f = end;
-        }
-        Ok(pcm)
     }
 }
 
@@ -217,6 +253,31 @@ impl CudaDecoder {
     /// Whole decode (a fresh state, pushed once).
     pub fn decode(&self, codes: &Codes) -> Result<Vec<f32>> {
         self.state()?.push(codes)
+    }
+
+    /// Decodes several streams' next frames together (`codes[b]` for `states[b]`, each a state
+    /// of this decoder): each step takes every stream's next frames in one pass through the
+    /// layers, so a layer's weights are read and its launches made once for all of them.
+    /// Each stream's samples are bit for bit those of pushing it alone.
+    pub fn push_many(
+        &self,
+        states: &mut [&mut CudaDecoderState],
+        codes: &[&Codes],
+    ) -> Result<Vec<Vec<f32>>> {
+        let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sts = Vec::with_capacity(states.len());
+        for s in states.iter_mut() {
+            if !Arc::ptr_eq(&s.core, &self.core) {
+                return Err(CudaCodecError::Shape(
+                    "a decoder state pushed with another decoder".into(),
+                ));
+            }
+            sts.push(
+                s.st.as_mut()
+                    .ok_or_else(|| CudaCodecError::Shape("state already released".into()))?,
+            );
+        }
+        core.push_many(&mut sts, codes)
     }
 
     /// Steps of at most `frames` frames (1 to [`MAX_STEP_FRAMES`]; [`STEP_FRAMES`] by default):
@@ -335,6 +396,15 @@ impl HostDecoder {
     }
     pub fn push(&self, state: &mut HostDecoderState, codes: &Codes) -> Result<Vec<f32>> {
         self.core.push(&mut state.st, codes)
+    }
+    /// As [`CudaDecoder::push_many`].
+    pub fn push_many(
+        &self,
+        states: &mut [&mut HostDecoderState],
+        codes: &[&Codes],
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut sts: Vec<&mut StateBufs> = states.iter_mut().map(|s| &mut s.st).collect();
+        self.core.push_many(&mut sts, codes)
     }
     /// As [`CudaDecoder::set_step_frames`].
     pub fn set_step_frames(&self, frames: usize) {

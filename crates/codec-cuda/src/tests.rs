@@ -98,6 +98,64 @@ fn streams_share_the_step_scratch() {
     }
 }
 
+/// Several streams decoded in one pass through the layers equal each decoded alone, bit for
+/// bit: streams of different lengths pushed together in uneven pieces, one of them made for
+/// smaller steps (its KV ring's room), one joining late, at a step that splits some pieces.
+#[test]
+fn several_streams_in_one_step() {
+    let (_, dec) = host();
+    let goldens = fixture_goldens(&fixture()).expect("goldens");
+    let (_, long, _) = goldens.last().unwrap();
+    let codes = [long.slice(0, 29), long.slice(3, 40), long.slice(11, 24)];
+    let whole: Vec<Vec<f32>> = codes
+        .iter()
+        .map(|c| push_chunks(&dec, c, c.frames()))
+        .collect();
+    dec.set_step_frames(4);
+    let mut small = dec.state().unwrap();
+    dec.set_step_frames(9);
+    let (mut a, mut c) = (dec.state().unwrap(), dec.state().unwrap());
+    let mut got = vec![Vec::new(); 3];
+    // a and the small-ring b together, then c joins; b ends first, then c
+    for (f0, f1) in [(0, 2), (2, 13)] {
+        let out = dec
+            .push_many(
+                &mut [&mut a, &mut small],
+                &[&codes[0].slice(f0, f1), &codes[1].slice(f0, f1)],
+            )
+            .unwrap();
+        got[0].extend(&out[0]);
+        got[1].extend(&out[1]);
+    }
+    let out = dec
+        .push_many(
+            &mut [&mut c, &mut small, &mut a],
+            &[
+                &codes[2].slice(0, 13),
+                &codes[1].slice(13, 37),
+                &codes[0].slice(13, 29),
+            ],
+        )
+        .unwrap();
+    got[2].extend(&out[0]);
+    got[1].extend(&out[1]);
+    got[0].extend(&out[2]);
+    // streams with no frames left give no samples
+    let rest = dec
+        .push_many(
+            &mut [&mut small, &mut c],
+            &[&codes[1].slice(37, 37), &codes[2].slice(13, 13)],
+        )
+        .unwrap();
+    assert!(rest.iter().all(|p| p.is_empty()));
+    for (b, w) in whole.iter().enumerate() {
+        assert_eq!(got[b].len(), w.len(), "stream {b}: samples");
+        assert!(bit_identical(&got[b], w), "stream {b}");
+    }
+    // a state pushed for another stream count than given codes is an error
+    assert!(dec.push_many(&mut [&mut a], &[]).is_err());
+}
+
 #[test]
 fn wrong_codebook_count_is_an_error() {
     let (_, dec) = host();
