@@ -140,6 +140,44 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
             "tolerance": 1e-4, "pass": pass, "chunked_bit_identical": chunks,
         }));
     }
+    // Several streams in one decoder step: three slices of the longest golden, pushed together
+    // in pieces of 7 frames, equal their whole decodes bit for bit.
+    let together = {
+        let goldens = fixture_goldens(fixture)?;
+        let (_, long, _) = goldens
+            .iter()
+            .max_by_key(|(_, c, _)| c.frames())
+            .ok_or("no decode goldens")?;
+        let n = long.frames() / 3;
+        let parts = [
+            long.slice(0, n),
+            long.slice(n, 2 * n),
+            long.slice(2 * n, 3 * n),
+        ];
+        let mut sts = [dec.state()?, dec.state()?, dec.state()?];
+        let mut got = vec![Vec::new(); 3];
+        for f in (0..n).step_by(7) {
+            let e = (f + 7).min(n);
+            let pieces: Vec<Codes> = parts.iter().map(|p| p.slice(f, e)).collect();
+            let [a, b, c] = &mut sts;
+            let out = dec.push_many(&mut [a, b, c], &[&pieces[0], &pieces[1], &pieces[2]])?;
+            for (g, o) in got.iter_mut().zip(out) {
+                g.extend(o);
+            }
+        }
+        let mut same = true;
+        for (g, p) in got.iter().zip(&parts) {
+            same &= bit_identical(g, &dec.decode(p)?);
+        }
+        if !same {
+            failures.push("three streams decoded together differ from each alone".into());
+        }
+        println!(
+            "{} several streams: 3 x {n} frames together in 7-frame pieces == each alone bitwise: {same}",
+            if same { "PASS" } else { "FAIL" }
+        );
+        same
+    };
     let t0 = Instant::now();
     let enc = CudaEncoder::load_on(dec.gpu(), fixture, &codec)?;
     let enc_load_s = t0.elapsed().as_secs_f64();
@@ -183,6 +221,7 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
     }
     Ok(json!({
         "fixture": fixture.display().to_string(), "gpu_load_s": load_s, "cases": cases,
+        "streams_together_bit_identical": together,
         "gpu_encoder_load_s": enc_load_s, "encode_cases": encode_cases,
     }))
 }
@@ -242,6 +281,69 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     if !stream_same {
         failures.push("real geometry: 1-frame stream differs from 16-frame pushes".into());
     }
+
+    // Several streams: CODEC_GPU_STREAMS (default 32) streams of 12-frame pushes (a 32-lane
+    // run's decoder calls), one at a time and all in one call, 3 rounds of which the last two
+    // are timed; each stream's PCM the same bit for bit either way.
+    let ns: usize = std::env::var("CODEC_GPU_STREAMS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n| (1..=256).contains(&n))
+        .unwrap_or(32);
+    let per = 12;
+    let scodes: Vec<Codes> = (0..ns)
+        .map(|b| random_codes(&cfg, 3 * per, 100 + b as u64))
+        .collect::<R<_>>()?;
+    let mut alone = vec![Vec::new(); ns];
+    let mut t_alone = Vec::new();
+    {
+        let mut sts: Vec<_> = (0..ns).map(|_| dec.state()).collect::<Result<_, _>>()?;
+        for round in 0..3 {
+            let t = Instant::now();
+            for (b, st) in sts.iter_mut().enumerate() {
+                alone[b].extend(st.push(&scodes[b].slice(round * per, (round + 1) * per))?);
+            }
+            if round > 0 {
+                t_alone.push(t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let mut together = vec![Vec::new(); ns];
+    let mut t_together = Vec::new();
+    {
+        let mut sts: Vec<_> = (0..ns).map(|_| dec.state()).collect::<Result<_, _>>()?;
+        for round in 0..3 {
+            let pieces: Vec<Codes> = scodes
+                .iter()
+                .map(|c| c.slice(round * per, (round + 1) * per))
+                .collect();
+            let refs: Vec<&Codes> = pieces.iter().collect();
+            let mut st_refs: Vec<_> = sts.iter_mut().collect();
+            let t = Instant::now();
+            let out = dec.push_many(&mut st_refs, &refs)?;
+            if round > 0 {
+                t_together.push(t.elapsed().as_secs_f64());
+            }
+            for (g, o) in together.iter_mut().zip(out) {
+                g.extend(o);
+            }
+        }
+    }
+    let streams_same = alone
+        .iter()
+        .zip(&together)
+        .all(|(a, b)| bit_identical(a, b));
+    if !streams_same {
+        failures.push(format!(
+            "real geometry: {ns} streams decoded together differ from each alone"
+        ));
+    }
+    let fps_alone = (ns * per) as f64 / median(t_alone.clone());
+    let fps_together = (ns * per) as f64 / median(t_together.clone());
+    println!(
+        "real geometry streams: {ns} x {per}-frame pushes, one at a time {fps_alone:.1} frames/s, together {fps_together:.1} frames/s ({:.2}x); together == alone bitwise: {streams_same}",
+        fps_together / fps_alone
+    );
 
     // The GEMMs on gemm_tc16 / gemm_tc64 against the cp.async tiles (wide for many rows,
     // gemm_tcs for up to 16): the same PCM bit for bit at every push size, each one's frames/s
@@ -383,6 +485,12 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
         "cpu_push16_first_s": cpu_first16_s, "cpu_push16_second_s": cpu16_s,
         "speedup_push1": gpu_fps_1 / cpu_fps_1, "speedup_push16": gpu_fps_16 / cpu_fps_16,
         "gemm_tiles_ab": wide_ab,
+        "streams": {
+            "streams": ns, "frames_a_push": per, "bit_identical": streams_same,
+            "frames_per_s_one_at_a_time": fps_alone, "frames_per_s_together": fps_together,
+            "one_at_a_time_ms": t_alone.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+            "together_ms": t_together.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
+        },
         "encoder": {
             "frames": enc_frames, "gpu_load_s": gpu_enc_load_s,
             "gpu_encode_ms": te.iter().map(|s| s * 1e3).collect::<Vec<_>>(),
@@ -395,8 +503,8 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
 }
 
 /// `CODEC_GPU_PROFILE=1`: only a warm-up push and one timed push of `CODEC_GPU_PROFILE_FRAMES`
-/// frames (default 16) at real geometry (for a profiler: the launches of the second push are one
-/// decoder call).
+/// frames (default 16) for each of `CODEC_GPU_PROFILE_STREAMS` streams (default 1) together, at
+/// real geometry (for a profiler: the launches of the second push are one decoder call).
 fn profile_only() -> R<()> {
     let n: usize = std::env::var("CODEC_GPU_PROFILE_FRAMES")
         .ok()
@@ -412,15 +520,28 @@ fn profile_only() -> R<()> {
     )?;
     let codec = Codec::load(tmp.path(), Some(cfg.clone()))?;
     let dec = CudaDecoder::load(tmp.path(), &codec)?;
-    let codes = random_codes(&cfg, 2 * n, 11)?;
-    let mut st = dec.state()?;
-    let _ = st.push(&codes.slice(0, n))?;
-    let t = Instant::now();
-    let _ = st.push(&codes.slice(n, 2 * n))?;
-    println!(
-        "profile: one {n}-frame push {:.2} ms",
-        t.elapsed().as_secs_f64() * 1e3
-    );
+    let ns: usize = std::env::var("CODEC_GPU_PROFILE_STREAMS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n| (1..=256).contains(&n))
+        .unwrap_or(1);
+    let codes: Vec<Codes> = (0..ns)
+        .map(|b| random_codes(&cfg, 2 * n, 11 + b as u64))
+        .collect::<R<_>>()?;
+    let mut sts: Vec<_> = (0..ns).map(|_| dec.state()).collect::<Result<_, _>>()?;
+    let mut ms = 0.0;
+    for half in 0..2 {
+        let pieces: Vec<Codes> = codes
+            .iter()
+            .map(|c| c.slice(half * n, (half + 1) * n))
+            .collect();
+        let refs: Vec<&Codes> = pieces.iter().collect();
+        let mut st_refs: Vec<_> = sts.iter_mut().collect();
+        let t = Instant::now();
+        let _ = dec.push_many(&mut st_refs, &refs)?;
+        ms = t.elapsed().as_secs_f64() * 1e3;
+    }
+    println!("profile: one push of {ns} x {n} frames {ms:.2} ms");
     Ok(())
 }
 
