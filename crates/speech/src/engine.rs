@@ -455,12 +455,19 @@ impl Engine {
         // time, of at most lanes x this many frames)
         let codec_min_chunk = opts.codec_min_chunk.clamp(1, CODEC_MAX_CHUNK);
         let codec_lane_frames = codec_min_chunk.div_ceil(lanes);
-        geom.codec.workspace_bytes_per_lane =
-            codec.decoder_workspace_bytes(codec_lane_frames) as u64;
-        // the GPU decoder's step: its largest call, one step (its fixed cost paid once); each
-        // stream's KV ring holds one step beyond the window
         let codec_on_gpu =
             cfg!(feature = "cuda") && opts.backend == BackendChoice::Cuda && !opts.codec_on_host;
+        // the GPU decoder also decodes several jobs in one call, of up to
+        // CODEC_TOGETHER_LANE_FRAMES frames a lane in all
+        let workspace_lane_frames = if codec_on_gpu {
+            codec_lane_frames.max(CODEC_TOGETHER_LANE_FRAMES)
+        } else {
+            codec_lane_frames
+        };
+        geom.codec.workspace_bytes_per_lane =
+            codec.decoder_workspace_bytes(workspace_lane_frames) as u64;
+        // the GPU decoder's step: its largest call, one step (its fixed cost paid once); each
+        // stream's KV ring holds one step beyond the window
         let codec_step = codec_step_frames(
             std::env::var("DRAMATIS_CODEC_STEP").ok().as_deref(),
             lanes * codec_lane_frames,
@@ -557,6 +564,8 @@ impl Engine {
             let c = codec.clone();
             Box::new(move || Ok(Box::new(c.decoder_state()) as Box<dyn StreamDecoder>))
         };
+        #[allow(unused_mut)] // set by the CUDA build's GPU decoder
+        let mut together = None;
         let decoders: DecoderFactory = match opts.backend {
             _ if opts.codec_on_host => host_decoders(),
             BackendChoice::Cpu => host_decoders(),
@@ -580,6 +589,25 @@ impl Engine {
                     codec_cuda::CudaEncoder::from_state_dict(gpu, &sd, codec.config())
                         .map_err(gpu_err)?,
                 );
+                // several jobs' frames in one call (`DRAMATIS_CODEC_TOGETHER=0`: a call a job)
+                if codec_together_from(std::env::var("DRAMATIS_CODEC_TOGETHER").ok().as_deref()) {
+                    let dec = gpu_codec.clone();
+                    together = Some(Together {
+                        decode: Box::new(move |states, codes| {
+                            let mut sts = Vec::with_capacity(states.len());
+                            for s in states.iter_mut() {
+                                sts.push(
+                                    s.as_any()
+                                        .downcast_mut::<codec_cuda::CudaDecoderState>()
+                                        .ok_or("a decoder state of another kind")?,
+                                );
+                            }
+                            let refs: Vec<&Codes> = codes.iter().collect();
+                            dec.push_many(&mut sts, &refs).map_err(|e| e.to_string())
+                        }),
+                        frames: lanes * workspace_lane_frames,
+                    });
+                }
                 Box::new(move || {
                     gpu_codec
                         .state()
@@ -592,6 +620,7 @@ impl Engine {
         };
         let ctx = WorkerCtx {
             decoders,
+            together,
             cache_budget: admission::Bytes::from_gib_f64(opts.prompt_cache_gib)
                 .map(|b| b.0)
                 .unwrap_or(0),
@@ -1344,11 +1373,17 @@ fn to_rows(rows: &[crate::prompt::Row]) -> Vec<model::Row> {
 /// A streaming codec decoder of one job (CPU, or GPU when the engine runs on CUDA).
 pub(crate) trait StreamDecoder: Send {
     fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String>;
+    /// The state itself, for a [`Together`] call to find its own kind of state.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn as_any(&mut self) -> &mut dyn std::any::Any;
 }
 
 impl StreamDecoder for DecoderState {
     fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String> {
         DecoderState::push(self, codes).map_err(|e| e.to_string())
+    }
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 
@@ -1357,10 +1392,27 @@ impl StreamDecoder for codec_cuda::CudaDecoderState {
     fn push(&mut self, codes: &Codes) -> Result<Vec<f32>, String> {
         codec_cuda::CudaDecoderState::push(self, codes).map_err(|e| e.to_string())
     }
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
 }
 
 /// Makes a fresh decoder state for each job.
 pub(crate) type DecoderFactory = Box<dyn Fn() -> Result<Box<dyn StreamDecoder>, String> + Send>;
+
+/// Decodes several jobs' next frames in one decoder call (`codes[b]` for the state `states[b]`,
+/// each made by the same [`DecoderFactory`]): each job's samples are bit for bit what its own
+/// call would give.
+pub(crate) type TogetherFn = Box<
+    dyn Fn(&mut [&mut Box<dyn StreamDecoder>], &[Codes]) -> Result<Vec<Vec<f32>>, String> + Send,
+>;
+
+/// How the codec thread decodes several jobs in one call, where the decoder can (the GPU's).
+pub(crate) struct Together {
+    pub(crate) decode: TogetherFn,
+    /// The most frames one such call takes in all (the plan's decoder workspace).
+    pub(crate) frames: usize,
+}
 
 /// Work for the codec thread, per job key, in frame order.
 enum CodecMsg {
@@ -1421,6 +1473,17 @@ const CODEC_MAX_CHUNK: usize = 64;
 // a call of the most frames is one GPU decoder step
 #[cfg(feature = "cuda")]
 const _: () = assert!(CODEC_MAX_CHUNK <= codec_cuda::MAX_STEP_FRAMES);
+
+/// Frames a lane in the GPU decoder's calls over several jobs (the codec thread's due jobs in
+/// one call, up to this many frames a lane in all): the plan's decoder workspace a lane.
+const CODEC_TOGETHER_LANE_FRAMES: usize = 8;
+
+/// Whether the GPU decoder decodes several jobs in one call: `DRAMATIS_CODEC_TOGETHER`, on
+/// unless `0` (the same samples either way; for measuring one against the other).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn codec_together_from(setting: Option<&str>) -> bool {
+    setting.is_none_or(|v| v.trim() != "0")
+}
 
 /// The GPU decoder's step (frames): the largest call the codec thread makes (`largest`, at most
 /// [`CODEC_MAX_CHUNK`]), or `DRAMATIS_CODEC_STEP` (1 to [`CODEC_MAX_CHUNK`]) for measuring one
@@ -1504,6 +1567,7 @@ fn hold_until(
 /// (a job still holding frames then never finished: its caller was told it failed).
 fn codec_loop(
     new_decoder: DecoderFactory,
+    together: Option<Together>,
     rate: u32,
     chunks: CodecChunks,
     rx: std::sync::mpsc::Receiver<CodecMsg>,
@@ -1567,17 +1631,108 @@ fn codec_loop(
             }
             codec_event(&mut jobs, &new_decoder, rate, msg, meter);
         }
-        // decode what is due, in arrival order; hold the rest
+        // decode what is due, in arrival order (several jobs in one call where the decoder
+        // can); hold the rest
         let mut held = Vec::with_capacity(pending.len());
+        let mut due = Vec::new();
         for mut p in pending.drain(..) {
             p.until = hold_until(&jobs, &p, &chunks, rate, Instant::now());
             if p.until.is_some() {
                 held.push(p);
             } else {
-                decode_frames(&mut jobs, p.key, p.frames, meter);
+                due.push((p.key, p.frames));
             }
         }
+        decode_due(&mut jobs, due, together.as_ref(), meter);
         pending = held;
+    }
+}
+
+/// Decodes the due jobs' frames: with `together`, in calls over several jobs (in arrival
+/// order, as many as fit its frames), else one call a job.
+fn decode_due(
+    jobs: &mut std::collections::HashMap<u64, CodecJob>,
+    due: Vec<(u64, Vec<Vec<u32>>)>,
+    together: Option<&Together>,
+    meter: &CodecMeter,
+) {
+    let Some(tg) = together.filter(|_| due.len() > 1) else {
+        for (key, frames) in due {
+            decode_frames(jobs, key, frames, meter);
+        }
+        return;
+    };
+    // the jobs still decoding, with frames to decode
+    let due: Vec<_> = due
+        .into_iter()
+        .filter(|(k, f)| !f.is_empty() && jobs.get(k).is_some_and(|j| !j.failed))
+        .collect();
+    let mut group: Vec<(u64, Vec<Vec<u32>>)> = Vec::new();
+    let mut held = 0;
+    for (key, frames) in due {
+        if !group.is_empty() && held + frames.len() > tg.frames {
+            decode_together(jobs, std::mem::take(&mut group), tg, meter);
+            held = 0;
+        }
+        held += frames.len();
+        group.push((key, frames));
+    }
+    decode_together(jobs, group, tg, meter);
+}
+
+/// Decodes several jobs' frames (each job's still decoding, with frames) in one call (one job:
+/// its own call) and sends each its audio.
+fn decode_together(
+    jobs: &mut std::collections::HashMap<u64, CodecJob>,
+    group: Vec<(u64, Vec<Vec<u32>>)>,
+    tg: &Together,
+    meter: &CodecMeter,
+) {
+    if group.len() < 2 {
+        for (key, frames) in group {
+            decode_frames(jobs, key, frames, meter);
+        }
+        return;
+    }
+    let t0 = Instant::now();
+    let codes: Result<Vec<Codes>, String> = group
+        .iter()
+        .map(|(_, f)| Codes::from_frames(f[0].len(), f).map_err(|e| e.to_string()))
+        .collect();
+    // the group's decoders, in the group's order (distinct keys: one job a key)
+    let at: std::collections::HashMap<u64, usize> = group
+        .iter()
+        .enumerate()
+        .map(|(i, (k, _))| (*k, i))
+        .collect();
+    let mut decs: Vec<(usize, &mut Box<dyn StreamDecoder>)> = jobs
+        .iter_mut()
+        .filter_map(|(k, j)| at.get(k).map(|&i| (i, &mut j.decoder)))
+        .collect();
+    decs.sort_by_key(|(i, _)| *i);
+    let mut decs: Vec<&mut Box<dyn StreamDecoder>> = decs.into_iter().map(|(_, d)| d).collect();
+    let pcm = codes.and_then(|c| (tg.decode)(&mut decs, &c));
+    meter
+        .busy_ns
+        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    match pcm {
+        Ok(pcm) => {
+            meter.calls.fetch_add(1, Ordering::Relaxed);
+            let frames: usize = group.iter().map(|(_, f)| f.len()).sum();
+            meter.frames.fetch_add(frames as u64, Ordering::Relaxed);
+            for ((key, _), p) in group.iter().zip(pcm) {
+                if let Some(j) = jobs.get_mut(key) {
+                    deliver(j, Ok(p));
+                }
+            }
+        }
+        Err(e) => {
+            for (key, _) in &group {
+                if let Some(j) = jobs.get_mut(key) {
+                    deliver(j, Err(e.clone()));
+                }
+            }
+        }
     }
 }
 
@@ -1608,6 +1763,11 @@ fn decode_frames(
             .frames
             .fetch_add(frames.len() as u64, Ordering::Relaxed);
     }
+    deliver(j, pcm);
+}
+
+/// Sends a job the audio of one decoder call (its first audio times the job), or fails it.
+fn deliver(j: &mut CodecJob, pcm: Result<Vec<f32>, String>) {
     match pcm {
         Ok(pcm) => {
             if j.first_audio.is_none() {
@@ -1693,6 +1853,9 @@ impl StreamDecoder for NoDecoder {
     fn push(&mut self, _codes: &Codes) -> Result<Vec<f32>, String> {
         Err("no decoder".into())
     }
+    fn as_any(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
 }
 
 /// One job occupying a lane.
@@ -1718,6 +1881,7 @@ struct Active<B: Backend> {
 /// Everything the worker needs besides the model.
 struct WorkerCtx {
     decoders: DecoderFactory,
+    together: Option<Together>,
     cache_budget: u64,
     cache_per_row: u64,
     cache_fixed: u64,
@@ -1779,11 +1943,12 @@ fn spawn_worker<B: Backend + 'static>(
     let (codec_tx, codec_rx) = std::sync::mpsc::channel();
     let rate = ctx.codec.sample_rate();
     let factory = ctx.decoders;
+    let together = ctx.together;
     let chunks = ctx.codec_chunks;
     let meter = ctx.codec_meter;
     let codec_thread = std::thread::Builder::new()
         .name("dramatis-codec".into())
-        .spawn(move || codec_loop(factory, rate, chunks, codec_rx, &meter))
+        .spawn(move || codec_loop(factory, together, rate, chunks, codec_rx, &meter))
         .map_err(|e| SpeechError::Engine(format!("cannot start the codec thread: {e}")))?;
     let worker = Worker {
         codec_tx,
@@ -2435,6 +2600,91 @@ mod codec_thread_tests {
                 .map(|f| (1000 * codes.get(0, f) + codes.get(1, f)) as f32)
                 .collect())
         }
+        fn as_any(&mut self) -> &mut dyn std::any::Any {
+            self
+        }
+    }
+
+    /// Due jobs go to the decoder together, as many a call as its frames allow, each job's
+    /// audio its own and in order; a job alone in its group gets its own call; jobs that have
+    /// failed or ended are left out.
+    #[test]
+    fn due_jobs_decode_together() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let groups = Arc::new(Mutex::new(Vec::new()));
+        let g2 = groups.clone();
+        let tg = Together {
+            decode: Box::new(move |states, codes| {
+                g2.lock()
+                    .unwrap()
+                    .push(codes.iter().map(|c| c.frames()).collect::<Vec<_>>());
+                states
+                    .iter_mut()
+                    .zip(codes)
+                    .map(|(s, c)| {
+                        s.as_any()
+                            .downcast_mut::<Fake>()
+                            .ok_or_else(|| "not a fake".to_string())?
+                            .push(c)
+                    })
+                    .collect()
+            }),
+            frames: 10,
+        };
+        let mut jobs = std::collections::HashMap::new();
+        let mut rxs = Vec::new();
+        for key in 0..5u64 {
+            let (etx, erx) = mpsc::unbounded_channel();
+            rxs.push(erx);
+            jobs.insert(
+                key,
+                CodecJob {
+                    events: etx,
+                    submitted: Instant::now(),
+                    decoder: Box::new(Fake(calls.clone())),
+                    hasher: PcmHasher::new(),
+                    samples: 0,
+                    first_audio: None,
+                    first_audio_at: None,
+                    failed: key == 3,
+                },
+            );
+        }
+        let frames = |key: u32, n: u32| (0..n).map(|f| vec![key, f]).collect::<Vec<_>>();
+        // 4 + 5 frames fit 10; job 2's 3 more do not: a new group, with job 3 (failed, left
+        // out) and job 4's 6 frames; job 9 is not a job
+        let due = vec![
+            (0, frames(0, 4)),
+            (1, frames(1, 5)),
+            (2, frames(2, 3)),
+            (3, frames(3, 2)),
+            (9, frames(9, 1)),
+            (4, frames(4, 6)),
+        ];
+        decode_due(&mut jobs, due, Some(&tg), &CodecMeter::default());
+        assert_eq!(*groups.lock().unwrap(), vec![vec![4, 5], vec![3, 6]]);
+        for (key, n) in [(0u32, 4u32), (1, 5), (2, 3), (4, 6)] {
+            let mut audio = Vec::new();
+            while let Ok(ev) = rxs[key as usize].try_recv() {
+                match ev {
+                    JobEvent::Audio(p) => audio.extend(p),
+                    other => panic!("job {key}: unexpected {other:?}"),
+                }
+            }
+            let want: Vec<f32> = (0..n).map(|f| (1000 * key + f) as f32).collect();
+            assert_eq!(audio, want, "job {key}");
+        }
+        assert!(rxs[3].try_recv().is_err(), "a failed job gets nothing");
+        // one job due: its own call, not the together one
+        let before = calls.lock().unwrap().len();
+        decode_due(
+            &mut jobs,
+            vec![(0, frames(0, 2))],
+            Some(&tg),
+            &CodecMeter::default(),
+        );
+        assert_eq!(groups.lock().unwrap().len(), 2);
+        assert_eq!(calls.lock().unwrap().len(), before + 1);
     }
 
     /// The GPU decoder's step: the engine's largest call unless `DRAMATIS_CODEC_STEP` says,
@@ -2512,7 +2762,7 @@ mod codec_thread_tests {
             min: 1,
             max_hold: CODEC_MAX_HOLD,
         };
-        codec_loop(factory, 44_100, chunks_at, rx, &CodecMeter::default());
+        codec_loop(factory, None, 44_100, chunks_at, rx, &CodecMeter::default());
         for (key, erx) in streams.iter_mut().enumerate() {
             let mut audio = Vec::new();
             let mut done = None;
@@ -2578,7 +2828,7 @@ mod codec_thread_tests {
                 min: min_chunk,
                 max_hold,
             };
-            codec_loop(factory, rate, chunks, rx, &CodecMeter::default())
+            codec_loop(factory, None, rate, chunks, rx, &CodecMeter::default())
         });
         (tx, erx, chunks, h)
     }
