@@ -567,7 +567,7 @@ fn main() -> R<()> {
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
     let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
     println!(
-        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} / on gemm_tcs {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} of them one-segment, {} of those 96 columns, {} with fewer blocks than tiles, {} frame-rate, {} small launches, dispatch as expected {}); shapes {:?}",
+        "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} / on gemm_tcs {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} of them one-segment, {} of those 96 columns, {} frame-rate, {} small launches, dispatch as expected {}); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },
         tc.exact_worst,
         codec_cuda::check::TOLERANCE,
@@ -584,7 +584,6 @@ fn main() -> R<()> {
         tc.wide_launches,
         tc.seg1_launches,
         tc.wide96_launches,
-        tc.capped_launches,
         tc.frame_launches,
         tc.small_launches,
         tc.dispatch_as_expected,
@@ -599,14 +598,13 @@ fn main() -> R<()> {
         "tolerance": codec_cuda::check::TOLERANCE, "rows_bitwise": tc.rows_bitwise,
         "modes_bitwise": tc.modes_bitwise, "wide_bitwise": tc.wide_bitwise,
         "wide_launches": tc.wide_launches, "seg1_launches": tc.seg1_launches,
-        "wide96_launches": tc.wide96_launches, "capped_launches": tc.capped_launches,
+        "wide96_launches": tc.wide96_launches,
         "frame_launches": tc.frame_launches,
         "small_launches": tc.small_launches, "dispatch_as_expected": tc.dispatch_as_expected,
         "wide_kernel": codec_cuda::cuda::wide_kernel(),
         "seg1_kernel": codec_cuda::cuda::seg1_kernel(),
         "frame_rows": codec_cuda::cuda::frame_rows(),
         "wide96": codec_cuda::cuda::wide96(),
-        "wide_per_sm": codec_cuda::cuda::wide_per_sm(),
         "small_tiles": codec_cuda::cuda::small_tiles(), "shapes": tc.shapes, "pass": tc.pass(),
     });
     let tiny = tiny(&fixture, &mut failures)?;

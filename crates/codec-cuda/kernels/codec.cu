@@ -345,20 +345,19 @@ template <int WM, int WN, int MT, int NT, int ST, bool SEG1 = false>
 __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* A, long long rsa,
                                               int cin, long long jstride, const float* B, float* C,
                                               const float* bias, int bias_n, const float* gamma,
-                                              const float* res, int act, int ks, float* part,
-                                              int bx, int by, int bz, int nz) {
+                                              const float* res, int act, int ks, float* part) {
     constexpr int BM = 16 * WM * MT, BN = 8 * WN * NT, BS = BN + 8, T = 32 * WM * WN;
     __shared__ __align__(16) float As[ST][BM * TCW_AS];
     __shared__ __align__(16) float Bs[ST][TCW_BK * BS];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = by * BM, col0 = bx * BN;
+    const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
     const int wm = (warp / WN) * 16 * MT, wn = (warp % WN) * 8 * NT;  // the warp's tiles
     // the warp's n8 tiles that hold columns (N = 96: the second column tile's right half none)
     const int jn = max(0, min(NT, (N - col0 - wn + 7) / 8));
     const int nseg = (K + ks - 1) / ks;
-    const bool split = nz > 1;
-    const int z0 = split ? bz : 0, z1 = split ? z0 + 1 : nseg;
+    const bool split = gridDim.z > 1;
+    const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
     const int k_first = z0 * ks, k_last = min(K, z1 * ks);  // this block's keys
     const int nchunks = (k_last - k_first) / TCW_BK;
     // a chunk: A's BM rows x 16 keys and B's 16 keys x BN columns, 16 bytes a copy
@@ -458,22 +457,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     int M, int N, int K, const float *A, long long rsa, int cin, long long jstride, const float *B,    \
         float *C, const float *bias, int bias_n, const float *gamma, const float *res, int act, int ks, \
         float *part
-#define GEMM_TCW_PLAIN M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part
-#define GEMM_TCW_PASS_AT(bx, by, bz, nz) GEMM_TCW_PLAIN, bx, by, bz, nz
-// a block a tile: (column tile, row tile, K segment) = blockIdx
-#define GEMM_TCW_PASS GEMM_TCW_PASS_AT((int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.z)
-// Fewer blocks than tiles (the GEMM held to part of the device, leaving the rest to the model's
-// rounds): each block takes tiles blockIdx.x, + gridDim.x, ... of the tx x ty x nz tiles, in
-// blockIdx order (columns fastest), each the same arithmetic as its own block's.
-template <int WM, int WN, int MT, int NT, int ST>
-__device__ __forceinline__ void gemm_tcw_tiles(GEMM_TCW_ARGS, int nz) {
-    constexpr int BM = 16 * WM * MT, BN = 8 * WN * NT;
-    const int tx = (N + BN - 1) / BN, ty = (M + BM - 1) / BM, n = tx * ty * nz;
-    for (int tile = blockIdx.x; tile < n; tile += gridDim.x) {
-        gemm_tcw_body<WM, WN, MT, NT, ST, true>(GEMM_TCW_PASS_AT(tile % tx, (tile / tx) % ty, tile / (tx * ty), nz));
-        __syncthreads();  // the next tile's loads reuse the stages this one read
-    }
-}
+#define GEMM_TCW_PASS M, N, K, A, rsa, cin, jstride, B, C, bias, bias_n, gamma, res, act, ks, part
 // Many rows: 128 x 64 tiles, 8 warps of 32 x 32, 3 stages. One block a
 // multiprocessor with the registers the body wants (no spills), or two held to 128 registers
 // each (a few spilled): the same bits, the faster one chosen by measurement.
@@ -495,13 +479,6 @@ extern "C" __global__ void __launch_bounds__(256, 3) gemm_tcw3s(GEMM_TCW_ARGS) {
 // N = 96 (the last stage), which 64-column tiles pad to 128.
 extern "C" __global__ void __launch_bounds__(192, 4) gemm_tcw96s(GEMM_TCW_ARGS) {
     gemm_tcw_body<2, 3, 2, 4, 3, true>(GEMM_TCW_PASS);
-}
-// gemm_tcw3s and gemm_tcw96s over their tiles with fewer blocks (see gemm_tcw_tiles).
-extern "C" __global__ void __launch_bounds__(256, 3) gemm_tcw3p(GEMM_TCW_ARGS, int nz) {
-    gemm_tcw_tiles<4, 2, 2, 4, 3>(GEMM_TCW_PLAIN, nz);
-}
-extern "C" __global__ void __launch_bounds__(192, 4) gemm_tcw96p(GEMM_TCW_ARGS, int nz) {
-    gemm_tcw_tiles<2, 3, 2, 4, 3>(GEMM_TCW_PLAIN, nz);
 }
 // Up to 16 rows (the frame-rate layers, weight-bound: ~436 MB of f32 weights a decoder call in
 // the post-module alone): 16 x 64 tiles, 4 warps of 16 x 16, 6 stages. Opt-in

@@ -89,7 +89,7 @@ pub struct TcCheck {
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
     /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
-    /// `gemm_tcw96s`, `gemm_tcw3p`, `gemm_tcw96p`, `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// `gemm_tcw96s`, `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
     /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
@@ -98,8 +98,6 @@ pub struct TcCheck {
     pub seg1_launches: u64,
     /// Launches that took `gemm_tcw96s`.
     pub wide96_launches: u64,
-    /// Launches that took `gemm_tcw3p` / `gemm_tcw96p` (fewer blocks than tiles).
-    pub capped_launches: u64,
     /// Launches that took `gemm_fr` or `gemm_fr4`.
     pub frame_launches: u64,
     /// Launches that took `gemm_tcs`.
@@ -123,7 +121,6 @@ impl TcCheck {
             && self.wide_launches > 0
             && self.seg1_launches > 0
             && self.wide96_launches > 0
-            && self.capped_launches > 0
             && self.frame_launches > 0
             && self.small_launches > 0
             && self.dispatch_as_expected
@@ -291,7 +288,6 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         wide_launches: 0,
         seg1_launches: 0,
         wide96_launches: 0,
-        capped_launches: 0,
         frame_launches: 0,
         small_launches: 0,
         dispatch_as_expected: true,
@@ -299,7 +295,6 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
     let (wide0, small0) = (exact.wide_launches(), exact.small_launches());
     let (seg10, frame0) = (exact.seg1_launches(), exact.frame_launches());
     let w960 = exact.wide96_launches();
-    let capped0 = exact.capped_launches();
     for s in shapes {
         let case = Case::new(s, &mut rng);
         out.shapes.push((s.m, s.n, s.k()));
@@ -327,24 +322,19 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
         ] {
             exact.set_split_below(mode);
             let mut runs = Vec::new();
-            // the last element: the most blocks a one-segment wide GEMM launches (0: a block a
-            // tile; 1 and 3: each block several tiles, on gemm_tcw3p / gemm_tcw96p)
-            for (w, seg1, small, frame, w96, blocks) in [
-                (None, None, false, 0, false, 0),
-                (None, None, false, 16, false, 0),
-                (None, None, false, 64, false, 0),
-                (None, None, true, 0, false, 0),
-                (Some("gemm_tcw"), None, false, 0, false, 0),
-                (Some("gemm_tcw2"), None, false, 0, false, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0, false, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, false, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, true, 0),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, false, 1),
-                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, true, 3),
+            for (w, seg1, small, frame, w96) in [
+                (None, None, false, 0, false),
+                (None, None, false, 16, false),
+                (None, None, false, 64, false),
+                (None, None, true, 0, false),
+                (Some("gemm_tcw"), None, false, 0, false),
+                (Some("gemm_tcw2"), None, false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, true),
             ] {
                 exact.set_wide(w);
                 exact.set_wide96(w96);
-                exact.set_wide_blocks(blocks);
                 exact.set_seg1(seg1);
                 exact.set_small(small);
                 exact.set_frame(frame);
@@ -377,7 +367,6 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
             exact.set_small(crate::cuda::small_tiles());
             exact.set_frame(crate::cuda::frame_rows());
             exact.set_wide96(crate::cuda::wide96());
-            exact.set_wide_blocks(exact.default_wide_blocks());
             out.wide_bitwise &= runs.iter().all(|r| crate::bit_identical(r, whole));
         }
         exact.set_split_below(None);
@@ -394,7 +383,6 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
     out.wide_launches = exact.wide_launches() - wide0;
     out.seg1_launches = exact.seg1_launches() - seg10;
     out.wide96_launches = exact.wide96_launches() - w960;
-    out.capped_launches = exact.capped_launches() - capped0;
     out.frame_launches = exact.frame_launches() - frame0;
     out.small_launches = exact.small_launches() - small0;
     Ok(out)

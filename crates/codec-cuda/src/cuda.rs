@@ -15,7 +15,7 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 27] = [
+pub const KERNELS: [&str; 25] = [
     "gemm_tc16",
     "gemm_fr",
     "gemm_fr4",
@@ -26,8 +26,6 @@ pub const KERNELS: [&str; 27] = [
     "gemm_tcw2s",
     "gemm_tcw3s",
     "gemm_tcw96s",
-    "gemm_tcw3p",
-    "gemm_tcw96p",
     "gemm_big",
     "gemm_reduce",
     "gemm_small",
@@ -154,12 +152,6 @@ pub struct CudaExec {
     wide96: std::cell::Cell<bool>,
     /// Launches of `gemm_tcw96s` so far.
     wide96_launches: std::cell::Cell<u64>,
-    /// The most blocks a one-segment wide GEMM launches (0: a block a tile); fewer blocks than
-    /// tiles take `gemm_tcw3p` / `gemm_tcw96p`, each block several tiles. [`wide_per_sm`] a
-    /// multiprocessor unless set.
-    wide_blocks: std::cell::Cell<usize>,
-    /// Launches of `gemm_tcw3p` / `gemm_tcw96p` so far.
-    capped_launches: std::cell::Cell<u64>,
     /// Tensor-core GEMMs of up to 16 rows on `gemm_tcs` (the weights staged by `cp.async` in
     /// six shared-memory stages; the same bits as `gemm_tc16`) where its operands allow
     /// (`DRAMATIS_CODEC_TCS=1`; off by default, see [`small_tiles`]).
@@ -236,23 +228,6 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
 /// `gemm_tcw96s`, 64 x 96 tiles (`DRAMATIS_CODEC_TCW96`, default on, `0` off; the same bits).
 pub fn wide96() -> bool {
     on_unless_zero(std::env::var("DRAMATIS_CODEC_TCW96").ok().as_deref())
-}
-
-/// Blocks a multiprocessor the one-segment wide GEMMs (`gemm_tcw3s`, `gemm_tcw96s`) launch at
-/// most (`DRAMATIS_CODEC_WIDE_PER_SM`; default 2, `0`: a block a tile): held under what a
-/// multiprocessor holds of them (3 and 4), so the model's rounds find room beside the
-/// decoder's GEMMs. The same bits either way.
-pub fn wide_per_sm() -> usize {
-    wide_per_sm_from(std::env::var("DRAMATIS_CODEC_WIDE_PER_SM").ok().as_deref())
-}
-
-pub(crate) fn wide_per_sm_from(v: Option<&str>) -> usize {
-    v.and_then(|v| v.trim().parse().ok()).unwrap_or(2)
-}
-
-/// Blocks the one-segment wide GEMMs launch at most on `gpu`: [`wide_per_sm`] a multiprocessor.
-pub fn wide_blocks_on(gpu: &Gpu) -> usize {
-    wide_per_sm() * usize::try_from(gpu.info.sm_count.max(1)).unwrap_or(1)
 }
 
 /// Whether 96-wide tiles pad `n` columns less than 64-wide ones.
@@ -344,7 +319,6 @@ impl CudaExec {
             .ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(backend_cuda::CudaError::from)?;
-        let wide_blocks = wide_blocks_on(&gpu);
         let mut funcs = HashMap::new();
         for name in KERNELS {
             let f = module
@@ -365,8 +339,6 @@ impl CudaExec {
             split_forced: std::cell::Cell::new(false),
             seg1_launches: std::cell::Cell::new(0),
             wide96: std::cell::Cell::new(wide96()),
-            wide_blocks: std::cell::Cell::new(wide_blocks),
-            capped_launches: std::cell::Cell::new(0),
             wide96_launches: std::cell::Cell::new(0),
             frame: std::cell::Cell::new(frame_rows()),
             frame_launches: std::cell::Cell::new(0),
@@ -408,21 +380,6 @@ impl CudaExec {
     /// Launches of `gemm_tcw96s` so far.
     pub fn wide96_launches(&self) -> u64 {
         self.wide96_launches.get()
-    }
-
-    /// Blocks the one-segment wide GEMMs launch at most (0: a block a tile).
-    pub fn set_wide_blocks(&self, n: usize) {
-        self.wide_blocks.set(n);
-    }
-
-    /// Blocks the one-segment wide GEMMs launch at most by default (see [`wide_blocks_on`]).
-    pub fn default_wide_blocks(&self) -> usize {
-        wide_blocks_on(&self.gpu)
-    }
-
-    /// Launches of `gemm_tcw3p` / `gemm_tcw96p` so far.
-    pub fn capped_launches(&self) -> u64 {
-        self.capped_launches.get()
     }
 
     /// Launches of the one-segment wide kernels so far.
@@ -714,39 +671,16 @@ impl Exec for CudaExec {
         } else {
             0
         };
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(cdiv(g.n, bn))?, u32_of(cdiv(g.m, bm))?, u32_of(zs)?),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let ksi = i32_of(ks)?;
-        let tiles = cdiv(g.n, bn) * cdiv(g.m, bm) * zs;
-        let cap = self.wide_blocks.get();
-        let capped = match name {
-            "gemm_tcw3s" => Some("gemm_tcw3p"),
-            "gemm_tcw96s" => Some("gemm_tcw96p"),
-            _ => None,
-        }
-        .filter(|_| cap > 0 && tiles > cap);
-        if let Some(p) = capped {
-            // fewer blocks than tiles, each several in blockIdx order
-            self.capped_launches.set(self.capped_launches.get() + 1);
-            let cfg = LaunchConfig {
-                grid_dim: (u32_of(cap)?, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let nz = i32_of(zs)?;
-            launch!(
-                self, p, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma,
-                &res, &act, &ksi, &part, &nz
-            );
-        } else {
-            let cfg = LaunchConfig {
-                grid_dim: (u32_of(cdiv(g.n, bn))?, u32_of(cdiv(g.m, bm))?, u32_of(zs)?),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch!(
-                self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma,
-                &res, &act, &ksi, &part
-            );
-        }
+        launch!(
+            self, name, cfg, &m, &n, &k, &a, &rsa, &cin, &js, &b, &c, &bias, &bias_n, &gamma, &res,
+            &act, &ksi, &part
+        );
         if zs > 1 {
             let ns = i32_of(zs)?;
             launch!(

@@ -459,15 +459,6 @@ fn on_unless_zero_setting() {
     assert!(!cuda::on_unless_zero(Some("0 ")));
 }
 
-/// `DRAMATIS_CODEC_WIDE_PER_SM`: 2 blocks a multiprocessor unless a number says (0: no cap).
-#[test]
-fn wide_per_sm_setting() {
-    assert_eq!(cuda::wide_per_sm_from(None), 2);
-    assert_eq!(cuda::wide_per_sm_from(Some(" 0")), 0);
-    assert_eq!(cuda::wide_per_sm_from(Some("3")), 3);
-    assert_eq!(cuda::wide_per_sm_from(Some("x")), 2);
-}
-
 /// 96-column tiles only where they pad less than 64-column ones.
 #[test]
 fn tiles_of_96_columns() {
