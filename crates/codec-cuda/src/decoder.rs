@@ -634,6 +634,47 @@ impl Weights {
             rope: frames * self.post.hd,
         }
     }
+
+    /// The most split-K partial sums (f32) one of the step's GEMMs can hold, over `frames`
+    /// frames in all of `streams` streams: its K segments x rows x columns, whether or not
+    /// the executor splits it (`CudaExec`'s partials buffer).
+    pub(crate) fn partial_elems(&self, frames: usize, streams: usize) -> usize {
+        let levels = self.levels();
+        let rows = |l: usize| frames * levels[l].factor + streams * levels[l].gap;
+        let part = |m: usize, k: usize, n: usize| {
+            let nseg = k.div_ceil(crate::exec::split_len(k, n));
+            if n > 1 && nseg > 1 {
+                nseg * m * n
+            } else {
+                0
+            }
+        };
+        let p = &self.post;
+        let (w, t0) = (p.heads * p.hd, rows(0));
+        let mut most = part(t0, p.dim, 3 * w)
+            .max(part(t0, w, p.dim))
+            .max(part(t0, p.dim, 2 * p.ffn))
+            .max(part(t0, p.ffn, p.dim));
+        let mut l = 0;
+        for (ct, nx) in &self.up {
+            most = most.max(part(rows(l), ct.m * ct.cin, ct.s * ct.cout));
+            l += 1;
+            most = most
+                .max(part(rows(l), nx.c, nx.hidden))
+                .max(part(rows(l), nx.hidden, nx.c));
+        }
+        let conv = |l: usize, cv: &ConvW| part(rows(l), cv.k * cv.cin, cv.cout);
+        most = most.max(conv(l, &self.dec_in));
+        for blk in &self.blocks {
+            let ct = &blk.convt;
+            most = most.max(part(rows(l), ct.m * ct.cin, ct.s * ct.cout));
+            l += 1;
+            for ru in &blk.res {
+                most = most.max(conv(l, &ru.c1)).max(conv(l, &ru.c2));
+            }
+        }
+        most.max(conv(l, &self.dec_out))
+    }
 }
 
 /// Per-stream device state: histories, KV rings and position (a step's scratch is the
@@ -1048,8 +1089,8 @@ fn hists_in<E: Exec>(
     e.copy_many(&list)
 }
 
-/// History out for every stream: the last rows of its history and rows in `work` into its
-/// history `h` (the rows after the gap's history, or some of those when it has fewer rows).
+/// History out for every stream: the last rows of its history-then-rows in `work` (its new
+/// rows, reaching back into the gap's history when it has fewer) into its history `h`.
 fn hists_out<E: Exec>(
     e: &E,
     sts: &[&mut StateBufs],

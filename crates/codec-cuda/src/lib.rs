@@ -111,12 +111,11 @@ impl<E: Exec> Core<E> {
         StateBufs::new(&self.exec, &self.weights, self.step_frames.get())
     }
 
-    /// Device elements the scratch of one stream's step holds (what a push of one stream
-    /// needs; several streams' steps grow it).
-    fn scratch_elems(&self) -> usize {
-        self.weights
-            .scratch_sizes(self.step_frames.get(), 1)
-            .elems()
+    /// Elements of the scratch for a step of `frames` frames over `streams` streams, and the
+    /// most split-K partial sums one of its GEMMs can hold.
+    fn scratch_elems(&self, frames: usize, streams: usize) -> usize {
+        self.weights.scratch_sizes(frames, streams).elems()
+            + self.weights.partial_elems(frames, streams)
     }
 
     fn push(&self, st: &mut StateBufs, codes: &Codes) -> Result<Vec<f32>> {
@@ -291,13 +290,16 @@ impl CudaDecoder {
             .set_step_frames(frames);
     }
 
-    /// Bytes of the decoder's step scratch at its step size (one, whatever the streams).
-    pub fn scratch_bytes(&self) -> usize {
+    /// Bytes of the decoder's step scratch for a step of `frames` frames over `streams` streams
+    /// (one scratch a decoder, grown to the largest step it has taken) and of the most split-K
+    /// partial sums its GEMMs can hold: the device memory a decoder call needs beyond the
+    /// weights and the streams' states.
+    pub fn scratch_bytes(&self, frames: usize, streams: usize) -> usize {
         4 * self
             .core
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .scratch_elems()
+            .scratch_elems(frames, streams)
     }
 
     /// The wide tensor-core kernel its GEMMs of many rows use (`None`: `gemm_tc64`; see
@@ -409,6 +411,10 @@ impl HostDecoder {
     /// As [`CudaDecoder::set_step_frames`].
     pub fn set_step_frames(&self, frames: usize) {
         self.core.set_step_frames(frames);
+    }
+    /// As [`CudaDecoder::scratch_bytes`].
+    pub fn scratch_bytes(&self, frames: usize, streams: usize) -> usize {
+        4 * self.core.scratch_elems(frames, streams)
     }
 }
 

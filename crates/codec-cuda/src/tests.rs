@@ -156,6 +156,31 @@ fn several_streams_in_one_step() {
     assert!(dec.push_many(&mut [&mut a], &[]).is_err());
 }
 
+/// The memory plan's decoder workspace (`Codec::decoder_workspace_bytes`, a lane's frames
+/// times the lanes) holds what the engine's decoder calls need beyond weights and states (the
+/// step scratch and the most split-K partial sums): one stream's steps of up to 64 frames, and
+/// calls over every lane of 8 frames a lane (the engine's calls over several jobs).
+#[test]
+fn plan_holds_the_step_scratch() {
+    let (codec, dec) = host();
+    for frames in [1, 16, 32, MAX_STEP_FRAMES] {
+        let scratch = dec.scratch_bytes(frames, 1);
+        let plan = codec.decoder_workspace_bytes(frames);
+        assert!(
+            scratch <= plan,
+            "{frames} frames: scratch {scratch} B, plan {plan} B"
+        );
+    }
+    for lanes in [1, 2, 8, 32, 64] {
+        let scratch = dec.scratch_bytes(8 * lanes, lanes);
+        let plan = lanes * codec.decoder_workspace_bytes(8);
+        assert!(
+            scratch <= plan,
+            "{lanes} lanes: scratch {scratch} B, plan {plan} B"
+        );
+    }
+}
+
 #[test]
 fn wrong_codebook_count_is_an_error() {
     let (_, dec) = host();
@@ -519,4 +544,34 @@ fn small_tiles_setting() {
     assert!(!cuda::small_from(None));
     assert!(!cuda::small_from(Some("0")));
     assert!(cuda::small_from(Some(" 1 ")));
+}
+
+/// The same at Drama 3 geometry, for the engine's calls (at least 8 frames a lane), on
+/// synthetic weights: heavy (Drama 3-size codec weights on the host), so run by hand.
+#[test]
+#[ignore = "loads Drama 3-size codec weights on the host"]
+fn plan_holds_the_step_scratch_drama3() {
+    let cfg = codec::CodecConfig::default();
+    let sd = codec::synth::synthetic_state_dict(&cfg, 7);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("codec.pth"),
+        checkpoint::pth_write::write_pth(&sd).unwrap(),
+    )
+    .unwrap();
+    let codec = Codec::load(dir.path(), Some(cfg.clone())).unwrap();
+    let sd = checkpoint::pth::read_pth(&dir.path().join("codec.pth")).unwrap();
+    let dec = HostDecoder::from_state_dict(&sd, codec.config()).unwrap();
+    for frames in [8, 16, 32, MAX_STEP_FRAMES] {
+        let scratch = dec.scratch_bytes(frames, 1);
+        let plan = codec.decoder_workspace_bytes(frames);
+        eprintln!("{frames} frames: scratch {scratch} B, plan {plan} B");
+        assert!(scratch <= plan, "{frames} frames");
+    }
+    for lanes in [1, 2, 8, 32, 64] {
+        let scratch = dec.scratch_bytes(8 * lanes, lanes);
+        let plan = lanes * codec.decoder_workspace_bytes(8);
+        eprintln!("{lanes} lanes: scratch {scratch} B, plan {plan} B");
+        assert!(scratch <= plan, "{lanes} lanes");
+    }
 }

@@ -554,9 +554,13 @@ impl Codec {
         }
         // Six copies (the GPU decoder's step scratch: two work buffers, history then input, and
         // four activations; on the host, input, output and residual copies, im2col tiles and
-        // GEMM packing) and its split-K partial sums, up to six more (a 16-frame step's
-        // 6-segment stage-3 convolution at Drama 3 geometry: 6.0x the widest).
-        widest.saturating_mul(12 * 4)
+        // GEMM packing), its split-K partial sums, up to six more (a 16-frame step's 6-segment
+        // stage-3 convolution at Drama 3 geometry: 6.0x the widest), and one for the rest of
+        // the scratch (ConvNeXt hidden rows, RoPE tables, and each stream's history rows in a
+        // call over several): at Drama 3 geometry the GPU decoder's scratch and partials for 8
+        // frames a lane over 1-64 lanes, or one stream's 16-64 frames, are 1.0-1.02x twelve
+        // copies (codec-cuda's `plan_holds_the_step_scratch_drama3`).
+        widest.saturating_mul(13 * 4)
     }
 
     /// Decodes codes `[num_codebooks, T]` to `T · frame_length` PCM samples (streamed
