@@ -78,7 +78,7 @@ struct Core<E: Exec> {
     weights: Weights,
     bufs: Vec<usize>,
     scratch: std::cell::RefCell<Option<Scratch>>,
-    /// The most frames a step takes (the scratch's size): [`STEP_FRAMES`] unless set lower.
+    /// The most frames a step takes of a stream: [`STEP_FRAMES`] unless set.
     step_frames: std::cell::Cell<usize>,
 }
 

@@ -582,8 +582,8 @@ impl Engine {
                 let gpu_codec =
                     codec_cuda::CudaDecoder::from_state_dict(gpu.clone(), &sd, codec.config())
                         .map_err(gpu_err)?;
-                // its one step scratch sized for the largest call the codec thread makes (the
-                // frames of workspace the plan counts; see `codec_loop`)
+                // its step: the largest call of one job (a call over several jobs takes each
+                // job's frames in one step too; the scratch grows to the plan's workspace)
                 gpu_codec.set_step_frames(codec_step);
                 gpu_encoder = Some(
                     codec_cuda::CudaEncoder::from_state_dict(gpu, &sd, codec.config())
