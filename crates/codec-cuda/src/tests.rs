@@ -181,6 +181,26 @@ fn plan_holds_the_step_scratch() {
     }
 }
 
+/// A call over several streams checks every stream's codes before decoding any: one stream's
+/// wrong codebook count is an error naming it, and no stream has moved (the same call without
+/// it then decodes each as if the bad call had not happened).
+#[test]
+fn several_streams_bad_codes_are_an_error() {
+    let (_, dec) = host();
+    let goldens = fixture_goldens(&fixture()).expect("goldens");
+    let (_, long, _) = goldens.last().unwrap();
+    let (a, b) = (long.slice(0, 6), long.slice(6, 12));
+    let want = [push_chunks(&dec, &a, 6), push_chunks(&dec, &b, 6)];
+    let (mut sa, mut sb) = (dec.state().unwrap(), dec.state().unwrap());
+    let bad = Codes::new(3, 1, vec![0, 0, 0]).unwrap();
+    let err = dec
+        .push_many(&mut [&mut sa, &mut sb], &[&a, &bad])
+        .unwrap_err();
+    assert!(err.to_string().contains("3 codebooks"), "{err}");
+    let out = dec.push_many(&mut [&mut sa, &mut sb], &[&a, &b]).unwrap();
+    assert!(bit_identical(&out[0], &want[0]) && bit_identical(&out[1], &want[1]));
+}
+
 #[test]
 fn wrong_codebook_count_is_an_error() {
     let (_, dec) = host();

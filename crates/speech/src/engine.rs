@@ -2687,6 +2687,85 @@ mod codec_thread_tests {
         assert_eq!(calls.lock().unwrap().len(), before + 1);
     }
 
+    /// A call over several jobs that fails fails each of its jobs with the decoder's message;
+    /// the next call (other jobs) is unaffected.
+    #[test]
+    fn a_failed_call_over_several_jobs_fails_each() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let f2 = fail.clone();
+        let tg = Together {
+            decode: Box::new(move |states, codes| {
+                if f2.swap(false, Ordering::SeqCst) {
+                    return Err("device lost".into());
+                }
+                states
+                    .iter_mut()
+                    .zip(codes)
+                    .map(|(s, c)| s.push(c))
+                    .collect()
+            }),
+            frames: 64,
+        };
+        let mut jobs = std::collections::HashMap::new();
+        let mut rxs = Vec::new();
+        for key in 0..4u64 {
+            let (etx, erx) = mpsc::unbounded_channel();
+            rxs.push(erx);
+            jobs.insert(
+                key,
+                CodecJob {
+                    events: etx,
+                    submitted: Instant::now(),
+                    decoder: Box::new(Fake(calls.clone())),
+                    hasher: PcmHasher::new(),
+                    samples: 0,
+                    first_audio: None,
+                    first_audio_at: None,
+                    failed: false,
+                },
+            );
+        }
+        let frames = |key: u32| vec![vec![key, 0], vec![key, 1]];
+        let m = CodecMeter::default();
+        decode_due(
+            &mut jobs,
+            vec![(0, frames(0)), (1, frames(1))],
+            Some(&tg),
+            &m,
+        );
+        decode_due(
+            &mut jobs,
+            vec![(2, frames(2)), (3, frames(3))],
+            Some(&tg),
+            &m,
+        );
+        for key in 0..2 {
+            match rxs[key].try_recv() {
+                Ok(JobEvent::Failed(msg)) => assert!(msg.contains("device lost"), "{msg}"),
+                other => panic!("job {key}: {other:?}"),
+            }
+            assert!(jobs[&(key as u64)].failed);
+        }
+        for key in 2..4u32 {
+            match rxs[key as usize].try_recv() {
+                Ok(JobEvent::Audio(p)) => {
+                    assert_eq!(p, vec![(1000 * key) as f32, (1000 * key + 1) as f32])
+                }
+                other => panic!("job {key}: {other:?}"),
+            }
+        }
+        assert_eq!(m.counts().calls, 1, "the failed call is not counted");
+        // a failed job's later frames are left out
+        decode_due(
+            &mut jobs,
+            vec![(0, frames(0)), (2, frames(2))],
+            Some(&tg),
+            &m,
+        );
+        assert!(rxs[0].try_recv().is_err());
+    }
+
     /// The GPU decoder's step: the engine's largest call unless `DRAMATIS_CODEC_STEP` says,
     /// always 1 to `CODEC_MAX_CHUNK`.
     #[test]
