@@ -2605,6 +2605,37 @@ mod codec_thread_tests {
         }
     }
 
+    /// `n` started jobs (keys 0..n) on fake decoders recording their calls in `calls`, those
+    /// `failed` says already failed, and their event receivers.
+    #[allow(clippy::type_complexity)]
+    fn fake_jobs(
+        n: u64,
+        calls: &Arc<Mutex<Vec<usize>>>,
+        failed: impl Fn(u64) -> bool,
+    ) -> (
+        std::collections::HashMap<u64, CodecJob>,
+        Vec<mpsc::UnboundedReceiver<JobEvent>>,
+    ) {
+        let mut jobs = std::collections::HashMap::new();
+        let mut rxs = Vec::new();
+        for key in 0..n {
+            let (etx, erx) = mpsc::unbounded_channel();
+            rxs.push(erx);
+            let job = CodecJob {
+                events: etx,
+                submitted: Instant::now(),
+                decoder: Box::new(Fake(calls.clone())),
+                hasher: PcmHasher::new(),
+                samples: 0,
+                first_audio: None,
+                first_audio_at: None,
+                failed: failed(key),
+            };
+            jobs.insert(key, job);
+        }
+        (jobs, rxs)
+    }
+
     /// Due jobs go to the decoder together, as many a call as its frames allow, each job's
     /// audio its own and in order; a job alone in its group gets its own call; jobs that have
     /// failed or ended are left out.
@@ -2631,25 +2662,7 @@ mod codec_thread_tests {
             }),
             frames: 10,
         };
-        let mut jobs = std::collections::HashMap::new();
-        let mut rxs = Vec::new();
-        for key in 0..5u64 {
-            let (etx, erx) = mpsc::unbounded_channel();
-            rxs.push(erx);
-            jobs.insert(
-                key,
-                CodecJob {
-                    events: etx,
-                    submitted: Instant::now(),
-                    decoder: Box::new(Fake(calls.clone())),
-                    hasher: PcmHasher::new(),
-                    samples: 0,
-                    first_audio: None,
-                    first_audio_at: None,
-                    failed: key == 3,
-                },
-            );
-        }
+        let (mut jobs, mut rxs) = fake_jobs(5, &calls, |key| key == 3);
         let frames = |key: u32, n: u32| (0..n).map(|f| vec![key, f]).collect::<Vec<_>>();
         // 4 + 5 frames fit 10; job 2's 3 more do not: a new group, with job 3 (failed, left
         // out) and job 4's 6 frames; job 9 is not a job
@@ -2707,25 +2720,7 @@ mod codec_thread_tests {
             }),
             frames: 64,
         };
-        let mut jobs = std::collections::HashMap::new();
-        let mut rxs = Vec::new();
-        for key in 0..4u64 {
-            let (etx, erx) = mpsc::unbounded_channel();
-            rxs.push(erx);
-            jobs.insert(
-                key,
-                CodecJob {
-                    events: etx,
-                    submitted: Instant::now(),
-                    decoder: Box::new(Fake(calls.clone())),
-                    hasher: PcmHasher::new(),
-                    samples: 0,
-                    first_audio: None,
-                    first_audio_at: None,
-                    failed: false,
-                },
-            );
-        }
+        let (mut jobs, mut rxs) = fake_jobs(4, &calls, |_| false);
         let frames = |key: u32| vec![vec![key, 0], vec![key, 1]];
         let m = CodecMeter::default();
         decode_due(
