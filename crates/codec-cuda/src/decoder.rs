@@ -595,85 +595,78 @@ impl Weights {
         self.cfg.num_codebooks()
     }
     /// Scratch sizes (f32) for a step of `frames` frames in all over `streams` streams (each
-    /// level's rows: the frames' and a gap a stream, [`step`]'s layout).
+    /// level's rows: the frames' and a gap a stream, [`step`]'s layout), and the most split-K
+    /// partial sums one of its GEMMs can hold (K segments x rows x columns, whether or not the
+    /// executor splits it: `CudaExec`'s partials buffer).
     pub(crate) fn scratch_sizes(&self, frames: usize, streams: usize) -> ScratchSizes {
         let levels = self.levels();
-        let rows = |l: usize| frames * levels[l].factor + streams * levels[l].gap;
-        // the rows a ConvTranspose from level l writes before they go to their places
-        let convt_rows = |l: usize, s: usize| (rows(l) - levels[l].gap) * s;
-        let t0 = rows(0);
-        let (h, qkv, att, mut hid) = self.post.scratch(t0);
-        let mut work = t0 * self.post.dim;
+        let rows = |l: usize| levels[l].rows(frames, streams);
+        let mut part = 0;
+        let mut gemm = |m: usize, k: usize, n: usize| {
+            let nseg = k.div_ceil(crate::exec::split_len(k, n));
+            if n > 1 && nseg > 1 {
+                part = part.max(nseg * m * n);
+            }
+        };
+        let p = &self.post;
+        let (w, t0) = (p.heads * p.hd, rows(0));
+        let (h, qkv, att, mut hid) = p.scratch(t0);
+        for (k, n) in [
+            (p.dim, 3 * w),
+            (w, p.dim),
+            (p.dim, 2 * p.ffn),
+            (p.ffn, p.dim),
+        ] {
+            gemm(t0, k, n);
+        }
+        let mut work = t0 * p.dim;
         let mut act = h.max(qkv).max(att).max(t0 * self.num_codebooks() * self.cb);
         let mut l = 0;
         for (ct, nx) in &self.up {
+            // the ConvTranspose's rows (from level l) before they go to their places
+            let ct_rows = rows(l) - levels[l].gap;
+            gemm(ct_rows, ct.m * ct.cin, ct.s * ct.cout);
             work = work.max(rows(l) * ct.cin);
-            act = act.max(convt_rows(l, ct.s) * ct.cout);
+            act = act.max(ct_rows * ct.s * ct.cout);
             l += 1;
+            gemm(rows(l), nx.c, nx.hidden);
+            gemm(rows(l), nx.hidden, nx.c);
             work = work.max(rows(l) * nx.c);
             act = act.max(rows(l) * nx.c);
             hid = hid.max(rows(l) * nx.hidden);
         }
+        let conv = |l: usize, cv: &ConvW| (rows(l), cv.k * cv.cin, cv.cout);
+        let (m, k, n) = conv(l, &self.dec_in);
+        gemm(m, k, n);
         work = work.max(rows(l) * self.dec_in.cin);
         act = act.max(rows(l) * self.dec_in.cout);
         for blk in &self.blocks {
-            work = work.max(rows(l) * blk.convt.cin);
-            act = act.max(convt_rows(l, blk.convt.s) * blk.convt.cout);
+            let ct = &blk.convt;
+            let ct_rows = rows(l) - levels[l].gap;
+            gemm(ct_rows, ct.m * ct.cin, ct.s * ct.cout);
+            work = work.max(rows(l) * ct.cin);
+            act = act.max(ct_rows * ct.s * ct.cout);
             l += 1;
-            act = act.max(rows(l) * blk.convt.cout);
+            act = act.max(rows(l) * ct.cout);
             for ru in &blk.res {
+                for cv in [&ru.c1, &ru.c2] {
+                    let (m, k, n) = conv(l, cv);
+                    gemm(m, k, n);
+                }
                 work = work.max(rows(l) * ru.c1.cin);
             }
         }
+        let (m, k, n) = conv(l, &self.dec_out);
+        gemm(m, k, n);
         work = work.max(rows(l) * self.dec_out.cin);
         act = act.max(rows(l) * self.dec_out.cout);
         ScratchSizes {
             work,
             act,
             hid,
-            rope: frames * self.post.hd,
+            rope: frames * p.hd,
+            part,
         }
-    }
-
-    /// The most split-K partial sums (f32) one of the step's GEMMs can hold, over `frames`
-    /// frames in all of `streams` streams: its K segments x rows x columns, whether or not
-    /// the executor splits it (`CudaExec`'s partials buffer).
-    pub(crate) fn partial_elems(&self, frames: usize, streams: usize) -> usize {
-        let levels = self.levels();
-        let rows = |l: usize| frames * levels[l].factor + streams * levels[l].gap;
-        let part = |m: usize, k: usize, n: usize| {
-            let nseg = k.div_ceil(crate::exec::split_len(k, n));
-            if n > 1 && nseg > 1 {
-                nseg * m * n
-            } else {
-                0
-            }
-        };
-        let p = &self.post;
-        let (w, t0) = (p.heads * p.hd, rows(0));
-        let mut most = part(t0, p.dim, 3 * w)
-            .max(part(t0, w, p.dim))
-            .max(part(t0, p.dim, 2 * p.ffn))
-            .max(part(t0, p.ffn, p.dim));
-        let mut l = 0;
-        for (ct, nx) in &self.up {
-            most = most.max(part(rows(l), ct.m * ct.cin, ct.s * ct.cout));
-            l += 1;
-            most = most
-                .max(part(rows(l), nx.c, nx.hidden))
-                .max(part(rows(l), nx.hidden, nx.c));
-        }
-        let conv = |l: usize, cv: &ConvW| part(rows(l), cv.k * cv.cin, cv.cout);
-        most = most.max(conv(l, &self.dec_in));
-        for blk in &self.blocks {
-            let ct = &blk.convt;
-            most = most.max(part(rows(l), ct.m * ct.cin, ct.s * ct.cout));
-            l += 1;
-            for ru in &blk.res {
-                most = most.max(conv(l, &ru.c1)).max(conv(l, &ru.c2));
-            }
-        }
-        most.max(conv(l, &self.dec_out))
     }
 }
 
@@ -745,13 +738,15 @@ pub(crate) struct Scratch {
 }
 
 /// Elements of a [`Scratch`]'s buffers: two work buffers, four activations, the ConvNeXt
-/// hidden rows and the RoPE tables.
+/// hidden rows and the RoPE tables; and of the most split-K partial sums a step's GEMM can
+/// hold (the executor's buffer, not the scratch's).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ScratchSizes {
     pub(crate) work: usize,
     pub(crate) act: usize,
     pub(crate) hid: usize,
     pub(crate) rope: usize,
+    pub(crate) part: usize,
 }
 
 impl ScratchSizes {
@@ -762,15 +757,16 @@ impl ScratchSizes {
             act: self.act.max(o.act),
             hid: self.hid.max(o.hid),
             rope: self.rope.max(o.rope),
+            part: self.part.max(o.part),
         }
     }
     /// Whether every buffer holds `o`'s.
     pub(crate) fn holds(self, o: ScratchSizes) -> bool {
         self.max(o) == self
     }
-    /// Elements in all.
+    /// Elements in all, the partial sums included.
     pub(crate) fn elems(self) -> usize {
-        2 * self.work + 4 * self.act + self.hid + self.rope
+        2 * self.work + 4 * self.act + self.hid + self.rope + self.part
     }
 }
 
@@ -999,6 +995,13 @@ struct Lay {
     start: Vec<usize>,
     rows: Vec<usize>,
     total: usize,
+}
+
+impl Level {
+    /// Rows at this level of a step of `frames` frames in all over `streams` streams.
+    fn rows(self, frames: usize, streams: usize) -> usize {
+        frames * self.factor + streams * self.gap
+    }
 }
 
 impl Lay {

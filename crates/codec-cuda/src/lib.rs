@@ -115,7 +115,6 @@ impl<E: Exec> Core<E> {
     /// most split-K partial sums one of its GEMMs can hold.
     fn scratch_elems(&self, frames: usize, streams: usize) -> usize {
         self.weights.scratch_sizes(frames, streams).elems()
-            + self.weights.partial_elems(frames, streams)
     }
 
     fn push(&self, st: &mut StateBufs, codes: &Codes) -> Result<Vec<f32>> {
