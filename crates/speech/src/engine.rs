@@ -167,6 +167,20 @@ struct CodecMeter {
 }
 
 impl CodecMeter {
+    /// Runs one decoder call of `frames` frames: its time counts either way (the thread was
+    /// busy), the call and its frames only when it decoded.
+    fn call<T>(&self, frames: usize, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+        let t0 = Instant::now();
+        let out = f();
+        self.busy_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if out.is_ok() {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            self.frames.fetch_add(frames as u64, Ordering::Relaxed);
+        }
+        out
+    }
+
     fn counts(&self) -> CodecCounts {
         CodecCounts {
             calls: self.calls.load(Ordering::Relaxed),
@@ -1694,7 +1708,6 @@ fn decode_together(
         }
         return;
     }
-    let t0 = Instant::now();
     let codes: Result<Vec<Codes>, String> = group
         .iter()
         .map(|(_, f)| Codes::from_frames(f[0].len(), f).map_err(|e| e.to_string()))
@@ -1711,15 +1724,9 @@ fn decode_together(
         .collect();
     decs.sort_by_key(|(i, _)| *i);
     let mut decs: Vec<&mut Box<dyn StreamDecoder>> = decs.into_iter().map(|(_, d)| d).collect();
-    let pcm = codes.and_then(|c| (tg.decode)(&mut decs, &c));
-    meter
-        .busy_ns
-        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    match pcm {
+    let frames = group.iter().map(|(_, f)| f.len()).sum();
+    match meter.call(frames, || codes.and_then(|c| (tg.decode)(&mut decs, &c))) {
         Ok(pcm) => {
-            meter.calls.fetch_add(1, Ordering::Relaxed);
-            let frames: usize = group.iter().map(|(_, f)| f.len()).sum();
-            meter.frames.fetch_add(frames as u64, Ordering::Relaxed);
             for ((key, _), p) in group.iter().zip(pcm) {
                 if let Some(j) = jobs.get_mut(key) {
                     deliver(j, Ok(p));
@@ -1749,20 +1756,11 @@ fn decode_frames(
     if j.failed || frames.is_empty() {
         return;
     }
-    let t0 = Instant::now();
-    let pcm = Codes::from_frames(frames[0].len(), &frames)
-        .map_err(|e| e.to_string())
-        .and_then(|c| j.decoder.push(&c));
-    // the time counts either way (the thread was busy); calls and frames only when decoded
-    meter
-        .busy_ns
-        .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    if pcm.is_ok() {
-        meter.calls.fetch_add(1, Ordering::Relaxed);
-        meter
-            .frames
-            .fetch_add(frames.len() as u64, Ordering::Relaxed);
-    }
+    let pcm = meter.call(frames.len(), || {
+        Codes::from_frames(frames[0].len(), &frames)
+            .map_err(|e| e.to_string())
+            .and_then(|c| j.decoder.push(&c))
+    });
     deliver(j, pcm);
 }
 
