@@ -99,6 +99,23 @@ fn random_codes(cfg: &CodecConfig, frames: usize, seed: u64) -> R<Codes> {
     Ok(Codes::new(nc, frames, data)?)
 }
 
+/// Frames `f0..f1` of every stream's codes (`codes[b]` for `sts[b]`) in one decoder call: each
+/// stream's PCM and the call's seconds.
+fn push_together(
+    dec: &CudaDecoder,
+    sts: &mut [codec_cuda::CudaDecoderState],
+    codes: &[Codes],
+    f0: usize,
+    f1: usize,
+) -> R<(Vec<Vec<f32>>, f64)> {
+    let pieces: Vec<Codes> = codes.iter().map(|c| c.slice(f0, f1)).collect();
+    let refs: Vec<&Codes> = pieces.iter().collect();
+    let mut st_refs: Vec<_> = sts.iter_mut().collect();
+    let t = Instant::now();
+    let out = dec.push_many(&mut st_refs, &refs)?;
+    Ok((out, t.elapsed().as_secs_f64()))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -154,13 +171,10 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
             long.slice(n, 2 * n),
             long.slice(2 * n, 3 * n),
         ];
-        let mut sts = [dec.state()?, dec.state()?, dec.state()?];
+        let mut sts = vec![dec.state()?, dec.state()?, dec.state()?];
         let mut got = vec![Vec::new(); 3];
         for f in (0..n).step_by(7) {
-            let e = (f + 7).min(n);
-            let pieces: Vec<Codes> = parts.iter().map(|p| p.slice(f, e)).collect();
-            let [a, b, c] = &mut sts;
-            let out = dec.push_many(&mut [a, b, c], &[&pieces[0], &pieces[1], &pieces[2]])?;
+            let (out, _) = push_together(&dec, &mut sts, &parts, f, (f + 7).min(n))?;
             for (g, o) in got.iter_mut().zip(out) {
                 g.extend(o);
             }
@@ -313,16 +327,10 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     {
         let mut sts: Vec<_> = (0..ns).map(|_| dec.state()).collect::<Result<_, _>>()?;
         for round in 0..3 {
-            let pieces: Vec<Codes> = scodes
-                .iter()
-                .map(|c| c.slice(round * per, (round + 1) * per))
-                .collect();
-            let refs: Vec<&Codes> = pieces.iter().collect();
-            let mut st_refs: Vec<_> = sts.iter_mut().collect();
-            let t = Instant::now();
-            let out = dec.push_many(&mut st_refs, &refs)?;
+            let (out, secs) =
+                push_together(&dec, &mut sts, &scodes, round * per, (round + 1) * per)?;
             if round > 0 {
-                t_together.push(t.elapsed().as_secs_f64());
+                t_together.push(secs);
             }
             for (g, o) in together.iter_mut().zip(out) {
                 g.extend(o);
@@ -531,15 +539,7 @@ fn profile_only() -> R<()> {
     let mut sts: Vec<_> = (0..ns).map(|_| dec.state()).collect::<Result<_, _>>()?;
     let mut ms = 0.0;
     for half in 0..2 {
-        let pieces: Vec<Codes> = codes
-            .iter()
-            .map(|c| c.slice(half * n, (half + 1) * n))
-            .collect();
-        let refs: Vec<&Codes> = pieces.iter().collect();
-        let mut st_refs: Vec<_> = sts.iter_mut().collect();
-        let t = Instant::now();
-        let _ = dec.push_many(&mut st_refs, &refs)?;
-        ms = t.elapsed().as_secs_f64() * 1e3;
+        ms = push_together(&dec, &mut sts, &codes, half * n, (half + 1) * n)?.1 * 1e3;
     }
     println!("profile: one push of {ns} x {n} frames {ms:.2} ms");
     Ok(())
