@@ -349,36 +349,6 @@ impl CudaExec {
         .inspect(|e| e.set_split_below(None))
     }
 
-    /// `tf32_split_check` over `x`: for each value the split's hi and lo bits and cvt.rna's hi
-    /// and lo (`[h, l, cvt_h, cvt_l]` a value), for [`crate::check::tf32_split`].
-    pub fn tf32_split_bits(&self, x: &[f32]) -> Result<Vec<[u32; 4]>> {
-        let n = x.len();
-        let xb = self.alloc(n)?;
-        let ob = self.alloc(4 * n)?;
-        let run = || -> Result<Vec<[u32; 4]>> {
-            let (xp, op) = (P { buf: xb, off: 0 }, P { buf: ob, off: 0 });
-            self.write(xp, x)?;
-            let (xd, od, nn) = (self.ptr(xp, n)?, self.ptr(op, 4 * n)?, i64_of(n));
-            launch!(self, "tf32_split_check", grid1(n, 256)?, &xd, &od, &nn);
-            let out = self.read(op, 4 * n)?;
-            Ok(out
-                .chunks_exact(4)
-                .map(|c| {
-                    [
-                        c[0].to_bits(),
-                        c[1].to_bits(),
-                        c[2].to_bits(),
-                        c[3].to_bits(),
-                    ]
-                })
-                .collect())
-        };
-        let r = run();
-        self.free(xb);
-        self.free(ob);
-        r
-    }
-
     /// The tile count under which tensor-core GEMMs split K's segments across blocks; `None`:
     /// twice the multiprocessors (the frame-rate layers split, the sample-rate ones do not).
     pub fn set_split_below(&self, tiles: Option<usize>) {
@@ -968,5 +938,37 @@ impl Exec for CudaExec {
             &cc
         );
         Ok(())
+    }
+}
+
+impl CudaExec {
+    /// `tf32_split_check` over `x`: for each value the split's hi and lo bits and cvt.rna's hi
+    /// and lo (`[h, l, cvt_h, cvt_l]` a value), for [`crate::check::tf32_split`].
+    pub fn tf32_split_bits(&self, x: &[f32]) -> Result<Vec<[u32; 4]>> {
+        let n = x.len();
+        let xb = self.alloc(n)?;
+        let ob = self.alloc(4 * n)?;
+        let run = || -> Result<Vec<[u32; 4]>> {
+            let (xp, op) = (P { buf: xb, off: 0 }, P { buf: ob, off: 0 });
+            self.write(xp, x)?;
+            let (xd, od, nn) = (self.ptr(xp, n)?, self.ptr(op, 4 * n)?, i64_of(n));
+            launch!(self, "tf32_split_check", grid1(n, 256)?, &xd, &od, &nn);
+            let out = self.read(op, 4 * n)?;
+            Ok(out
+                .chunks_exact(4)
+                .map(|c| {
+                    [
+                        c[0].to_bits(),
+                        c[1].to_bits(),
+                        c[2].to_bits(),
+                        c[3].to_bits(),
+                    ]
+                })
+                .collect())
+        };
+        let r = run();
+        self.free(xb);
+        self.free(ob);
+        r
     }
 }
