@@ -403,7 +403,7 @@ __device__ __forceinline__ void stage_x_tf32(unsigned int (*Xh)[TK + TPAD], unsi
                                              int lk, const float (&v)[8]) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-        unsigned int h = to_tf32(v[i]);
+        unsigned int h = tf32_hi(v[i]);
         Xh[lr][lk + i] = h;
 #ifdef LOWP
         Xl[lr][lk + i] = 0u;

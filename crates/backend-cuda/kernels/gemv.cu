@@ -243,7 +243,7 @@ __device__ __forceinline__ void gemv_tc2_body(const bf16_t* __restrict__ W, cons
                     for (int s = 0; s < 4 * V; ++s) {
                         const unsigned int a[4] = {wav[s] << 16, wbv[s] << 16, wav[s] & 0xffff0000u,
                                                    wbv[s] & 0xffff0000u};
-                        const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+                        const unsigned int h0 = tf32_hi(xs[2 * s]), h1 = tf32_hi(xs[2 * s + 1]);
                         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                         mma_tf32(d, a, h0, h1);
 #pragma unroll
@@ -435,8 +435,8 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
             const int q = tid + 256 * i, r = q >> 4, c = q & 15;
             // keys 4 c .. 4 c + 3: s = (c & 3) * 2 + {0, 1} (two keys each), t = c >> 2
             const int tt = c >> 2, s0 = 2 * (c & 3);
-            const unsigned int h0 = to_tf32(xreg[i].x), h1 = to_tf32(xreg[i].y);
-            const unsigned int h2 = to_tf32(xreg[i].z), h3 = to_tf32(xreg[i].w);
+            const unsigned int h0 = tf32_hi(xreg[i].x), h1 = tf32_hi(xreg[i].y);
+            const unsigned int h2 = tf32_hi(xreg[i].z), h3 = tf32_hi(xreg[i].w);
             Xv[r][4 * s0 + tt] = make_uint4(h0, h1, to_tf32(xreg[i].x - __uint_as_float(h0)),
                                             to_tf32(xreg[i].y - __uint_as_float(h1)));
             Xv[r][4 * (s0 + 1) + tt] = make_uint4(h2, h3, to_tf32(xreg[i].z - __uint_as_float(h2)),
@@ -652,8 +652,8 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                     for (int j = 0; j < 2; ++j) {
                         const float x0 = __uint_as_float(u4c(xq[j][s4 >> 1], 2 * (s4 & 1)));
                         const float x1 = __uint_as_float(u4c(xq[j][s4 >> 1], 2 * (s4 & 1) + 1));
-                        bh[j][0] = to_tf32(x0);
-                        bh[j][1] = to_tf32(x1);
+                        bh[j][0] = tf32_hi(x0);
+                        bh[j][1] = tf32_hi(x1);
                         bl[j][0] = to_tf32(x0 - __uint_as_float(bh[j][0]));
                         bl[j][1] = to_tf32(x1 - __uint_as_float(bh[j][1]));
                     }

@@ -759,7 +759,7 @@ __device__ __forceinline__ void xt_mma(const unsigned int (&va)[NM][8], const un
         for (int e = 0; e < 4; ++e) hi[m][e] = lo[m][e] = 0.0f;
 #pragma unroll
     for (int s = 0; s < 16; ++s) {
-        const unsigned int h0 = to_tf32(xs[2 * s]), h1 = to_tf32(xs[2 * s + 1]);
+        const unsigned int h0 = tf32_hi(xs[2 * s]), h1 = tf32_hi(xs[2 * s + 1]);
 #ifndef LOWP
         const unsigned int l0 = to_tf32(xs[2 * s] - __uint_as_float(h0));
         const unsigned int l1 = to_tf32(xs[2 * s + 1] - __uint_as_float(h1));

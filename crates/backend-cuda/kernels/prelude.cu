@@ -72,6 +72,12 @@ __device__ __forceinline__ unsigned int to_tf32(float f) {
     return r;
 }
 
+// to_tf32 for a split's hi (x = hi + lo), made on the bits: for every finite f the same value
+// in 2 instructions, where ptxas's cvt.rna takes 4 (its select for inf and NaN). The lo that
+// follows keeps to_tf32, so a non-finite f still gives a NaN product (inf - inf; a NaN whose
+// sum wraps to -0 here leaves lo = f itself).
+__device__ __forceinline__ unsigned int tf32_hi(float f) { return (__float_as_uint(f) + 0x1000u) & 0xffffe000u; }
+
 // D = A B + D on tensor cores, m16n8k8, TF32 in, f32 accumulate.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                          unsigned int b1) {

@@ -565,7 +565,19 @@ fn main() -> R<()> {
         "cpu_threads": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
     });
     // the tensor-core GEMM against FP64 on fresh random inputs, its twin, and its bits
-    let tc = codec_cuda::check::tc_gemm(std::sync::Arc::new(gpu))?;
+    let gpu = std::sync::Arc::new(gpu);
+    let split = codec_cuda::check::tf32_split(gpu.clone())?;
+    println!(
+        "{} tf32 split: {} values, finite ones differing from cvt.rna {:08x?}, non-finite ones not NaN {:08x?}",
+        if split.pass() { "PASS" } else { "FAIL" },
+        split.values,
+        split.finite_differ,
+        split.nonfinite_lost
+    );
+    if !split.pass() {
+        failures.push(format!("tf32 split check: {split:?}"));
+    }
+    let tc = codec_cuda::check::tc_gemm(gpu)?;
     println!(
         "{} gemm_tc: exact worst {:.3e} (tolerance {:.0e}), low-precision twin {:.3e} / on gemm_tcs {:.3e} ({}), rows bitwise {}, segment modes bitwise {}, cp.async tiles = gemm_tc16/64 bitwise {} ({} wide, {} of them one-segment, {} of those 96 columns, {} frame-rate, {} small launches, dispatch as expected {}); shapes {:?}",
         if tc.pass() { "PASS" } else { "FAIL" },

@@ -192,9 +192,27 @@ __device__ __forceinline__ void step3(float (&acc)[4], const unsigned int (&ah)[
 
 #define TC_BK 32
 // x = hi + lo in TF32 (hi = tf32(x), lo = tf32(x - hi)): every tensor-core GEMM's split.
+//
+// hi is cvt.rna's value made on the bits (add half of the dropped 13 bits, clear them): for every
+// finite x the same bits, in 2 instructions where ptxas's cvt.rna takes 4 (its select for inf and
+// NaN). lo keeps cvt.rna, so a non-finite x still gives a NaN product: inf - inf, and for a NaN
+// whose sum wraps to -0 in hi (CUDA's 0x7fffffff), x - hi is x itself.
 __device__ __forceinline__ void tf32_split(float v, unsigned int& h, unsigned int& l) {
-    h = tf32_of(v);
+    h = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
     l = tf32_of(v - __uint_as_float(h));
+}
+
+// For the check (check::tf32_split): each x's split, and cvt.rna's hi and lo for comparison.
+extern "C" __global__ void tf32_split_check(const float* x, unsigned int* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int h, l;
+    tf32_split(x[i], h, l);
+    const unsigned int rh = tf32_of(x[i]);
+    out[4 * i] = h;
+    out[4 * i + 1] = l;
+    out[4 * i + 2] = rh;
+    out[4 * i + 3] = tf32_of(x[i] - __uint_as_float(rh));
 }
 
 template <int BM>
@@ -353,8 +371,6 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     const int g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
     const int wm = (warp / WN) * 16 * MT, wn = (warp % WN) * 8 * NT;  // the warp's tiles
-    // the warp's n8 tiles that hold columns (N = 96: the second column tile's right half none)
-    const int jn = max(0, min(NT, (N - col0 - wn + 7) / 8));
     const int nseg = (K + ks - 1) / ks;
     const bool split = gridDim.z > 1;
     const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
@@ -365,12 +381,18 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
         const int k0 = k_first + chunk * TCW_BK;
         const int j = k0 / cin, ci = k0 - j * cin;
         const long long off = (long long)j * jstride + ci;
-        for (int i = tid; i < BM * 4; i += T) {
+#pragma unroll
+        for (int u = 0; u < (BM * 4 + T - 1) / T; ++u) {
+            const int i = tid + u * T;
+            if (BM * 4 % T != 0 && i >= BM * 4) break;
             const int r = i >> 2, c = (i & 3) * 4, gr = row0 + r;
             cp_async16(&As[stage][r * TCW_AS + c], gr < M ? A + (long long)gr * rsa + off + c : A,
                        gr < M ? 16 : 0);
         }
-        for (int i = tid; i < TCW_BK * BN / 4; i += T) {
+#pragma unroll
+        for (int u = 0; u < (TCW_BK * BN / 4 + T - 1) / T; ++u) {
+            const int i = tid + u * T;
+            if (TCW_BK * BN / 4 % T != 0 && i >= TCW_BK * BN / 4) break;
             const int k = i / (BN / 4), c = (i % (BN / 4)) * 4, gc = col0 + c;
             cp_async16(&Bs[stage][k * BS + c], gc < N ? B + (long long)(k0 + k) * N + gc : B,
                        gc < N ? 16 : 0);
@@ -418,10 +440,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 tf32_split(as[r * TCW_AS + kk + 4], ah[2], al[2]);
                 tf32_split(as[(r + 8) * TCW_AS + kk + 4], ah[3], al[3]);
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    if (j >= jn) break;  // uniform across the warp
-                    step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
-                }
+                for (int j = 0; j < NT; ++j) step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
             }
         }
         if (!SEG1 && (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0)) {  // a segment ends

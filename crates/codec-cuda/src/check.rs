@@ -393,3 +393,63 @@ impl CudaExec {
         case.run(self, 0..case.s.m)
     }
 }
+
+/// The TF32 split on the device (`tf32_split`: hi made on the bits, lo by cvt.rna) against
+/// cvt.rna's own hi and lo: every finite value gives the same bits, every non-finite one a
+/// split whose sum as the MMA reads it (the top 19 bits of each) is NaN. Fresh random bit
+/// patterns over every exponent, plus the edges: ties and one below them, the largest finite
+/// value (which rounds to inf), denormals, zeros, infinities and NaNs (CUDA's 0x7fffffff too).
+#[derive(Debug, Clone)]
+pub struct SplitCheck {
+    /// Values tried.
+    pub values: usize,
+    /// Finite values whose hi or lo differ from cvt.rna's (should be none).
+    pub finite_differ: Vec<u32>,
+    /// Non-finite values whose split does not sum to NaN (should be none).
+    pub nonfinite_lost: Vec<u32>,
+}
+
+impl SplitCheck {
+    /// Whether no value failed.
+    pub fn pass(&self) -> bool {
+        self.finite_differ.is_empty() && self.nonfinite_lost.is_empty()
+    }
+}
+
+/// Runs the split check on `gpu`.
+pub fn tf32_split(gpu: Arc<Gpu>) -> Result<SplitCheck> {
+    let exec = CudaExec::new(gpu)?;
+    let mut rng = Rng::new(Rng::fresh_seed());
+    let mut bits: Vec<u32> = (0..1 << 20).map(|_| rng.next_u64() as u32).collect();
+    for sign in [0u32, 0x8000_0000] {
+        for e in 0..=255u32 {
+            for m in [
+                0u32, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x2000, 0x3000, 0x7f_efff, 0x7f_f000,
+                0x7f_ffff,
+            ] {
+                bits.push(sign | (e << 23) | m);
+            }
+        }
+    }
+    let x: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+    let out = exec.tf32_split_bits(&x)?;
+    let as_mma = |b: u32| f32::from_bits(b & 0xffff_e000);
+    let mut c = SplitCheck {
+        values: x.len(),
+        finite_differ: Vec::new(),
+        nonfinite_lost: Vec::new(),
+    };
+    for (v, [h, l, rh, rl]) in x.iter().zip(out) {
+        if v.is_finite() {
+            // hi exactly; lo as the MMA reads it (cvt.rna's low 13 bits are zero, the split's too)
+            if h != rh || as_mma(l) != as_mma(rl) || (l & 0x1fff) != 0 {
+                c.finite_differ.push(v.to_bits());
+            }
+        } else if !(as_mma(h) + as_mma(l)).is_nan() {
+            c.nonfinite_lost.push(v.to_bits());
+        }
+    }
+    c.finite_differ.truncate(8);
+    c.nonfinite_lost.truncate(8);
+    Ok(c)
+}

@@ -15,7 +15,7 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 25] = [
+pub const KERNELS: [&str; 26] = [
     "gemm_tc16",
     "gemm_fr",
     "gemm_fr4",
@@ -41,6 +41,7 @@ pub const KERNELS: [&str; 25] = [
     "attention_many",
     "vq_sum",
     "vq_nearest",
+    "tf32_split_check",
 ];
 
 /// Most entries of one `copy_many`, `rope_kv_many` or `attention_many` launch (`MANY` in
@@ -937,5 +938,37 @@ impl Exec for CudaExec {
             &cc
         );
         Ok(())
+    }
+}
+
+impl CudaExec {
+    /// `tf32_split_check` over `x`: for each value the split's hi and lo bits and cvt.rna's hi
+    /// and lo (`[h, l, cvt_h, cvt_l]` a value), for [`crate::check::tf32_split`].
+    pub fn tf32_split_bits(&self, x: &[f32]) -> Result<Vec<[u32; 4]>> {
+        let n = x.len();
+        let xb = self.alloc(n)?;
+        let ob = self.alloc(4 * n)?;
+        let run = || -> Result<Vec<[u32; 4]>> {
+            let (xp, op) = (P { buf: xb, off: 0 }, P { buf: ob, off: 0 });
+            self.write(xp, x)?;
+            let (xd, od, nn) = (self.ptr(xp, n)?, self.ptr(op, 4 * n)?, i64_of(n));
+            launch!(self, "tf32_split_check", grid1(n, 256)?, &xd, &od, &nn);
+            let out = self.read(op, 4 * n)?;
+            Ok(out
+                .chunks_exact(4)
+                .map(|c| {
+                    [
+                        c[0].to_bits(),
+                        c[1].to_bits(),
+                        c[2].to_bits(),
+                        c[3].to_bits(),
+                    ]
+                })
+                .collect())
+        };
+        let r = run();
+        self.free(xb);
+        self.free(ob);
+        r
     }
 }

@@ -432,8 +432,10 @@ fn gpu_tc_gemm_when_present() {
             return;
         }
     };
-    let c = check::tc_gemm(gpu).unwrap();
+    let c = check::tc_gemm(gpu.clone()).unwrap();
     assert!(c.pass(), "{c:?}");
+    let s = check::tf32_split(gpu).unwrap();
+    assert!(s.pass(), "{s:?}");
 }
 
 /// On a machine with a GPU: the CUDA decoder against the CPU codec and chunking.
