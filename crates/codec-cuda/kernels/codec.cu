@@ -376,17 +376,18 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     const int z0 = split ? (int)blockIdx.z : 0, z1 = split ? z0 + 1 : nseg;
     const int k_first = z0 * ks, k_last = min(K, z1 * ks);  // this block's keys
     const int nchunks = (k_last - k_first) / TCW_BK;
-    // a chunk: A's BM rows x 16 keys and B's 16 keys x BN columns, 16 bytes a copy
-    auto load = [&](int stage, int chunk) {
-        const int k0 = k_first + chunk * TCW_BK;
-        const int j = k0 / cin, ci = k0 - j * cin;
-        const long long off = (long long)j * jstride + ci;
+    // a chunk: A's BM rows x 16 keys and B's 16 keys x BN columns, 16 bytes a copy. Every chunk
+    // lies inside one tap, so the sources move by a chunk's keys a load (the tap's offset
+    // kept as it goes: no division a chunk).
+    int ld_ci = k_first % cin;  // the next chunk's first key inside its tap
+    long long ld_off = (long long)(k_first / cin) * jstride + ld_ci, ld_boff = (long long)k_first * N;
+    auto load = [&](int stage) {
 #pragma unroll
         for (int u = 0; u < (BM * 4 + T - 1) / T; ++u) {
             const int i = tid + u * T;
             if (BM * 4 % T != 0 && i >= BM * 4) break;
             const int r = i >> 2, c = (i & 3) * 4, gr = row0 + r;
-            cp_async16(&As[stage][r * TCW_AS + c], gr < M ? A + (long long)gr * rsa + off + c : A,
+            cp_async16(&As[stage][r * TCW_AS + c], gr < M ? A + (long long)gr * rsa + ld_off + c : A,
                        gr < M ? 16 : 0);
         }
 #pragma unroll
@@ -394,20 +395,29 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
             const int i = tid + u * T;
             if (TCW_BK * BN / 4 % T != 0 && i >= TCW_BK * BN / 4) break;
             const int k = i / (BN / 4), c = (i % (BN / 4)) * 4, gc = col0 + c;
-            cp_async16(&Bs[stage][k * BS + c], gc < N ? B + (long long)(k0 + k) * N + gc : B,
+            cp_async16(&Bs[stage][k * BS + c], gc < N ? B + ld_boff + (long long)k * N + gc : B,
                        gc < N ? 16 : 0);
+        }
+        ld_ci += TCW_BK;
+        ld_off += TCW_BK;
+        ld_boff += (long long)TCW_BK * N;
+        if (ld_ci == cin) {  // the next tap
+            ld_ci = 0;
+            ld_off += jstride - cin;
         }
     };
     float tot[SEG1 ? 1 : MT][SEG1 ? 1 : NT][4];
     float acc[MT][NT][4];
 #pragma unroll
     for (int st = 0; st < ST - 1; ++st) {
-        if (st < nchunks) load(st, st);
+        if (st < nchunks) load(st);
         cp_async_commit();
     }
+    int cur = 0, nxt = ST - 1;  // the stage multiplied now and the one loaded next
+    int seg_pos = 0;            // keys of the current segment before this chunk (SEG1: one segment)
     for (int ch = 0; ch < nchunks; ++ch) {
         const int k0 = k_first + ch * TCW_BK;
-        if ((k0 - k_first) % ks == 0) {  // a segment starts
+        if (SEG1 ? ch == 0 : seg_pos == 0) {  // a segment starts
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -417,10 +427,12 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
         }
         cp_async_wait<ST - 2>();
         __syncthreads();  // chunk ch has landed for every thread; chunk ch - 1 is read
-        if (ch + ST - 1 < nchunks) load((ch + ST - 1) % ST, ch + ST - 1);
+        if (ch + ST - 1 < nchunks) load(nxt);
         cp_async_commit();
-        const float* as = As[ch % ST];
-        const float* bs = Bs[ch % ST];
+        const float* as = As[cur];
+        const float* bs = Bs[cur];
+        cur = cur + 1 == ST ? 0 : cur + 1;
+        nxt = nxt + 1 == ST ? 0 : nxt + 1;
 #pragma unroll
         for (int s = 0; s < TCW_BK / 8; ++s) {
             const int kk = 8 * s + t;
@@ -443,7 +455,9 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 for (int j = 0; j < NT; ++j) step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
             }
         }
-        if (!SEG1 && (ch + 1 == nchunks || (k0 + TCW_BK - k_first) % ks == 0)) {  // a segment ends
+        seg_pos += TCW_BK;
+        if (seg_pos == ks) seg_pos = 0;
+        if (!SEG1 && (ch + 1 == nchunks || seg_pos == 0)) {  // a segment ends
             const bool first = k0 - k_first < ks;
 #pragma unroll
             for (int i = 0; i < MT; ++i)
