@@ -415,9 +415,16 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     }
     int cur = 0, nxt = ST - 1;  // the stage multiplied now and the one loaded next
     int seg_pos = 0;            // keys of the current segment before this chunk (SEG1: one segment)
+    if (SEG1)  // the block's one segment starts here (zeroed in the loop, this is 32 selects a chunk)
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     for (int ch = 0; ch < nchunks; ++ch) {
         const int k0 = k_first + ch * TCW_BK;
-        if (SEG1 ? ch == 0 : seg_pos == 0) {  // a segment starts
+        if (!SEG1 && seg_pos == 0) {  // a segment starts
 #pragma unroll
             for (int i = 0; i < MT; ++i)
 #pragma unroll
