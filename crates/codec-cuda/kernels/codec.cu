@@ -415,7 +415,7 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     }
     int cur = 0, nxt = ST - 1;  // the stage multiplied now and the one loaded next
     int seg_pos = 0;            // keys of the current segment before this chunk (SEG1: one segment)
-    if (SEG1)  // the block's one segment starts here (zeroed in the loop, this is 32 selects a chunk)
+    if (SEG1)  // the block's one segment starts here (zeroing inside the loop compiled to 32 selects a chunk)
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -458,6 +458,8 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
                 tf32_split(as[(r + 8) * TCW_AS + kk], ah[1], al[1]);
                 tf32_split(as[r * TCW_AS + kk + 4], ah[2], al[2]);
                 tf32_split(as[(r + 8) * TCW_AS + kk + 4], ah[3], al[3]);
+                // every n8 tile, with no branch: B past N is zero-filled, so a tile past N
+                // multiplies zeros and put_out drops its outputs
 #pragma unroll
                 for (int j = 0; j < NT; ++j) step3(acc[i][j], ah, al, bh[j][0], bh[j][1], bl[j][0], bl[j][1]);
             }
