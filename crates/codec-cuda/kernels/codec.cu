@@ -415,23 +415,20 @@ __device__ __forceinline__ void gemm_tcw_body(int M, int N, int K, const float* 
     }
     int cur = 0, nxt = ST - 1;  // the stage multiplied now and the one loaded next
     int seg_pos = 0;            // keys of the current segment before this chunk (SEG1: one segment)
-    if (SEG1)  // the block's one segment starts here (zeroing inside the loop compiled to 32 selects a chunk)
+    auto zero_acc = [&]() {
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    };
+    // SEG1: the block's one segment starts here (zeroing inside the loop compiled to 32
+    // selects a chunk)
+    if (SEG1) zero_acc();
     for (int ch = 0; ch < nchunks; ++ch) {
         const int k0 = k_first + ch * TCW_BK;
-        if (!SEG1 && seg_pos == 0) {  // a segment starts
-#pragma unroll
-            for (int i = 0; i < MT; ++i)
-#pragma unroll
-                for (int j = 0; j < NT; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-        }
+        if (!SEG1 && seg_pos == 0) zero_acc();  // a segment starts
         cp_async_wait<ST - 2>();
         __syncthreads();  // chunk ch has landed for every thread; chunk ch - 1 is read
         if (ch + ST - 1 < nchunks) load(nxt);
