@@ -626,6 +626,10 @@ fn main() -> R<()> {
         "date": std::env::var("RECEIPT_DATE").unwrap_or_default(),
         "commit": std::env::var("RECEIPT_COMMIT").unwrap_or_default(),
         "device": device, "decoder_tc": codec_cuda::cuda::decoder_tc(), "gemm_tc_check": tc_field,
+        "tf32_split_check": {
+            "values": split.values, "finite_differ": split.finite_differ,
+            "nonfinite_lost": split.nonfinite_lost, "pass": split.pass(),
+        },
         "tiny": tiny, "real": real,
         "failures": failures, "pass": failures.is_empty(),
     });
