@@ -465,10 +465,11 @@ impl Engine {
         geom.codec.frame_length = codec.frame_length() as u64;
         geom.codec.state_bytes_per_lane = codec.decoder_state_bytes() as u64;
         // each lane's share of the decoder workspace: one frame, or more where one lane's
-        // share of `codec_min_chunk` frames needs it (the codec thread decodes one chunk at a
-        // time, of at most lanes x this many frames)
+        // share of `codec_min_chunk` frames needs it (a call for one job takes at most
+        // `codec_job_frames`)
         let codec_min_chunk = opts.codec_min_chunk.clamp(1, CODEC_MAX_CHUNK);
         let codec_lane_frames = codec_min_chunk.div_ceil(lanes);
+        let codec_job_frames = lanes * codec_lane_frames;
         let codec_on_gpu =
             cfg!(feature = "cuda") && opts.backend == BackendChoice::Cuda && !opts.codec_on_host;
         // the GPU decoder also decodes several jobs in one call, of up to
@@ -484,7 +485,7 @@ impl Engine {
         // stream's KV ring holds one step beyond the window
         let codec_step = codec_step_frames(
             std::env::var("DRAMATIS_CODEC_STEP").ok().as_deref(),
-            lanes * codec_lane_frames,
+            codec_job_frames,
         );
         if codec_on_gpu {
             geom.codec.state_bytes_per_lane +=
@@ -659,7 +660,7 @@ impl Engine {
             prefills_joined: Arc::clone(&prefills_joined),
             codec_meter: Arc::clone(&codec_meter),
             codec_chunks: CodecChunks {
-                max: lanes * codec_lane_frames,
+                max: codec_job_frames,
                 min: codec_min_chunk,
                 max_hold: CODEC_MAX_HOLD,
             },
@@ -1479,10 +1480,10 @@ struct CodecJob {
     failed: bool,
 }
 
-/// Most frames one decoder call takes when a backlog is coalesced. The engine caps it further
-/// at the frames of decoder workspace its plan reserves (lanes x ceil(`codec_min_chunk` /
-/// lanes), at least one a lane), and the codec thread decodes one chunk at a time, so a chunk
-/// stays inside it.
+/// Most frames one job's decoder call takes when a backlog is coalesced. The engine caps it
+/// further at lanes x ceil(`codec_min_chunk` / lanes) (at least one a lane), inside the decoder
+/// workspace its plan reserves; a GPU call over several jobs takes up to
+/// [`CODEC_TOGETHER_LANE_FRAMES`] a lane in all, also inside it.
 const CODEC_MAX_CHUNK: usize = 64;
 // a call of the most frames is one GPU decoder step
 #[cfg(feature = "cuda")]
@@ -1499,8 +1500,8 @@ fn codec_together_from(setting: Option<&str>) -> bool {
     setting.is_none_or(|v| v.trim() != "0")
 }
 
-/// The GPU decoder's step (frames): the largest call the codec thread makes (`largest`, at most
-/// [`CODEC_MAX_CHUNK`]), or `DRAMATIS_CODEC_STEP` (1 to [`CODEC_MAX_CHUNK`]) for measuring one
+/// The GPU decoder's step (frames): the most frames of one job in a call (`largest`, at most
+/// [`CODEC_MAX_CHUNK`]; a call over several jobs takes each job's in one step), or `DRAMATIS_CODEC_STEP` (1 to [`CODEC_MAX_CHUNK`]) for measuring one
 /// step against another; the same samples either way.
 fn codec_step_frames(setting: Option<&str>, largest: usize) -> usize {
     setting
@@ -1526,7 +1527,7 @@ const CODEC_MAX_HOLD: std::time::Duration = std::time::Duration::from_millis(100
 /// How the codec thread sizes its decoder calls (`codec_loop`).
 #[derive(Debug, Clone, Copy)]
 struct CodecChunks {
-    /// The most frames a call takes (the plan's decoder workspace).
+    /// The most frames a call for one job takes (inside the plan's decoder workspace).
     max: usize,
     /// The frames a call gathers for a job well ahead of real time (1: no holding).
     min: usize,
@@ -1670,17 +1671,15 @@ fn decode_due(
     together: Option<&Together>,
     meter: &CodecMeter,
 ) {
-    let Some(tg) = together.filter(|_| due.len() > 1) else {
+    let Some(tg) = together else {
         for (key, frames) in due {
             decode_frames(jobs, key, frames, meter);
         }
         return;
     };
     // the jobs still decoding, with frames to decode
-    let due: Vec<_> = due
-        .into_iter()
-        .filter(|(k, f)| !f.is_empty() && jobs.get(k).is_some_and(|j| !j.failed))
-        .collect();
+    let mut due = due;
+    due.retain(|(k, f)| !f.is_empty() && jobs.get(k).is_some_and(|j| !j.failed));
     let mut group: Vec<(u64, Vec<Vec<u32>>)> = Vec::new();
     let mut held = 0;
     for (key, frames) in due {
@@ -1695,7 +1694,8 @@ fn decode_due(
 }
 
 /// Decodes several jobs' frames (each job's still decoding, with frames) in one call (one job:
-/// its own call) and sends each its audio.
+/// its own call) and sends each its audio. A job whose frames do not form codes fails alone;
+/// a failed call, or one that returns audio for other than its jobs, fails each of them.
 fn decode_together(
     jobs: &mut std::collections::HashMap<u64, CodecJob>,
     group: Vec<(u64, Vec<Vec<u32>>)>,
@@ -1708,39 +1708,59 @@ fn decode_together(
         }
         return;
     }
-    let codes: Result<Vec<Codes>, String> = group
-        .iter()
-        .map(|(_, f)| Codes::from_frames(f[0].len(), f).map_err(|e| e.to_string()))
-        .collect();
-    // the group's decoders, in the group's order (distinct keys: one job a key)
-    let at: std::collections::HashMap<u64, usize> = group
-        .iter()
-        .enumerate()
-        .map(|(i, (k, _))| (*k, i))
-        .collect();
-    let mut decs: Vec<(usize, &mut Box<dyn StreamDecoder>)> = jobs
-        .iter_mut()
-        .filter_map(|(k, j)| at.get(k).map(|&i| (i, &mut j.decoder)))
-        .collect();
-    decs.sort_by_key(|(i, _)| *i);
-    let mut decs: Vec<&mut Box<dyn StreamDecoder>> = decs.into_iter().map(|(_, d)| d).collect();
-    let frames = group.iter().map(|(_, f)| f.len()).sum();
-    match meter.call(frames, || codes.and_then(|c| (tg.decode)(&mut decs, &c))) {
-        Ok(pcm) => {
-            for ((key, _), p) in group.iter().zip(pcm) {
-                if let Some(j) = jobs.get_mut(key) {
-                    deliver(j, Ok(p));
-                }
+    // the group's jobs out of the table for the call (distinct keys: one job a key)
+    let (mut keys, mut taken, mut codes) = (Vec::new(), Vec::new(), Vec::new());
+    let mut frames = 0;
+    for (key, f) in group {
+        let Some(mut j) = jobs.remove(&key) else {
+            continue;
+        };
+        match codes_of(&f) {
+            Ok(c) => {
+                frames += f.len();
+                keys.push(key);
+                taken.push(j);
+                codes.push(c);
             }
-        }
-        Err(e) => {
-            for (key, _) in &group {
-                if let Some(j) = jobs.get_mut(key) {
-                    deliver(j, Err(e.clone()));
-                }
+            Err(e) => {
+                deliver(&mut j, Err(e));
+                jobs.insert(key, j);
             }
         }
     }
+    let mut decs: Vec<&mut Box<dyn StreamDecoder>> =
+        taken.iter_mut().map(|j| &mut j.decoder).collect();
+    let n = decs.len();
+    let pcm = meter.call(frames, || {
+        (tg.decode)(&mut decs, &codes).and_then(|p| {
+            if p.len() == n {
+                Ok(p)
+            } else {
+                Err(format!(
+                    "a decoder call over {n} streams returned audio for {}",
+                    p.len()
+                ))
+            }
+        })
+    });
+    match pcm {
+        Ok(pcm) => {
+            for (j, p) in taken.iter_mut().zip(pcm) {
+                deliver(j, Ok(p));
+            }
+        }
+        Err(e) => {
+            for j in taken.iter_mut() {
+                deliver(j, Err(e.clone()));
+            }
+        }
+    }
+    jobs.extend(keys.into_iter().zip(taken));
+}
+
+/// A chunk's codes from its frames (`[codebooks]` each; at least one).
+fn codes_of(frames: &[Vec<u32>]) -> Result<Codes, String> {
+    Codes::from_frames(frames[0].len(), frames).map_err(|e| e.to_string())
 }
 
 /// Decodes one job's consecutive frames (`[codebooks]` each) as one chunk and sends the audio.
@@ -1757,9 +1777,7 @@ fn decode_frames(
         return;
     }
     let pcm = meter.call(frames.len(), || {
-        Codes::from_frames(frames[0].len(), &frames)
-            .map_err(|e| e.to_string())
-            .and_then(|c| j.decoder.push(&c))
+        codes_of(&frames).and_then(|c| j.decoder.push(&c))
     });
     deliver(j, pcm);
 }
@@ -2696,6 +2714,78 @@ mod codec_thread_tests {
         );
         assert_eq!(groups.lock().unwrap().len(), 2);
         assert_eq!(calls.lock().unwrap().len(), before + 1);
+    }
+
+    /// In a call over several jobs, a job whose frames do not form codes fails alone (the others
+    /// decode together); a call that returns audio for fewer streams than it took fails each
+    /// of its jobs instead of leaving one without audio or failure.
+    #[test]
+    fn bad_frames_fail_their_job_alone_and_short_audio_fails_each() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let groups = Arc::new(Mutex::new(Vec::new()));
+        let g2 = groups.clone();
+        let short = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = short.clone();
+        let tg = Together {
+            decode: Box::new(move |states, codes| {
+                g2.lock().unwrap().push(codes.len());
+                let mut pcm: Vec<Vec<f32>> = states
+                    .iter_mut()
+                    .zip(codes)
+                    .map(|(s, c)| s.push(c))
+                    .collect::<Result<_, _>>()?;
+                if s2.load(Ordering::SeqCst) {
+                    pcm.pop();
+                }
+                Ok(pcm)
+            }),
+            frames: 64,
+        };
+        let (mut jobs, mut rxs) = fake_jobs(5, &calls, |_| false);
+        let frames = |key: u32| vec![vec![key, 0], vec![key, 1]];
+        let m = CodecMeter::default();
+        // job 0's second frame has one code of two
+        decode_due(
+            &mut jobs,
+            vec![
+                (0, vec![vec![0, 0], vec![0]]),
+                (1, frames(1)),
+                (2, frames(2)),
+            ],
+            Some(&tg),
+            &m,
+        );
+        match rxs[0].try_recv() {
+            Ok(JobEvent::Failed(msg)) => assert!(msg.contains("codes"), "{msg}"),
+            other => panic!("job 0: {other:?}"),
+        }
+        assert!(jobs[&0].failed);
+        assert_eq!(*groups.lock().unwrap(), vec![2], "jobs 1 and 2 in one call");
+        for key in 1..3u32 {
+            match rxs[key as usize].try_recv() {
+                Ok(JobEvent::Audio(p)) => {
+                    assert_eq!(p, vec![(1000 * key) as f32, (1000 * key + 1) as f32])
+                }
+                other => panic!("job {key}: {other:?}"),
+            }
+        }
+        // a call returning audio for one stream of two fails both
+        short.store(true, Ordering::SeqCst);
+        decode_due(
+            &mut jobs,
+            vec![(3, frames(3)), (4, frames(4))],
+            Some(&tg),
+            &m,
+        );
+        for key in 3..5 {
+            match rxs[key].try_recv() {
+                Ok(JobEvent::Failed(msg)) => assert!(msg.contains("returned audio"), "{msg}"),
+                other => panic!("job {key}: {other:?}"),
+            }
+            assert!(jobs[&(key as u64)].failed);
+        }
+        assert_eq!(m.counts().calls, 1, "only the good call is counted");
+        assert_eq!(jobs.len(), 5, "every job is back in the table");
     }
 
     /// A call over several jobs that fails fails each of its jobs with the decoder's message;
