@@ -734,7 +734,7 @@ pub(crate) struct Scratch {
     y: P,
     hid: P,
     rope: P,
-    pub(crate) bufs: Vec<usize>,
+    bufs: Vec<usize>,
 }
 
 /// Elements of a [`Scratch`]'s buffers: two work buffers, four activations, the ConvNeXt
@@ -771,6 +771,7 @@ impl ScratchSizes {
 }
 
 impl Scratch {
+    /// Buffers of `sizes`; none left allocated if one cannot be.
     pub(crate) fn new<E: Exec>(e: &E, sizes: ScratchSizes) -> Result<Scratch> {
         let mut bufs = Vec::new();
         let mut mk = |n: usize| -> Result<P> {
@@ -778,18 +779,46 @@ impl Scratch {
             bufs.push(b);
             Ok(P { buf: b, off: 0 })
         };
-        Ok(Scratch {
-            sizes,
-            w0: mk(sizes.work)?,
-            w1: mk(sizes.work)?,
-            a0: mk(sizes.act)?,
-            a1: mk(sizes.act)?,
-            a2: mk(sizes.act)?,
-            y: mk(sizes.act)?,
-            hid: mk(sizes.hid)?,
-            rope: mk(sizes.rope)?,
-            bufs,
-        })
+        let made = (|| {
+            Ok::<_, CudaCodecError>([
+                mk(sizes.work)?,
+                mk(sizes.work)?,
+                mk(sizes.act)?,
+                mk(sizes.act)?,
+                mk(sizes.act)?,
+                mk(sizes.act)?,
+                mk(sizes.hid)?,
+                mk(sizes.rope)?,
+            ])
+        })();
+        match made {
+            Ok([w0, w1, a0, a1, a2, y, hid, rope]) => Ok(Scratch {
+                sizes,
+                w0,
+                w1,
+                a0,
+                a1,
+                a2,
+                y,
+                hid,
+                rope,
+                bufs,
+            }),
+            Err(err) => {
+                for b in bufs {
+                    e.free(b);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Frees the buffers; the sizes they had.
+    pub(crate) fn free<E: Exec>(self, e: &E) -> ScratchSizes {
+        for b in self.bufs {
+            e.free(b);
+        }
+        self.sizes
     }
 }
 
@@ -1131,22 +1160,15 @@ fn conv_many<E: Exec>(
 ) -> Result<()> {
     let h = cv.hist_rows();
     debug_assert!(cv.stride == 1 && h <= lay.gap);
-    e.gemm(&Gemm {
-        m: lay.total - lay.gap,
-        n: cv.cout,
-        k: cv.k * cv.cin,
-        a: work.at((lay.gap - h) * cv.cin),
-        rsa: cv.cin,
-        cin: cv.cin,
-        jstride: cv.dil * cv.cin,
-        b: cv.w,
-        c: out.at(lay.gap * cv.cout),
-        bias: Some(cv.b),
-        bias_n: cv.cout,
-        gamma: None,
-        res: res.map(|r| r.at(lay.gap * cv.cout)),
+    conv_gemm(
+        e,
+        cv,
+        work.at((lay.gap - h) * cv.cin),
+        lay.total - lay.gap,
+        out.at(lay.gap * cv.cout),
+        res.map(|r| r.at(lay.gap * cv.cout)),
         tanh,
-    })
+    )
 }
 
 /// A causal ConvTranspose from level `lay` (each stream's history in its gap of `work`) to

@@ -178,21 +178,11 @@ impl HostExec {
     fn buf_len(&self, p: P) -> usize {
         self.bufs.borrow()[p.buf].len() - p.off
     }
-    /// One stream of [`Exec::rope_kv_many`] (its rows from `qkv`, its table at `cs`).
-    #[allow(clippy::too_many_arguments)]
-    fn rope_kv(
-        &self,
-        qkv: P,
-        cs: P,
-        kring: P,
-        vring: P,
-        t: usize,
-        heads: usize,
-        hd: usize,
-        pos0: u64,
-        ring: usize,
-    ) -> Result<()> {
+    /// One stream of [`Exec::rope_kv_many`] (its rows of `qkv`, its table, rings and position).
+    fn rope_kv(&self, qkv: P, st: &StreamRows, heads: usize, hd: usize) -> Result<()> {
         let w = heads * hd;
+        let (cs, kring, vring, t) = (st.cs, st.kring, st.vring, st.rows);
+        let (pos0, ring, qkv) = (st.pos0, st.ring, qkv.at(st.row0 * 3 * w));
         let half = hd / 2;
         let mut x = self.get(qkv, t * 3 * w);
         let cs = self.get(cs, 2 * t * half);
@@ -215,22 +205,19 @@ impl HostExec {
         self.put(qkv, &x);
         Ok(())
     }
-    /// One stream of [`Exec::attention_many`] (its rows from `qkv` into `out`).
-    #[allow(clippy::too_many_arguments)]
+    /// One stream of [`Exec::attention_many`] (its rows of `qkv` into its rows of `out`).
     fn attention(
         &self,
         qkv: P,
-        kring: P,
-        vring: P,
         out: P,
-        t: usize,
+        st: &StreamRows,
         heads: usize,
         hd: usize,
-        pos0: u64,
         window: usize,
-        ring: usize,
     ) -> Result<()> {
         let w = heads * hd;
+        let (kring, vring, t, pos0, ring) = (st.kring, st.vring, st.rows, st.pos0, st.ring);
+        let (qkv, out) = (qkv.at(st.row0 * 3 * w), out.at(st.row0 * w));
         let x = self.get(qkv, t * 3 * w);
         let kr = self.get(kring, ring * w);
         let vr = self.get(vring, ring * w);
@@ -406,17 +393,7 @@ impl Exec for HostExec {
     }
     fn rope_kv_many(&self, qkv: P, streams: &[StreamRows], heads: usize, hd: usize) -> Result<()> {
         for st in streams {
-            self.rope_kv(
-                qkv.at(st.row0 * 3 * heads * hd),
-                st.cs,
-                st.kring,
-                st.vring,
-                st.rows,
-                heads,
-                hd,
-                st.pos0,
-                st.ring,
-            )?;
+            self.rope_kv(qkv, st, heads, hd)?;
         }
         Ok(())
     }
@@ -429,20 +406,8 @@ impl Exec for HostExec {
         hd: usize,
         window: usize,
     ) -> Result<()> {
-        let w = heads * hd;
         for st in streams {
-            self.attention(
-                qkv.at(st.row0 * 3 * w),
-                st.kring,
-                st.vring,
-                out.at(st.row0 * w),
-                st.rows,
-                heads,
-                hd,
-                st.pos0,
-                window,
-                st.ring,
-            )?;
+            self.attention(qkv, out, st, heads, hd, window)?;
         }
         Ok(())
     }

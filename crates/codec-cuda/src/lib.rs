@@ -100,9 +100,7 @@ impl<E: Exec> Core<E> {
     fn set_step_frames(&self, frames: usize) {
         self.step_frames.set(frames.clamp(1, MAX_STEP_FRAMES));
         if let Some(old) = self.scratch.borrow_mut().take() {
-            for b in old.bufs {
-                self.exec.free(b);
-            }
+            old.free(&self.exec);
         }
     }
 
@@ -164,17 +162,18 @@ impl<E: Exec> Core<E> {
             }
             let frames = parts.iter().map(|c| c.frames()).sum();
             let need = self.weights.scratch_sizes(frames, parts.len());
+            // a scratch too small for this step is remade at least as large as it was in
+            // every buffer (call shapes that each outgrow the other in some buffer do not
+            // remake it every step)
             let mut scratch = self.scratch.borrow_mut();
+            let mut had = self.weights.scratch_sizes(step, 1);
             if scratch.as_ref().is_some_and(|s| !s.sizes.holds(need)) {
                 if let Some(old) = scratch.take() {
-                    for b in old.bufs {
-                        self.exec.free(b);
-                    }
+                    had = had.max(old.free(&self.exec));
                 }
             }
             if scratch.is_none() {
-                let own = self.weights.scratch_sizes(step, 1);
-                *scratch = Some(Scratch::new(&self.exec, need.max(own))?);
+                *scratch = Some(Scratch::new(&self.exec, need.max(had))?);
             }
             let sc = scratch.as_ref().expect("made above");
             let (idx, mut states): (Vec<usize>, Vec<&mut StateBufs>) = chosen.into_iter().unzip();
@@ -193,9 +192,7 @@ impl<E: Exec> Drop for Core<E> {
             self.exec.free(b);
         }
         if let Some(sc) = self.scratch.get_mut().take() {
-            for b in sc.bufs {
-                self.exec.free(b);
-            }
+            sc.free(&self.exec);
         }
     }
 }

@@ -101,6 +101,41 @@ fn streams_share_the_step_scratch() {
 /// Several streams decoded in one pass through the layers equal each decoded alone, bit for
 /// bit: streams of different lengths pushed together in uneven pieces, one of them made for
 /// smaller steps (its KV ring's room), one joining late, at a step that splits some pieces.
+/// The step scratch only grows: after calls of two shapes that each need more than the other
+/// in some buffer, it holds both, and a call of either shape again does not remake it.
+#[test]
+fn step_scratch_grows_to_every_shape() {
+    let (_, dec) = host();
+    let goldens = fixture_goldens(&fixture()).expect("goldens");
+    let (_, long, _) = goldens.last().unwrap();
+    dec.set_step_frames(9);
+    let mut sts: Vec<_> = (0..6).map(|_| dec.state().unwrap()).collect();
+    // a scratch is never made smaller than one stream's step, so the shapes must each
+    // outgrow the other beyond it
+    let own = dec.core.weights.scratch_sizes(9, 1);
+    let wide = dec.core.weights.scratch_sizes(10, 2); // two streams of 5 frames
+    let many = dec.core.weights.scratch_sizes(6, 6); // six streams of one frame
+    assert!(
+        !wide.max(own).holds(many) && !many.max(own).holds(wide),
+        "the shapes must each outgrow the other: {wide:?} {many:?}"
+    );
+    let sizes = || dec.core.scratch.borrow().as_ref().map(|s| s.sizes);
+    let mut f0 = 0;
+    let mut call = |n: usize, t: usize| {
+        let part = long.slice(f0, f0 + t);
+        f0 += t;
+        let mut refs: Vec<_> = sts.iter_mut().take(n).collect();
+        dec.push_many(&mut refs, &vec![&part; n]).unwrap();
+    };
+    call(2, 5);
+    call(6, 1);
+    let both = sizes().expect("a scratch");
+    assert!(both.holds(wide) && both.holds(many), "{both:?}");
+    call(2, 5);
+    call(6, 1);
+    assert_eq!(sizes(), Some(both), "not remade");
+}
+
 #[test]
 fn several_streams_in_one_step() {
     let (_, dec) = host();
