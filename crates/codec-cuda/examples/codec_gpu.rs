@@ -127,15 +127,16 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
     let dec = CudaDecoder::load(fixture, &codec)?;
     let load_s = t0.elapsed().as_secs_f64();
     let mut cases = Vec::new();
-    for (name, codes, want) in fixture_goldens(fixture)? {
-        let gpu = dec.decode(&codes)?;
-        let cpu = codec.decode(&codes)?;
-        let g = codec::max_abs_diff(&gpu, &want).unwrap_or(f64::INFINITY);
+    let goldens = fixture_goldens(fixture)?;
+    for (name, codes, want) in &goldens {
+        let gpu = dec.decode(codes)?;
+        let cpu = codec.decode(codes)?;
+        let g = codec::max_abs_diff(&gpu, want).unwrap_or(f64::INFINITY);
         let c = codec::max_abs_diff(&cpu, &want).unwrap_or(f64::INFINITY);
         let gc = max_abs_diff32(&gpu, &cpu).unwrap_or(f64::INFINITY);
         let mut chunks = serde_json::Map::new();
         for chunk in [1usize, 3, 16] {
-            let same = bit_identical(&gpu, &gpu_chunked(&dec, &codes, chunk)?);
+            let same = bit_identical(&gpu, &gpu_chunked(&dec, codes, chunk)?);
             if !same {
                 failures.push(format!("{name}: chunk {chunk} differs from whole decode"));
             }
@@ -160,7 +161,6 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
     // Several streams in one decoder step: three slices of the longest golden, pushed together
     // in pieces of 7 frames, equal their whole decodes bit for bit.
     let together = {
-        let goldens = fixture_goldens(fixture)?;
         let (_, long, _) = goldens
             .iter()
             .max_by_key(|(_, c, _)| c.frames())
@@ -299,11 +299,7 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     // Several streams: CODEC_GPU_STREAMS (default 32) streams of 12-frame pushes (a 32-lane
     // run's decoder calls), one at a time and all in one call, 3 rounds of which the last two
     // are timed; each stream's PCM the same bit for bit either way.
-    let ns: usize = std::env::var("CODEC_GPU_STREAMS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&n| (1..=256).contains(&n))
-        .unwrap_or(32);
+    let ns = env_count("CODEC_GPU_STREAMS", 256, 32);
     let per = 12;
     let scodes: Vec<Codes> = (0..ns)
         .map(|b| random_codes(&cfg, 3 * per, 100 + b as u64))
@@ -510,15 +506,20 @@ fn real(failures: &mut Vec<String>) -> R<Value> {
     }))
 }
 
+/// A count from environment variable `name`: 1 to `most`, else `default`.
+fn env_count(name: &str, most: usize, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| (1..=most).contains(n))
+        .unwrap_or(default)
+}
+
 /// `CODEC_GPU_PROFILE=1`: only a warm-up push and one timed push of `CODEC_GPU_PROFILE_FRAMES`
 /// frames (default 16) for each of `CODEC_GPU_PROFILE_STREAMS` streams (default 1) together, at
 /// real geometry (for a profiler: the launches of the second push are one decoder call).
 fn profile_only() -> R<()> {
-    let n: usize = std::env::var("CODEC_GPU_PROFILE_FRAMES")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&n| (1..=64).contains(&n))
-        .unwrap_or(16);
+    let n = env_count("CODEC_GPU_PROFILE_FRAMES", 64, 16);
     let cfg = CodecConfig::default();
     let tmp = tempfile::tempdir()?;
     let sd = codec::synth::synthetic_state_dict(&cfg, 7);
@@ -528,11 +529,7 @@ fn profile_only() -> R<()> {
     )?;
     let codec = Codec::load(tmp.path(), Some(cfg.clone()))?;
     let dec = CudaDecoder::load(tmp.path(), &codec)?;
-    let ns: usize = std::env::var("CODEC_GPU_PROFILE_STREAMS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&n| (1..=256).contains(&n))
-        .unwrap_or(1);
+    let ns = env_count("CODEC_GPU_PROFILE_STREAMS", 256, 1);
     let codes: Vec<Codes> = (0..ns)
         .map(|b| random_codes(&cfg, 2 * n, 11 + b as u64))
         .collect::<R<_>>()?;

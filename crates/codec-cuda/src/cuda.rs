@@ -279,7 +279,7 @@ pub(crate) fn wide_from(v: Option<&str>) -> Option<&'static str> {
 
 /// Whether the decoder's GEMMs run on tensor cores (`DRAMATIS_CODEC_TC`, default on).
 pub fn decoder_tc() -> bool {
-    std::env::var("DRAMATIS_CODEC_TC").map_or(true, |v| v.trim() != "0")
+    on_unless_zero(std::env::var("DRAMATIS_CODEC_TC").ok().as_deref())
 }
 
 fn cdiv(a: usize, b: usize) -> usize {
@@ -458,16 +458,15 @@ impl CudaExec {
         &self.gpu.stream
     }
 
-    /// Waits for all queued work.
     /// The `Streams` table of up to [`MANY`] streams (rings of `w` floats a slot, every pointer
-    /// range-checked; their RoPE tables too, `hd` floats a row, when `cs_hd` is given), and the
-    /// most rows of one.
+    /// range-checked; their RoPE tables too, `hd` floats a row, when `cs_hd` is given), the
+    /// most rows of one and the row past the last of any.
     fn stream_table(
         &self,
         part: &[StreamRows],
         w: usize,
         cs_hd: Option<usize>,
-    ) -> Result<(Streams, usize)> {
+    ) -> Result<(Streams, usize, usize)> {
         let mut t = Streams {
             k: [0; MANY],
             v: [0; MANY],
@@ -478,7 +477,7 @@ impl CudaExec {
             ring: [0; MANY],
             count: i32_of(part.len())?,
         };
-        let mut most = 0;
+        let (mut most, mut end) = (0, 0);
         for (i, s) in part.iter().enumerate() {
             t.k[i] = self.ptr(s.kring, s.ring * w)?;
             t.v[i] = self.ptr(s.vring, s.ring * w)?;
@@ -491,10 +490,12 @@ impl CudaExec {
             t.rows[i] = i32_of(s.rows)?;
             t.ring[i] = i32_of(s.ring)?;
             most = most.max(s.rows);
+            end = end.max(s.row0 + s.rows);
         }
-        Ok((t, most))
+        Ok((t, most, end))
     }
 
+    /// Waits for all queued work.
     pub fn sync(&self) -> Result<()> {
         self.stream()
             .synchronize()
@@ -643,14 +644,14 @@ impl Exec for CudaExec {
                     1
                 };
             let (name, bm, bn, threads) = match seg1 {
-                Some(_) if (zs > 1 || nseg == 1) && self.wide96.get() && pads_less_at_96(g.n) => {
-                    self.seg1_launches.set(self.seg1_launches.get() + 1);
-                    self.wide96_launches.set(self.wide96_launches.get() + 1);
-                    ("gemm_tcw96s", 64, 96, 192)
-                }
                 Some(s) if zs > 1 || nseg == 1 => {
                     self.seg1_launches.set(self.seg1_launches.get() + 1);
-                    (s, bm, bn, threads)
+                    if self.wide96.get() && pads_less_at_96(g.n) {
+                        self.wide96_launches.set(self.wide96_launches.get() + 1);
+                        ("gemm_tcw96s", 64, 96, 192)
+                    } else {
+                        (s, bm, bn, threads)
+                    }
                 }
                 _ => (name, bm, bn, threads),
             };
@@ -808,11 +809,10 @@ impl Exec for CudaExec {
     fn rope_kv_many(&self, qkv: P, streams: &[StreamRows], heads: usize, hd: usize) -> Result<()> {
         let w = heads * hd;
         for part in streams.chunks(MANY) {
-            let (t, most) = self.stream_table(part, w, Some(hd))?;
+            let (t, most, end) = self.stream_table(part, w, Some(hd))?;
             if most == 0 {
                 continue;
             }
-            let end = part.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
             let qp = self.ptr(qkv, end * 3 * w)?;
             let (hh, dd) = (i32_of(heads)?, i32_of(hd)?);
             let cfg = LaunchConfig {
@@ -840,11 +840,10 @@ impl Exec for CudaExec {
     ) -> Result<()> {
         let w = heads * hd;
         for part in streams.chunks(MANY) {
-            let (t, most) = self.stream_table(part, w, None)?;
+            let (t, most, end) = self.stream_table(part, w, None)?;
             if most == 0 {
                 continue;
             }
-            let end = part.iter().map(|s| s.row0 + s.rows).max().unwrap_or(0);
             let (qp, op) = (self.ptr(qkv, end * 3 * w)?, self.ptr(out, end * w)?);
             let (hh, dd, ww) = (i32_of(heads)?, i32_of(hd)?, i32_of(window)?);
             let scale = 1.0f32 / (hd as f32).sqrt();
@@ -943,27 +942,20 @@ impl Exec for CudaExec {
 
 impl CudaExec {
     /// `tf32_split_check` over `x`: for each value the split's hi and lo bits and cvt.rna's hi
-    /// and lo (`[h, l, cvt_h, cvt_l]` a value), for [`crate::check::tf32_split`].
-    pub fn tf32_split_bits(&self, x: &[f32]) -> Result<Vec<[u32; 4]>> {
+    /// (`[h, l, cvt_h]` a value), for [`crate::check::tf32_split`].
+    pub fn tf32_split_bits(&self, x: &[f32]) -> Result<Vec<[u32; 3]>> {
         let n = x.len();
         let xb = self.alloc(n)?;
-        let ob = self.alloc(4 * n)?;
-        let run = || -> Result<Vec<[u32; 4]>> {
+        let ob = self.alloc(3 * n)?;
+        let run = || -> Result<Vec<[u32; 3]>> {
             let (xp, op) = (P { buf: xb, off: 0 }, P { buf: ob, off: 0 });
             self.write(xp, x)?;
-            let (xd, od, nn) = (self.ptr(xp, n)?, self.ptr(op, 4 * n)?, i64_of(n));
+            let (xd, od, nn) = (self.ptr(xp, n)?, self.ptr(op, 3 * n)?, i64_of(n));
             launch!(self, "tf32_split_check", grid1(n, 256)?, &xd, &od, &nn);
-            let out = self.read(op, 4 * n)?;
+            let out = self.read(op, 3 * n)?;
             Ok(out
-                .chunks_exact(4)
-                .map(|c| {
-                    [
-                        c[0].to_bits(),
-                        c[1].to_bits(),
-                        c[2].to_bits(),
-                        c[3].to_bits(),
-                    ]
-                })
+                .chunks_exact(3)
+                .map(|c| [c[0].to_bits(), c[1].to_bits(), c[2].to_bits()])
                 .collect())
         };
         let r = run();

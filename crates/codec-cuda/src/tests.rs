@@ -198,9 +198,16 @@ fn several_streams_in_one_step() {
 #[test]
 fn plan_holds_the_step_scratch() {
     let (codec, dec) = host();
-    for frames in [1, 16, 32, MAX_STEP_FRAMES] {
+    assert_plan_holds(&codec, &dec, &[1, 16, 32, MAX_STEP_FRAMES]);
+}
+
+/// The plan's decoder workspace holds the step scratch: one stream's step of each of `frames`,
+/// and calls over 1-64 lanes of 8 frames a lane.
+fn assert_plan_holds(codec: &Codec, dec: &HostDecoder, frames: &[usize]) {
+    for &frames in frames {
         let scratch = dec.scratch_bytes(frames, 1);
         let plan = codec.decoder_workspace_bytes(frames);
+        eprintln!("{frames} frames: scratch {scratch} B, plan {plan} B");
         assert!(
             scratch <= plan,
             "{frames} frames: scratch {scratch} B, plan {plan} B"
@@ -209,6 +216,7 @@ fn plan_holds_the_step_scratch() {
     for lanes in [1, 2, 8, 32, 64] {
         let scratch = dec.scratch_bytes(8 * lanes, lanes);
         let plan = lanes * codec.decoder_workspace_bytes(8);
+        eprintln!("{lanes} lanes: scratch {scratch} B, plan {plan} B");
         assert!(
             scratch <= plan,
             "{lanes} lanes: scratch {scratch} B, plan {plan} B"
@@ -619,16 +627,5 @@ fn plan_holds_the_step_scratch_drama3() {
     let codec = Codec::load(dir.path(), Some(cfg.clone())).unwrap();
     let sd = checkpoint::pth::read_pth(&dir.path().join("codec.pth")).unwrap();
     let dec = HostDecoder::from_state_dict(&sd, codec.config()).unwrap();
-    for frames in [8, 16, 32, MAX_STEP_FRAMES] {
-        let scratch = dec.scratch_bytes(frames, 1);
-        let plan = codec.decoder_workspace_bytes(frames);
-        eprintln!("{frames} frames: scratch {scratch} B, plan {plan} B");
-        assert!(scratch <= plan, "{frames} frames");
-    }
-    for lanes in [1, 2, 8, 32, 64] {
-        let scratch = dec.scratch_bytes(8 * lanes, lanes);
-        let plan = lanes * codec.decoder_workspace_bytes(8);
-        eprintln!("{lanes} lanes: scratch {scratch} B, plan {plan} B");
-        assert!(scratch <= plan, "{lanes} lanes");
-    }
+    assert_plan_holds(&codec, &dec, &[8, 16, 32, MAX_STEP_FRAMES]);
 }
