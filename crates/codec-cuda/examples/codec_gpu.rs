@@ -132,7 +132,7 @@ fn tiny(fixture: &Path, failures: &mut Vec<String>) -> R<Value> {
         let gpu = dec.decode(codes)?;
         let cpu = codec.decode(codes)?;
         let g = codec::max_abs_diff(&gpu, want).unwrap_or(f64::INFINITY);
-        let c = codec::max_abs_diff(&cpu, &want).unwrap_or(f64::INFINITY);
+        let c = codec::max_abs_diff(&cpu, want).unwrap_or(f64::INFINITY);
         let gc = max_abs_diff32(&gpu, &cpu).unwrap_or(f64::INFINITY);
         let mut chunks = serde_json::Map::new();
         for chunk in [1usize, 3, 16] {
