@@ -269,6 +269,18 @@ struct Rings {
     ring: usize,
 }
 
+/// A transformer's one stream: `rows` rows from row 0 at position `pos`, on rings `rg`.
+fn alone(rg: &Rings, rows: usize, pos: u64) -> TfStream<'_> {
+    TfStream {
+        row0: 0,
+        rows,
+        pos,
+        kring: &rg.k,
+        vring: &rg.v,
+        ring: rg.ring,
+    }
+}
+
 /// Per-stream device state: histories, KV rings, frames encoded, and the step scratch.
 pub(crate) struct EncStateBufs {
     /// Frames encoded so far (transformer positions are this times their rows per frame).
@@ -413,15 +425,7 @@ pub(crate) fn step<E: Exec>(
             let rg = &st.rings[ring_i];
             ring_i += 1;
             debug_assert_eq!(r, t * rows);
-            let pos = st.frames * *rows as u64;
-            let one = TfStream {
-                row0: 0,
-                rows: r,
-                pos,
-                kring: &rg.k,
-                vring: &rg.v,
-                ring: rg.ring,
-            };
+            let one = alone(rg, r, st.frames * *rows as u64);
             transformer_layers(e, tw, &[one], &st.tf, cur, r)?;
             e.rms_norm(cur, tw.norm, cur, r, tw.dim, tw.eps)?;
         }
@@ -456,16 +460,7 @@ pub(crate) fn step<E: Exec>(
     debug_assert_eq!(r, t);
 
     // pre_module; its final norm gives the first residual (in `other`).
-    let rg = &st.rings[ring_i];
-    let pos = st.frames;
-    let one = TfStream {
-        row0: 0,
-        rows: t,
-        pos,
-        kring: &rg.k,
-        vring: &rg.v,
-        ring: rg.ring,
-    };
+    let one = alone(&st.rings[ring_i], t, st.frames);
     transformer_layers(e, &wt.pre, &[one], &st.tf, cur, t)?;
     let resid = other;
     e.rms_norm(cur, wt.pre.norm, resid, t, dim, wt.pre.eps)?;
