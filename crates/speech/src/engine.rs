@@ -2652,6 +2652,21 @@ mod codec_thread_tests {
         (jobs, rxs)
     }
 
+    /// Job `key`'s next event is its failure, with a message holding `needle`, and it is marked
+    /// failed.
+    fn expect_failed(
+        jobs: &std::collections::HashMap<u64, CodecJob>,
+        rxs: &mut [mpsc::UnboundedReceiver<JobEvent>],
+        key: usize,
+        needle: &str,
+    ) {
+        match rxs[key].try_recv() {
+            Ok(JobEvent::Failed(msg)) => assert!(msg.contains(needle), "job {key}: {msg}"),
+            other => panic!("job {key}: {other:?}"),
+        }
+        assert!(jobs[&(key as u64)].failed, "job {key}");
+    }
+
     /// Due jobs go to the decoder together, as many a call as its frames allow, each job's
     /// audio its own and in order; a job alone in its group gets its own call; jobs that have
     /// failed or ended are left out.
@@ -2755,11 +2770,7 @@ mod codec_thread_tests {
             Some(&tg),
             &m,
         );
-        match rxs[0].try_recv() {
-            Ok(JobEvent::Failed(msg)) => assert!(msg.contains("codes"), "{msg}"),
-            other => panic!("job 0: {other:?}"),
-        }
-        assert!(jobs[&0].failed);
+        expect_failed(&jobs, &mut rxs, 0, "codes");
         assert_eq!(*groups.lock().unwrap(), vec![2], "jobs 1 and 2 in one call");
         for key in 1..3u32 {
             match rxs[key as usize].try_recv() {
@@ -2778,11 +2789,7 @@ mod codec_thread_tests {
             &m,
         );
         for key in 3..5 {
-            match rxs[key].try_recv() {
-                Ok(JobEvent::Failed(msg)) => assert!(msg.contains("returned audio"), "{msg}"),
-                other => panic!("job {key}: {other:?}"),
-            }
-            assert!(jobs[&(key as u64)].failed);
+            expect_failed(&jobs, &mut rxs, key, "returned audio");
         }
         assert_eq!(m.counts().calls, 1, "only the good call is counted");
         assert_eq!(jobs.len(), 5, "every job is back in the table");
@@ -2824,11 +2831,7 @@ mod codec_thread_tests {
             &m,
         );
         for key in 0..2 {
-            match rxs[key].try_recv() {
-                Ok(JobEvent::Failed(msg)) => assert!(msg.contains("device lost"), "{msg}"),
-                other => panic!("job {key}: {other:?}"),
-            }
-            assert!(jobs[&(key as u64)].failed);
+            expect_failed(&jobs, &mut rxs, key, "device lost");
         }
         for key in 2..4u32 {
             match rxs[key as usize].try_recv() {
