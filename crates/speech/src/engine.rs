@@ -2882,6 +2882,74 @@ mod codec_thread_tests {
         }
     }
 
+    /// Through the loop: the frames two jobs have waiting after a batch of messages are
+    /// decoded in one call over both (where the decoder can), each job's audio its own and in
+    /// frame order.
+    #[test]
+    fn the_loop_decodes_due_jobs_together() {
+        let chunks = Arc::new(Mutex::new(Vec::new()));
+        let c2 = chunks.clone();
+        let factory: DecoderFactory =
+            Box::new(move || Ok(Box::new(Fake(c2.clone())) as Box<dyn StreamDecoder>));
+        let groups = Arc::new(Mutex::new(Vec::new()));
+        let g2 = groups.clone();
+        let tg = Together {
+            decode: Box::new(move |states, codes| {
+                g2.lock().unwrap().push(codes.len());
+                states
+                    .iter_mut()
+                    .zip(codes)
+                    .map(|(s, c)| s.push(c))
+                    .collect()
+            }),
+            frames: 8,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut streams = Vec::new();
+        for key in 0..2u64 {
+            let (etx, erx) = mpsc::unbounded_channel();
+            tx.send(CodecMsg::Start {
+                key,
+                events: etx,
+                submitted: Instant::now(),
+            })
+            .unwrap();
+            streams.push(erx);
+        }
+        for f in 0..3u32 {
+            for key in 0..2u64 {
+                let codes = vec![key as u32, f, 7, 7];
+                tx.send(CodecMsg::Frame { key, codes }).unwrap();
+            }
+        }
+        drop(tx);
+        let chunks_at = CodecChunks {
+            max: 5,
+            min: 1,
+            max_hold: CODEC_MAX_HOLD,
+        };
+        codec_loop(
+            factory,
+            Some(tg),
+            44_100,
+            chunks_at,
+            rx,
+            &CodecMeter::default(),
+        );
+        assert_eq!(*groups.lock().unwrap(), vec![2], "one call over both jobs");
+        for (key, erx) in streams.iter_mut().enumerate() {
+            let mut audio = Vec::new();
+            while let Ok(ev) = erx.try_recv() {
+                match ev {
+                    JobEvent::Audio(p) => audio.extend(p),
+                    other => panic!("job {key}: unexpected {other:?}"),
+                }
+            }
+            let want: Vec<f32> = (0..3).map(|f| (1000 * key + f) as f32).collect();
+            assert_eq!(audio, want, "job {key}");
+        }
+    }
+
     /// A backlog of two interleaved jobs is decoded in chunks, each job's audio in frame order,
     /// its summary after all of its audio; a dropped job sends nothing after the drop.
     #[test]
