@@ -15,4 +15,7 @@ if ls "$nvrtc_dir"/nvidia/cu13/lib/libnvrtc.so.13 >/dev/null 2>&1; then
 fi
 # A one-off build gains nothing from incremental state, which is a third of a clean build on disk.
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
-exec cargo test --workspace --locked
+cargo test --workspace --locked
+# The CUDA build's host code too (the engine's GPU paths are behind the `cuda` feature; cudarc
+# loads the driver at run time, so it compiles without a GPU or a CUDA toolkit).
+exec cargo check --workspace --all-targets --locked --features dramatis/cuda
