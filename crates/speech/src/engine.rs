@@ -472,21 +472,24 @@ impl Engine {
         let codec_job_frames = lanes * codec_lane_frames;
         let codec_on_gpu =
             cfg!(feature = "cuda") && opts.backend == BackendChoice::Cuda && !opts.codec_on_host;
+        // the GPU decoder's step: its largest call for one job, one step (its fixed cost paid
+        // once); each stream's KV ring holds one step beyond the window
+        let codec_step = codec_step_frames(
+            std::env::var("DRAMATIS_CODEC_STEP").ok().as_deref(),
+            codec_job_frames,
+        );
         // the GPU decoder also decodes several jobs in one call, of up to
-        // CODEC_TOGETHER_LANE_FRAMES frames a lane in all
+        // CODEC_TOGETHER_LANE_FRAMES frames a lane in all, and a step set above the largest
+        // call (`DRAMATIS_CODEC_STEP`) takes its share of the workspace too
         let workspace_lane_frames = if codec_on_gpu {
-            codec_lane_frames.max(CODEC_TOGETHER_LANE_FRAMES)
+            codec_lane_frames
+                .max(CODEC_TOGETHER_LANE_FRAMES)
+                .max(codec_step.div_ceil(lanes))
         } else {
             codec_lane_frames
         };
         geom.codec.workspace_bytes_per_lane =
             codec.decoder_workspace_bytes(workspace_lane_frames) as u64;
-        // the GPU decoder's step: its largest call, one step (its fixed cost paid once); each
-        // stream's KV ring holds one step beyond the window
-        let codec_step = codec_step_frames(
-            std::env::var("DRAMATIS_CODEC_STEP").ok().as_deref(),
-            codec_job_frames,
-        );
         if codec_on_gpu {
             geom.codec.state_bytes_per_lane +=
                 (codec_step * codec.decoder_ring_bytes_per_step_frame()) as u64;
