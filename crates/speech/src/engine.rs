@@ -2885,6 +2885,25 @@ mod codec_thread_tests {
         }
     }
 
+    /// Starts jobs 0..n on the codec loop's channel; their event receivers.
+    fn start_jobs(
+        tx: &std::sync::mpsc::Sender<CodecMsg>,
+        n: u64,
+    ) -> Vec<mpsc::UnboundedReceiver<JobEvent>> {
+        (0..n)
+            .map(|key| {
+                let (etx, erx) = mpsc::unbounded_channel();
+                tx.send(CodecMsg::Start {
+                    key,
+                    events: etx,
+                    submitted: Instant::now(),
+                })
+                .unwrap();
+                erx
+            })
+            .collect()
+    }
+
     /// Through the loop: the frames two jobs have waiting after a batch of messages are
     /// decoded in one call over both (where the decoder can), each job's audio its own and in
     /// frame order.
@@ -2908,17 +2927,7 @@ mod codec_thread_tests {
             frames: 8,
         };
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut streams = Vec::new();
-        for key in 0..2u64 {
-            let (etx, erx) = mpsc::unbounded_channel();
-            tx.send(CodecMsg::Start {
-                key,
-                events: etx,
-                submitted: Instant::now(),
-            })
-            .unwrap();
-            streams.push(erx);
-        }
+        let mut streams = start_jobs(&tx, 2);
         for f in 0..3u32 {
             for key in 0..2u64 {
                 let codes = vec![key as u32, f, 7, 7];
@@ -2962,17 +2971,7 @@ mod codec_thread_tests {
         let factory: DecoderFactory =
             Box::new(move || Ok(Box::new(Fake(c2.clone())) as Box<dyn StreamDecoder>));
         let (tx, rx) = std::sync::mpsc::channel();
-        let mut streams = Vec::new();
-        for key in 0..3u64 {
-            let (etx, erx) = mpsc::unbounded_channel();
-            tx.send(CodecMsg::Start {
-                key,
-                events: etx,
-                submitted: Instant::now(),
-            })
-            .unwrap();
-            streams.push(erx);
-        }
+        let mut streams = start_jobs(&tx, 3);
         // 150 frames per job, interleaved (more than one chunk's worth)
         for f in 0..150u32 {
             for key in 0..3u64 {
