@@ -341,6 +341,7 @@ pub fn tc_gemm(gpu: Arc<Gpu>) -> Result<TcCheck> {
                 (Some("gemm_tcw2"), None, false, 0, false),
                 (Some("gemm_tcw2"), Some("gemm_tcw2s"), false, 0, false),
                 (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, false),
+                (Some("gemm_tcw2"), Some("gemm_tcw4s"), false, 0, false),
                 (Some("gemm_tcw2"), Some("gemm_tcw3s"), false, 0, true),
             ] {
                 exact.set_wide(w);

@@ -15,7 +15,7 @@ use crate::{CudaCodecError, Result};
 /// The kernel source (no CUDA headers).
 pub const SOURCE: &str = include_str!("../kernels/codec.cu");
 /// Kernel names in [`SOURCE`].
-pub const KERNELS: [&str; 26] = [
+pub const KERNELS: [&str; 27] = [
     "gemm_tc16",
     "gemm_fr",
     "gemm_fr4",
@@ -25,6 +25,7 @@ pub const KERNELS: [&str; 26] = [
     "gemm_tcw2",
     "gemm_tcw2s",
     "gemm_tcw3s",
+    "gemm_tcw4s",
     "gemm_tcw96s",
     "gemm_big",
     "gemm_reduce",
@@ -212,7 +213,8 @@ pub fn wide_kernel() -> Option<&'static str> {
 /// had 288 blocks for 264: two waves, the second 9% full), and no sum of segments to hold
 /// (`gemm_tcw2`: 128 registers and 80 bytes spilled). Session 22, Drama 3 geometry on the H200:
 /// a 12-frame push 7135 (none) / 6233 (`2`) / 5875 us (`3`); 16-frame pushes 2019 / 2166 /
-/// 2267 frames/s; 32 lanes 722 / 739 / 743 frames/s in all.
+/// 2267 frames/s; 32 lanes 722 / 739 / 743 frames/s in all. `4`, `gemm_tcw4s`: the same tile
+/// as four warps of 64 x 32 (128 threads, four blocks a multiprocessor; not yet measured).
 pub fn seg1_kernel() -> Option<&'static str> {
     seg1_from(std::env::var("DRAMATIS_CODEC_TCW_SEG1").ok().as_deref())
 }
@@ -221,7 +223,17 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
     match v.map(str::trim) {
         Some("0") => None,
         Some("2") => Some("gemm_tcw2s"),
+        Some("4") => Some("gemm_tcw4s"),
         _ => Some("gemm_tcw3s"),
+    }
+}
+
+/// Threads a block of one-segment kernel `name` (every one a 128 x 64 tile).
+pub(crate) fn seg1_threads(name: &str) -> u32 {
+    if name == "gemm_tcw4s" {
+        128
+    } else {
+        256
     }
 }
 
@@ -650,7 +662,7 @@ impl Exec for CudaExec {
                         self.wide96_launches.set(self.wide96_launches.get() + 1);
                         ("gemm_tcw96s", 64, 96, 192)
                     } else {
-                        (s, bm, bn, threads)
+                        (s, bm, bn, seg1_threads(s))
                     }
                 }
                 _ => (name, bm, bn, threads),

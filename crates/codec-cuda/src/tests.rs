@@ -570,13 +570,17 @@ fn frame_rows_setting() {
 }
 
 /// `DRAMATIS_CODEC_TCW_SEG1`: the three-block one-segment kernel by default, two blocks on
-/// `2`, none on `0`.
+/// `2`, the four-warp 128-thread one on `4` (launched with 128 threads), none on `0`.
 #[test]
 fn seg1_kernel_setting() {
     assert_eq!(cuda::seg1_from(None), Some("gemm_tcw3s"));
     assert_eq!(cuda::seg1_from(Some(" 2")), Some("gemm_tcw2s"));
     assert_eq!(cuda::seg1_from(Some("3")), Some("gemm_tcw3s"));
+    assert_eq!(cuda::seg1_from(Some("4")), Some("gemm_tcw4s"));
     assert_eq!(cuda::seg1_from(Some("0")), None);
+    assert_eq!(cuda::seg1_threads("gemm_tcw4s"), 128);
+    assert_eq!(cuda::seg1_threads("gemm_tcw3s"), 256);
+    assert_eq!(cuda::seg1_threads("gemm_tcw2s"), 256);
 }
 
 /// `DRAMATIS_CODEC_TCW`: the two-block wide tiles by default, the one-block build on `1`, none
