@@ -89,12 +89,13 @@ pub struct TcCheck {
     /// Segments summed across blocks equal segments summed in one block, bit for bit.
     pub modes_bitwise: bool,
     /// Whole launches on the cp.async tiles (`gemm_tcw`, `gemm_tcw2`, `gemm_tcw2s`, `gemm_tcw3s`,
-    /// `gemm_tcw96s`, `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
+    /// `gemm_tcw4s`, `gemm_tcw96s`, `gemm_tcs`) and on `gemm_fr` / `gemm_fr4` equal `gemm_tc64` / `gemm_tc16`'s bit for bit, in both segment modes and
     /// the default dispatch.
     pub wide_bitwise: bool,
     /// Launches that took the wide tiles (the shapes meant for them must reach them).
     pub wide_launches: u64,
-    /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`, `gemm_tcw96s`).
+    /// Launches that took a wide one-segment kernel (`gemm_tcw2s`, `gemm_tcw3s`, `gemm_tcw4s`,
+    /// `gemm_tcw96s`).
     pub seg1_launches: u64,
     /// Launches that took `gemm_tcw96s`.
     pub wide96_launches: u64,

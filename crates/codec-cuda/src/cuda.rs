@@ -140,8 +140,8 @@ pub struct CudaExec {
     /// Launches of the wide kernels so far (checks count them, so a check that meant to run
     /// them cannot pass on the other kernels alone).
     wide_launches: std::cell::Cell<u64>,
-    /// The wide tiles' kernel for one K segment a block (`gemm_tcw2s`, or `gemm_tcw3s`: three
-    /// blocks a multiprocessor), which the wide GEMMs of several segments then split across
+    /// The wide tiles' kernel for one K segment a block (`gemm_tcw4s` by default, `gemm_tcw3s`
+    /// or `gemm_tcw2s`), which the wide GEMMs of several segments then split across
     /// blocks; `None`: the wide kernel sums a tile's segments itself. See [`seg1_kernel`].
     seg1: std::cell::Cell<Option<&'static str>>,
     /// Whether the split was set by [`CudaExec::set_split_below`] (a check's forced mode: the
@@ -204,17 +204,18 @@ pub fn wide_kernel() -> Option<&'static str> {
     wide_from(std::env::var("DRAMATIS_CODEC_TCW").ok().as_deref())
 }
 
-/// The wide tiles' one-segment kernel from `DRAMATIS_CODEC_TCW_SEG1`: unset or `3`,
-/// `gemm_tcw3s` (three blocks a multiprocessor, 80 registers, 20 bytes spilled); `2`,
-/// `gemm_tcw2s` (two, 90 registers, no spills); `0`, none (the wide kernel sums each tile's
-/// segments in one block unless the tiles are too few to fill the device). With one, a wide
-/// GEMM of several segments splits them across blocks and sums the partials in `gemm_reduce`:
-/// the same bits, more blocks for the device's slots (a 12-frame push's 7x192-key convolution
-/// had 288 blocks for 264: two waves, the second 9% full), and no sum of segments to hold
-/// (`gemm_tcw2`: 128 registers and 80 bytes spilled). Session 22, Drama 3 geometry on the H200:
-/// a 12-frame push 7135 (none) / 6233 (`2`) / 5875 us (`3`); 16-frame pushes 2019 / 2166 /
-/// 2267 frames/s; 32 lanes 722 / 739 / 743 frames/s in all. `4`, `gemm_tcw4s`: the same tile
-/// as four warps of 64 x 32 (128 threads, four blocks a multiprocessor; not yet measured).
+/// The wide tiles' one-segment kernel from `DRAMATIS_CODEC_TCW_SEG1`: unset or `4`,
+/// `gemm_tcw4s` (the 128 x 64 tile as four warps of 64 x 32: 128 threads, four blocks a
+/// multiprocessor, 9.6 SASS instructions an MMA); `3`, `gemm_tcw3s` (eight warps of 32 x 32,
+/// three blocks, 11.7 an MMA); `2`, `gemm_tcw2s` (two blocks, no spills); `0`, none (the wide
+/// kernel sums each tile's segments in one block unless the tiles are too few to fill the
+/// device). With one, a wide GEMM of several segments splits them across blocks and sums the
+/// partials in `gemm_reduce`: the same bits, more blocks for the device's slots (a 12-frame
+/// push's 7x192-key convolution had 288 blocks for 264: two waves, the second 9% full), and no
+/// sum of segments to hold (`gemm_tcw2`: 128 registers and 80 bytes spilled). Session 22,
+/// Drama 3 geometry on the H200: a 12-frame push 7135 (none) / 6233 (`2`) / 5875 us (`3`).
+/// Session 25 (call 88): 32 streams x 12 frames in one call 3973 (`3`) / 4255 (`4`) frames/s;
+/// 32 lanes' kept round 23.71 / 23.81 ms (`3`) against 23.34 / 23.47 (`4`), alternated.
 pub fn seg1_kernel() -> Option<&'static str> {
     seg1_from(std::env::var("DRAMATIS_CODEC_TCW_SEG1").ok().as_deref())
 }
@@ -223,8 +224,8 @@ pub(crate) fn seg1_from(v: Option<&str>) -> Option<&'static str> {
     match v.map(str::trim) {
         Some("0") => None,
         Some("2") => Some("gemm_tcw2s"),
-        Some("4") => Some("gemm_tcw4s"),
-        _ => Some("gemm_tcw3s"),
+        Some("3") => Some("gemm_tcw3s"),
+        _ => Some("gemm_tcw4s"),
     }
 }
 

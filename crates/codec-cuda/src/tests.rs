@@ -569,11 +569,11 @@ fn frame_rows_setting() {
     assert_eq!(cuda::frame_from(Some(" 0")), 0);
 }
 
-/// `DRAMATIS_CODEC_TCW_SEG1`: the three-block one-segment kernel by default, two blocks on
-/// `2`, the four-warp 128-thread one on `4` (launched with 128 threads), none on `0`.
+/// `DRAMATIS_CODEC_TCW_SEG1`: the four-warp 128-thread one-segment kernel by default and on
+/// `4` (launched with 128 threads), three blocks of eight warps on `3`, two on `2`, none on `0`.
 #[test]
 fn seg1_kernel_setting() {
-    assert_eq!(cuda::seg1_from(None), Some("gemm_tcw3s"));
+    assert_eq!(cuda::seg1_from(None), Some("gemm_tcw4s"));
     assert_eq!(cuda::seg1_from(Some(" 2")), Some("gemm_tcw2s"));
     assert_eq!(cuda::seg1_from(Some("3")), Some("gemm_tcw3s"));
     assert_eq!(cuda::seg1_from(Some("4")), Some("gemm_tcw4s"));
