@@ -114,14 +114,15 @@ extern "C" __global__ void moe_router(const float* __restrict__ logits, unsigned
 // Dots of O FP8 weight rows wr[o] (length n, multiple of 512), each with its block-scale row sr[o],
 // with one x: acc[o] before the warp sum. Each lane reads 16 bytes per row per step; 16 divides
 // 128, so one lane's bytes share one scale block. x is loaded once per step for all O rows; each
-// row's arithmetic is the same for every O (the one-row dot is O = 1).
-template <int O>
+// row's arithmetic is the same for every O (the one-row dot is O = 1) and every unroll U (the
+// steps' loads may be issued together, the sums keep their order).
+template <int O, int U = (O >= 4 ? 1 : 4 / O)>
 __device__ __forceinline__ void fp8_rows_dot(const fp8_t* const (&wr)[O], const float* __restrict__ x,
                                              const float* const (&sr)[O], int n, int lane, float (&acc)[O]) {
 #pragma unroll
     for (int o = 0; o < O; ++o) acc[o] = 0.0f;
     int nvec = n >> 4;
-#pragma unroll(O >= 4 ? 1 : 4 / O)
+#pragma unroll(U)
     for (int v = lane; v < nvec; v += 32) {
         int col = v << 4;
         const float4* xp = (const float4*)(x + col);
@@ -223,7 +224,7 @@ __device__ __forceinline__ bool expert_ok(const unsigned long long* __restrict__
 // takes O consecutive outputs (O = 1, or 4 from a few rows on, with I and H multiples of 4:
 // one activation load then feeds 4 rows of gate and of up), each with the same arithmetic.
 // gate/up: h[row, j, i] = silu(gate_e . x[row]) * (up_e . x[row]), e = ids[row, j].
-template <int O>
+template <int O, int U = (2 * O >= 4 ? 1 : 4 / (2 * O))>
 __device__ __forceinline__ void moe_gate_up_tab_body(const unsigned long long* __restrict__ tab,
                                                      const unsigned int* __restrict__ ids,
                                                      const float* __restrict__ x, float* __restrict__ h, int I,
@@ -263,7 +264,7 @@ __device__ __forceinline__ void moe_gate_up_tab_body(const unsigned long long* _
         sr[O + o] = up_s + s_off;
     }
     float acc[2 * O];
-    fp8_rows_dot<2 * O>(wr, x + row * H, sr, H, lane, acc);
+    fp8_rows_dot<2 * O, U>(wr, x + row * H, sr, H, lane, acc);
 #pragma unroll
     for (int o = 0; o < O; ++o) {
         float g = warp_sum(acc[o]);
@@ -359,6 +360,62 @@ extern "C" __global__ void __launch_bounds__(1024) moe_down_tab_split(
     }
 }
 
+// moe_down_tab4 with its k experts in k warps of one block per (row, 4-output tile): each warp
+// makes one expert's four dots (moe_down_tab4's fp8_rows_dot<4>, warp sum and rounding), so
+// the k experts' loads are in flight at once instead of one after another; four threads then
+// sum them in rank order with the same fmaf chain: bit for bit moe_down_tab4. Block 32 k
+// threads (k <= 32); grid (rows, H / 4): the row is the fast index, as in moe_down_tab4, so
+// the blocks in flight take one tile of every row and rows sharing an expert read it from L2.
+extern "C" __global__ void __launch_bounds__(1024) moe_down_tab4_split(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ wts, const float* __restrict__ h, float* __restrict__ y, int I, int H, int k,
+    int E, int* __restrict__ err) {
+    __shared__ float dsh[32][4];
+    __shared__ int bad_sh;
+    const int lane = threadIdx.x & 31, j = threadIdx.x >> 5;
+    const long long row = blockIdx.x, n0 = (long long)blockIdx.y * 4;
+    if (threadIdx.x == 0) bad_sh = 0;
+    __syncthreads();
+    const long long e = ids[row * k + j];
+    float dj[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (expert_ok(tab, 6, e, E, err, lane)) {
+        const fp8_t* down = (const fp8_t*)tab[6 * e + 2];
+        const float* down_s = (const float*)tab[6 * e + 5];
+        const int sb_cols = (I + 127) >> 7;
+        const fp8_t* wr[4];
+        const float* sr[4];
+#pragma unroll
+        for (int o = 0; o < 4; ++o) {
+            wr[o] = down + (n0 + o) * I;
+            sr[o] = down_s + ((n0 + o) >> 7) * sb_cols;
+        }
+        float d[4];
+        fp8_rows_dot<4>(wr, h + (row * k + j) * I, sr, I, lane, d);
+#pragma unroll
+        for (int o = 0; o < 4; ++o) {
+            float v = warp_sum(d[o]);
+            dj[o] = lowp(v);
+        }
+    } else if (lane == 0) {
+        atomicOr(&bad_sh, 1);
+    }
+    if (lane == 0)
+#pragma unroll
+        for (int o = 0; o < 4; ++o) dsh[j][o] = dj[o];
+    __syncthreads();
+    if (threadIdx.x < 4) {
+        const int o = threadIdx.x;
+        float acc = 0.0f;
+#if PLANT == 1
+        // planted: reverse rank order too, so the contract can tell this kernel ran
+        for (int jj = k - 1; jj >= 0; --jj) acc = fmaf(wts[row * k + jj], dsh[jj][o], acc);
+#else
+        for (int jj = 0; jj < k; ++jj) acc = fmaf(wts[row * k + jj], dsh[jj][o], acc);
+#endif
+        y[row * H + n0 + o] = bad_sh ? __int_as_float(0x7fc00000) : acc;
+    }
+}
+
 extern "C" __global__ void LB_MOE moe_gate_up_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
@@ -368,6 +425,14 @@ extern "C" __global__ void LB_MOE moe_gate_up_tab4(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
     const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
     moe_gate_up_tab_body<4>(tab, ids, x, h, I, H, k, E, err);
+}
+// moe_gate_up_tab4 with two key steps a lane unrolled, so a warp has the next step's weight
+// loads in flight with this step's (128 registers, no spills): the same operations in the same
+// order, so the same bits.
+extern "C" __global__ void LB_MOE moe_gate_up_tab4u2(
+    const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,
+    const float* __restrict__ x, float* __restrict__ h, int I, int H, int k, int E, int* __restrict__ err) {
+    moe_gate_up_tab_body<4, 2>(tab, ids, x, h, I, H, k, E, err);
 }
 extern "C" __global__ void LB_MOE moe_down_tab(
     const unsigned long long* __restrict__ tab, const unsigned int* __restrict__ ids,

@@ -815,6 +815,16 @@ pub struct CudaOptions {
     /// one computes (`moe_tc_gate_up_pf`), the same bits: `DRAMATIS_CUDA_MOE_TC_PREFETCH=0` gives
     /// `moe_tc_gate_up`.
     pub moe_tc_prefetch: bool,
+    /// The per-row FP8 experts' down projection from `GEMV_WIDE_ROWS` rows on with a row's k
+    /// experts in k warps of one block per 4-output tile (`moe_down_tab4_split`), so their
+    /// loads are in flight at once, instead of one warp walking them in turn
+    /// (`moe_down_tab4`): the same operations, so the same bits.
+    /// `DRAMATIS_CUDA_MOE_DOWN_SPLIT4=0` gives `moe_down_tab4`.
+    pub moe_down_split4: bool,
+    /// The per-row FP8 experts' gate/up from `GEMV_WIDE_ROWS` rows on with two key steps a lane
+    /// unrolled (`moe_gate_up_tab4u2`: the next step's weight loads in flight with this one's),
+    /// the same bits as `moe_gate_up_tab4`: `DRAMATIS_CUDA_MOE_GU_U2=1` (off until measured).
+    pub moe_gate_up_u2: bool,
 }
 
 impl CudaOptions {
@@ -878,6 +888,8 @@ impl CudaOptions {
             moe_tc_warps: num("DRAMATIS_CUDA_MOE_TC_WARPS", 4).clamp(1, 16),
             moe_tc_down4: get("DRAMATIS_CUDA_MOE_TC_DOWN4").is_none_or(|v| v.trim() != "0"),
             moe_tc_prefetch: get("DRAMATIS_CUDA_MOE_TC_PREFETCH").is_none_or(|v| v.trim() != "0"),
+            moe_down_split4: get("DRAMATIS_CUDA_MOE_DOWN_SPLIT4").is_none_or(|v| v.trim() != "0"),
+            moe_gate_up_u2: get("DRAMATIS_CUDA_MOE_GU_U2").is_some_and(|v| v.trim() == "1"),
         }
     }
 }
@@ -4014,6 +4026,8 @@ impl Backend for CudaBackend {
         let wide = !nvfp4 && n >= GEMV_WIDE_ROWS && i.is_multiple_of(4) && h.is_multiple_of(4);
         let ((gate_up, down), per_warp) = if nvfp4 {
             (("moe_gate_up_nvfp4", "moe_down_nvfp4"), 1)
+        } else if wide && self.opts.moe_gate_up_u2 {
+            (("moe_gate_up_tab4u2", "moe_down_tab4"), 4)
         } else if wide {
             (("moe_gate_up_tab4", "moe_down_tab4"), 4)
         } else {
@@ -4068,6 +4082,16 @@ impl Backend for CudaBackend {
                 // dots' loads at once
                 let block = u32v(op, 32 * k)?;
                 go!(self, Source::Moe, "moe_down_tab_split", (u32v(op, h)?, rows, 1), block, 0;
+                    &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
+            } else if per_warp == 4
+                && self.opts.moe_down_split4
+                && (1..=32).contains(&k)
+                && h / 4 <= MAX_GRID_Y
+            {
+                // the k experts of a 4-output tile in k warps of one block: the same bits as
+                // moe_down_tab4, the k dots' loads at once
+                let block = u32v(op, 32 * k)?;
+                go!(self, Source::Moe, "moe_down_tab4_split", (rows, u32v(op, h / 4)?, 1), block, 0;
                     &tab, &ids, &wts, &hp, &yp, &i32_, &h32, &k32, &e32, &ep);
             } else if nvfp4 {
                 let gx = u32v(op, h.div_ceil(8 * per_warp))?;
@@ -4847,6 +4871,8 @@ mod tests {
         assert_eq!(d.moe_tc_warps, 4);
         assert!(d.gemv_slabs && !one("DRAMATIS_CUDA_GEMV_SLABS", "0").gemv_slabs);
         assert!(d.aside && !one("DRAMATIS_CUDA_ASIDE", "0").aside);
+        assert!(d.moe_down_split4 && !one("DRAMATIS_CUDA_MOE_DOWN_SPLIT4", "0").moe_down_split4);
+        assert!(!d.moe_gate_up_u2 && one("DRAMATIS_CUDA_MOE_GU_U2", "1").moe_gate_up_u2);
         // the tensor-core experts' blocks: Drama 3 (I 512, H 2048) at 4 warps, 1 and 16; the
         // contract's H 2560 at one warp keeps 64 threads for gate/up's 40 scales
         assert_eq!(tc_expert_blocks(4, 512, 2048), (128, 128));

@@ -270,6 +270,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("gdn_prefill_lanes", ops::gdn_prefill_lanes),
     ("moe_router_keep", ops::router_keep),
     ("moe_experts_rows_fp8", ops::experts_rows),
+    ("moe_experts_rows_split4_fp8", ops::experts_rows_split4),
     ("gemv_fp8", ops::gemv_fp8),
     ("moe_router_nonfinite", ops::router_nonfinite),
     ("moe_experts_rows_nvfp4", ops::experts_rows_nvfp4),

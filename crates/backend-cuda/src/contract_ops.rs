@@ -50,6 +50,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         moe_tc_warps: d.moe_tc_warps,
         moe_tc_down4: d.moe_tc_down4,
         moe_tc_prefetch: d.moe_tc_prefetch,
+        moe_down_split4: d.moe_down_split4,
+        moe_gate_up_u2: d.moe_gate_up_u2,
     }
 }
 
@@ -2500,6 +2502,67 @@ pub(super) fn experts_rows(c: &mut Ctx) -> Result<()> {
         same,
         format!("batch invariance {}", if same { "holds" } else { "BROKEN" }),
     );
+    Ok(())
+}
+
+/// The per-row FP8 experts' down projection with a row's k experts in k warps of one block
+/// (`moe_down_tab4_split`) and their gate/up with two key steps unrolled (`moe_gate_up_tab4u2`):
+/// against FP64 with low-precision and planted twins, bitwise equal to `moe_gate_up_tab4` +
+/// `moe_down_tab4` (one warp walking the k experts), and the split shown to have run (its planted build
+/// also sums the experts in reverse rank order, so its planted bits differ from
+/// `moe_down_tab4`'s). The Drama 3 layer (256 experts, top-8, I 512, H 2048) at 32 rows, a
+/// small table at 5 rows, and k = 10 (blocks of 320 threads) over 7 rows.
+pub(super) fn experts_rows_split4(c: &mut Ctx) -> Result<()> {
+    for (e, i, h, rows, k) in [
+        (256, 512, 2048, 32, 8),
+        (12, 256, 512, 5, 4),
+        (20, 256, 384, 7, 10),
+    ] {
+        let mats = fp8_experts(c, e, i, h);
+        let x = c.rng.normals_f32(rows * h, 1.0);
+        let logits = c.rng.normals_f32(rows * e, 1.0);
+        let be0 = backend(c, Variant::Exact, true);
+        let rt = be0.route(&be0.upload(&logits, rows, e)?, k, None)?;
+        let route = be0.route_host(&rt)?;
+        let reference = experts_reference(&mats, &x, h, &route);
+        let make = |c: &Ctx, v: Variant, split: bool| {
+            let o = CudaOptions {
+                moe_down_split4: split,
+                moe_gate_up_u2: split,
+                ..base_opts(true)
+            };
+            CudaBackend::with_gpu(c.shared.clone(), v, o)
+        };
+        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+            let experts = upload_experts(be, &mats, None)?;
+            let xd = be.upload(&x, rows, h)?;
+            Ok(be.download(&be.moe_experts(&xd, &rt, &experts, Rows::Exact)?)?)
+        };
+        let case = format!("{rows} rows, top-{k} of {e} experts, I {i}, H {h}, down split");
+        let case = case.as_str();
+        let got: Vec<Vec<f32>> = [Variant::Exact, Variant::LowPrecision, Variant::Planted]
+            .iter()
+            .map(|&v| run(&make(c, v, true)))
+            .collect::<Result<_>>()?;
+        let tol = tol_f32(h * k);
+        c.check(case, rel_l2(&got[0], &reference), tol);
+        c.discriminate(case, rel_l2(&got[1], &reference), tol);
+        c.control(case, rel_l2(&got[2], &reference), tol);
+        let walked = run(&make(c, Variant::Exact, false))?;
+        same_bits(
+            c,
+            format!("{case}: bitwise = moe_gate_up_tab4 + moe_down_tab4"),
+            &got[0],
+            &walked,
+        );
+        let walked_planted = run(&make(c, Variant::Planted, false))?;
+        ran_check(
+            c,
+            format!("{case}: the split kernel ran"),
+            &got[2],
+            &walked_planted,
+        );
+    }
     Ok(())
 }
 
