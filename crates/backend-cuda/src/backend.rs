@@ -819,11 +819,13 @@ pub struct CudaOptions {
     /// experts in k warps of one block per 4-output tile (`moe_down_tab4_split`), so their
     /// loads are in flight at once, instead of one warp walking them in turn
     /// (`moe_down_tab4`): the same operations, so the same bits.
-    /// `DRAMATIS_CUDA_MOE_DOWN_SPLIT4=0` gives `moe_down_tab4`.
+    /// `DRAMATIS_CUDA_MOE_DOWN_SPLIT4=0` gives `moe_down_tab4`. At 32 lanes the two measured
+    /// the same (call 90: kept round 23.40 / 23.31 ms split, 23.42 / 23.20 walking).
     pub moe_down_split4: bool,
     /// The per-row FP8 experts' gate/up from `GEMV_WIDE_ROWS` rows on with two key steps a lane
     /// unrolled (`moe_gate_up_tab4u2`: the next step's weight loads in flight with this one's),
-    /// the same bits as `moe_gate_up_tab4`: `DRAMATIS_CUDA_MOE_GU_U2=1` (off until measured).
+    /// the same bits as `moe_gate_up_tab4`: `DRAMATIS_CUDA_MOE_GU_U2=1` (off: no faster at 32
+    /// lanes in call 90, kept round 23.39 / 23.38 ms against 23.40 / 23.31).
     pub moe_gate_up_u2: bool,
 }
 
