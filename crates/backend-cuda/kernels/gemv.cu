@@ -538,13 +538,17 @@ extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, cons
 // Four warps, warp w a 32-output x 16-row tile (outputs 32 (w & 1) .. + 32, rows 16 (w >> 1) ..
 // + 16), so a warp reads 1 KB of shared memory a key step s for 8 MMAs (gemv_tt's layout, which
 // gemv_ts used before, read it for 4: session 21's ncu had the L1/shared pipe at 79%, the
-// bound). The 64-key steps go to shared memory by cp.async, two buffers (a step's copies overlap
-// the previous step's MMAs), in plain row order: a weight row is 8 16-byte words (9 with the
-// pad), an activation row 16 16-byte words of 4 f32 (17 with the pad; ts_xsw swaps words 8, 9
-// with 10, 11 and 12, 13 with 14, 15), so every 8-thread phase of a fragment read hits 8
-// distinct bank groups. The activations' hi / lo TF32 split is made at the read, as gemv_tc2
-// makes it. The host gives whole 64-key steps: K and kc multiples of 64, grid z = ceil(K / kc)
-// <= TS_MAXC, 128 threads.
+// bound). The 64-key steps go to shared memory by cp.async, TS_ST buffers (TS_ST - 1 steps in
+// flight while a step's MMAs run: with 4-16 steps a block, one step ahead left the blocks
+// waiting on DRAM latency, session 21's ncu), in row order: a weight row is 8 16-byte words, an
+// activation row 16 words of 4 f32. Word w of row r sits at w ^ (r & 1) (activations
+// ts_xsw(w) ^ (r & 1): ts_xsw swaps words 8, 9 with 10, 11 and 12, 13 with 14, 15), so every
+// 8-thread phase of a fragment read (rows g = 0, 1 at keys 16 t + ...) hits 8 distinct bank
+// groups, and a copy phase writes one 128-byte line. No padding: three buffers fill the 48 KB
+// of static shared memory exactly (the last block's flag then reuses the first buffer).
+// The activations' hi / lo TF32 split is made at the read, as gemv_tc2 makes it. The host
+// gives whole 64-key steps: K and kc multiples of 64, grid z = ceil(K / kc) <= TS_MAXC, 128
+// threads.
 #ifndef TS_OCC
 #define TS_OCC 4
 #endif
@@ -552,8 +556,10 @@ extern "C" __global__ void LB_TT gemv_tt_sigm(const bf16_t* __restrict__ W, cons
 #define TS_RT 32
 // most key chunks a tile adds (the host gives a weight at most 16)
 #define TS_MAXC 16
-#define TS_WS 9
-#define TS_XS 17
+// shared-memory buffers of 64-key steps (the host's DRAMATIS_CUDA_TS_STAGES: 2 or 3)
+#ifndef TS_ST
+#define TS_ST 3
+#endif
 #define LB_TS __launch_bounds__(128, TS_OCC)
 __device__ __forceinline__ int ts_xsw(int w) { return w ^ (((w >> 3) & 1) << 1); }
 // 16 bytes global -> shared, asynchronously; zeros when !ok (nothing read)
@@ -564,6 +570,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// wait until at most N of this thread's committed copy groups are pending
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ unsigned int u4c(const uint4& v, int c) {
     return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
 }
@@ -572,13 +583,14 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                                              float* __restrict__ y, int n_out, int K, int rows, int o0, int kc,
                                              const float* __restrict__ u, float* __restrict__ part,
                                              int* __restrict__ count) {
-    __shared__ uint4 Ws[2][64 * TS_WS];
-    __shared__ uint4 Xs[2][TS_RT * TS_XS];
+    __shared__ uint4 Ws[TS_ST][64 * 8];
+    __shared__ uint4 Xs[TS_ST][TS_RT * 16];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wo = warp & 1, wr = warp >> 1;
     const int r0 = blockIdx.y * TS_RT;
     const int kbeg = (int)blockIdx.z * kc, kend = min(K, kbeg + kc);
+    const int steps = (kend - kbeg) / 64;
     // a step's 512 weight words (64 rows x 8) and 512 activation words (32 rows x 16): thread
     // tid copies words tid + 128 m of each
     float4 xreg[4];
@@ -587,14 +599,15 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
         for (int m = 0; m < 4; ++m) {
             const int q = tid + 128 * m, row = q >> 3, w = q & 7, o = o0 + row;
             const bool ok = o < n_out;
-            cp_async16(&Ws[b][row * TS_WS + w], W + (long long)(ok ? o : o0) * K + kb + 8 * w, ok);
+            cp_async16(&Ws[b][row * 8 + (w ^ (row & 1))], W + (long long)(ok ? o : o0) * K + kb + 8 * w, ok);
         }
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
             const int q = tid + 128 * m, r = q >> 4, w = q & 15;
             if (ACT == 0) {
                 const bool ok = r0 + r < rows;
-                cp_async16(&Xs[b][r * TS_XS + ts_xsw(w)], x + (long long)(ok ? r0 + r : 0) * K + kb + 4 * w, ok);
+                cp_async16(&Xs[b][r * 16 + (ts_xsw(w) ^ (r & 1))], x + (long long)(ok ? r0 + r : 0) * K + kb + 4 * w,
+                           ok);
             } else {
                 xreg[m] = act_load4<ACT>(x, u, r0 + r, rows, K, kb + 4 * w);
             }
@@ -605,8 +618,9 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
 #pragma unroll
         for (int m = 0; m < 4; ++m) {
             const int q = tid + 128 * m, r = q >> 4, w = q & 15;
-            Xs[b][r * TS_XS + ts_xsw(w)] = make_uint4(__float_as_uint(xreg[m].x), __float_as_uint(xreg[m].y),
-                                                       __float_as_uint(xreg[m].z), __float_as_uint(xreg[m].w));
+            Xs[b][r * 16 + (ts_xsw(w) ^ (r & 1))] =
+                make_uint4(__float_as_uint(xreg[m].x), __float_as_uint(xreg[m].y), __float_as_uint(xreg[m].z),
+                           __float_as_uint(xreg[m].w));
         }
     };
     float hi[2][2][4], lo[2][2][4];
@@ -616,16 +630,29 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = 0.0f;
-    issue(0, kbeg);
-    if (ACT != 0) put(0);
-    int b = 0;
-    for (int kb = kbeg; kb < kend; kb += 64, b ^= 1) {
-        cp_async_wait_all();
-        __syncthreads();  // this step's words in; every warp done with the other buffer
-        const bool more = kb + 64 < kend;
-        if (more) issue(b ^ 1, kb + 64);
+    // TS_ST - 1 steps ahead; a group a step, empty past the chunk's end, so that step i's copies
+    // are in once at most TS_ST - 2 groups are pending (st's wait)
+#pragma unroll
+    for (int s = 0; s < TS_ST - 1; ++s) {
+        if (s < steps) {
+            issue(s, kbeg + 64 * s);
+            if (ACT != 0) put(s);
+        } else {
+            cp_async_commit();
+        }
+    }
+    int b = 0, bn = TS_ST - 1;  // the buffers of step st and of step st + TS_ST - 1
+    for (int st = 0; st < steps; ++st) {
+        cp_async_wait<TS_ST - 2>();
+        __syncthreads();  // step st's words in; every warp done with buffer bn (step st - 1's)
+        const bool more = st + TS_ST - 1 < steps;
+        if (more) {
+            issue(bn, kbeg + 64 * (st + TS_ST - 1));
+        } else {
+            cp_async_commit();
+        }
 #if PLANT == 1
-        const bool skip = !more;  // the chunk's last step
+        const bool skip = st + 1 == steps;  // the chunk's last step
 #else
         const bool skip = false;
 #endif
@@ -635,16 +662,18 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
             for (int h = 0; h < 2; ++h) {
                 // weight words 8 t + 4 h .. + 3 (keys 16 t + 2 s, + 1 for s = 4 h ..) of rows
                 // 32 wo + 16 i + 8 q + g; activations keys 16 t + 8 h + 4 e .. of rows 16 wr + 8 j + g
+                // (every fragment row has r & 1 = g & 1)
                 uint4 wq[2][2], xq[2][2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i)
 #pragma unroll
-                    for (int q = 0; q < 2; ++q) wq[i][q] = Ws[b][(32 * wo + 16 * i + 8 * q + g) * TS_WS + 2 * t + h];
+                    for (int q = 0; q < 2; ++q)
+                        wq[i][q] = Ws[b][(32 * wo + 16 * i + 8 * q + g) * 8 + ((2 * t + h) ^ (g & 1))];
 #pragma unroll
                 for (int j = 0; j < 2; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        xq[j][e] = Xs[b][(16 * wr + 8 * j + g) * TS_XS + ts_xsw(4 * t + 2 * h + e)];
+                        xq[j][e] = Xs[b][(16 * wr + 8 * j + g) * 16 + (ts_xsw(4 * t + 2 * h + e) ^ (g & 1))];
 #pragma unroll
                 for (int s4 = 0; s4 < 4; ++s4) {
                     unsigned int bh[2][2], bl[2][2];
@@ -663,7 +692,9 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                 }
             }
         }
-        if (ACT != 0 && more) put(b ^ 1);
+        if (ACT != 0 && more) put(bn);
+        b = b + 1 == TS_ST ? 0 : b + 1;
+        bn = bn + 1 == TS_ST ? 0 : bn + 1;
     }
     // this chunk's sums (the tile's 32 x 64, row-major) at chunk z of the tile's run in `part`
     constexpr int TS = 64 * TS_RT;
@@ -681,7 +712,9 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                 const int rl = 16 * wr + 8 * j + 2 * t + (e & 1);
                 mine[rl * 64 + nl] = hi[i][j][e] + lo[i][j][e];
             }
-    __shared__ int is_last;
+    // the flag in the first buffer: past this barrier no warp reads the buffers, and no copy is
+    // pending (every step's group was waited for before its MMAs; later groups are empty)
+    int& is_last = *reinterpret_cast<int*>(&Ws[0][0]);
     __threadfence();
     __syncthreads();
     if (tid == 0) is_last = atomicAdd(count + tile, 1) == nc - 1;

@@ -175,18 +175,27 @@ pub fn arch_for(major: i32, minor: i32) -> String {
 
 /// NVRTC options for one source variant in this process (`pdl_for`).
 pub fn compile_options(arch: &str, variant: Variant) -> Vec<String> {
-    compile_options_with(arch, variant, pdl_for(arch), occupancy(), tile_occupancy())
+    compile_options_with(
+        arch,
+        variant,
+        pdl_for(arch),
+        occupancy(),
+        tile_occupancy(),
+        split_stages(),
+    )
 }
 
 /// NVRTC options for one source variant, with or without the dependent-launch wait, for `occ`
 /// blocks a multiprocessor of the streaming kernels (`occupancy`) and `tt_occ` of the many-row
-/// GEMV tiles (`tile_occupancy`).
+/// GEMV tiles (`tile_occupancy`), and `ts_st` step buffers of the split GEMV tiles
+/// (`split_stages`).
 pub fn compile_options_with(
     arch: &str,
     variant: Variant,
     pdl: bool,
     occ: u32,
     tt_occ: u32,
+    ts_st: u32,
 ) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),
@@ -203,7 +212,28 @@ pub fn compile_options_with(
     if tt_occ != 2 {
         o.push(format!("-DTT_OCC={tt_occ}"));
     }
+    if ts_st != 3 {
+        o.push(format!("-DTS_ST={ts_st}"));
+    }
     o
+}
+
+/// Shared-memory buffers of 64-key steps in `gemv_ts*` (gemv.cu `TS_ST`), from
+/// `DRAMATIS_CUDA_TS_STAGES`: 2 (one step in flight, the build before session 26) when it is
+/// `2`, else 3. The same operations in the same order either way, so the same bits. Read once
+/// per process.
+pub fn split_stages() -> u32 {
+    static ST: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *ST.get_or_init(|| split_stages_from(std::env::var("DRAMATIS_CUDA_TS_STAGES").ok().as_deref()))
+}
+
+/// The `TS_ST` setting from `DRAMATIS_CUDA_TS_STAGES`'s value: 2 when it is `2`, else 3.
+pub fn split_stages_from(v: Option<&str>) -> u32 {
+    if v.is_some_and(|v| v.trim() == "2") {
+        2
+    } else {
+        3
+    }
 }
 
 /// Blocks a multiprocessor `gemv_tt` asks for (gemv.cu `TT_OCC`), from `DRAMATIS_CUDA_TT_OCC`:
@@ -533,14 +563,14 @@ mod tests {
 
     #[test]
     fn cache_key_depends_on_every_part() {
-        let o = compile_options_with("compute_90a", Variant::Exact, false, 1, 2);
+        let o = compile_options_with("compute_90a", Variant::Exact, false, 1, 2, 3);
         let base = cache_key("src", &o, "compute_90a", (13, 0));
         assert_eq!(base.len(), 64);
         assert_eq!(base, cache_key("src", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src2", &o, "compute_90a", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_89", (13, 0)));
         assert_ne!(base, cache_key("src", &o, "compute_90a", (13, 1)));
-        let p = compile_options_with("compute_90a", Variant::Planted, false, 1, 2);
+        let p = compile_options_with("compute_90a", Variant::Planted, false, 1, 2, 3);
         assert_ne!(base, cache_key("src", &p, "compute_90a", (13, 0)));
         // options are separated, so moving a byte across the boundary changes the key
         assert_ne!(
@@ -553,25 +583,32 @@ mod tests {
     fn arch_and_variant_options() {
         assert_eq!(arch_for(9, 0), "compute_90a");
         assert_eq!(arch_for(8, 9), "compute_89");
-        let opts = |v| compile_options_with("compute_90a", v, false, 1, 2);
+        let opts = |v| compile_options_with("compute_90a", v, false, 1, 2, 3);
         assert!(opts(Variant::Planted).contains(&"-DPLANT=1".into()));
         assert!(opts(Variant::LowPrecision).contains(&"-DLOWP=1".into()));
         assert!(!opts(Variant::Exact).iter().any(|o| o.starts_with("-D")));
         assert!(
-            compile_options_with("compute_90a", Variant::Exact, true, 1, 2)
+            compile_options_with("compute_90a", Variant::Exact, true, 1, 2, 3)
                 .contains(&"-DDRAMATIS_PDL=1".into())
         );
         assert!(
-            compile_options_with("compute_90a", Variant::Exact, false, 2, 2)
+            compile_options_with("compute_90a", Variant::Exact, false, 2, 2, 3)
                 .contains(&"-DOCC=2".into())
         );
         assert!(
-            compile_options_with("compute_90a", Variant::Exact, false, 1, 0)
+            compile_options_with("compute_90a", Variant::Exact, false, 1, 0, 3)
                 .contains(&"-DTT_OCC=0".into())
+        );
+        assert!(
+            compile_options_with("compute_90a", Variant::Exact, false, 1, 2, 2)
+                .contains(&"-DTS_ST=2".into())
         );
         assert_eq!(tile_occupancy_from(None), 2);
         assert_eq!(tile_occupancy_from(Some(" 0 ")), 0);
         assert_eq!(tile_occupancy_from(Some("1")), 2);
+        assert_eq!(split_stages_from(None), 3);
+        assert_eq!(split_stages_from(Some(" 2 ")), 2);
+        assert_eq!(split_stages_from(Some("4")), 3);
     }
 
     #[test]
@@ -634,8 +671,8 @@ mod tests {
                         let opts = cudarc::nvrtc::CompileOptions {
                             // with and without the wait, whatever this process's setting
                             // (the build with it also takes the streaming kernels' OCC 2, the
-                            // planted build OCC 0 and the tiles' TT_OCC 0, so every bound
-                            // compiles)
+                            // planted build OCC 0 and the tiles' TT_OCC 0 and two split-tile
+                            // buffers, so every bound compiles)
                             options: compile_options_with(
                                 "compute_90a",
                                 v,
@@ -646,6 +683,7 @@ mod tests {
                                     _ => 1,
                                 },
                                 if v == Variant::Planted { 0 } else { 2 },
+                                if v == Variant::Planted { 2 } else { 3 },
                             ),
                             ..Default::default()
                         };
