@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The device call for branch gemv-ts-stages (prepared in session 26, whose device never came), one call for what matters most (devices are scarce today):
-# the new gemv_ts (three step buffers, default) checked, the final receipts with the defaults,
-# then gemvbench at 32 rows and 32 lanes against two buffers (DRAMATIS_CUDA_TS_STAGES=2).
+# The device call for branch gemv-ts-stages (prepared in session 26, when no device came):
+# the new gemv_ts (three step buffers, the default) checked (contract case, goldens, say's
+# hash), gemvbench at 32 rows and 32 lanes against two buffers (DRAMATIS_CUDA_TS_STAGES=2),
+# then 100-row first audio and the 1 / 8 / 32-lane receipts with the defaults. Every step is
+# bounded by the time left (LIMIT seconds). Writes summary.txt, receipts and logs.tgz to $OUT.
 set -u
 T0=$SECONDS; LIMIT=${LIMIT:-480}
 left() { echo $((LIMIT - (SECONDS - T0))); }
