@@ -4719,6 +4719,94 @@ mod tests {
             .unwrap_or_else(|| panic!("{} defines {name} to a number", src.name()))
     }
 
+    /// `gemv_ts`'s shared-memory layout (gemv.cu, no padding, word w of row r at w ^ (r & 1),
+    /// activations at ts_xsw(w) ^ (r & 1)), emulated: each step's copy and its fragment reads
+    /// agree on where a word sits, the maps are one-to-one within a buffer, and every 8-thread
+    /// phase of a 16-byte copy or read hits 8 distinct 16-byte bank groups. The kernel's index
+    /// expressions are matched in the source, so a change there fails here until this follows.
+    #[test]
+    fn gemv_ts_layout_is_one_to_one_and_conflict_free() {
+        let body = Source::Gemv.body();
+        for expr in [
+            "Ws[b][row * 8 + (w ^ (row & 1))]",
+            "Xs[b][r * 16 + (ts_xsw(w) ^ (r & 1))]",
+            "Ws[b][(32 * wo + 16 * i + 8 * q + g) * 8 + ((2 * t + h) ^ (g & 1))]",
+            "Xs[b][(16 * wr + 8 * j + g) * 16 + (ts_xsw(4 * t + 2 * h + e) ^ (g & 1))]",
+            "int ts_xsw(int w) { return w ^ (((w >> 3) & 1) << 1); }",
+        ] {
+            assert!(body.contains(expr), "gemv.cu no longer indexes {expr}");
+        }
+        let xsw = |w: usize| w ^ (((w >> 3) & 1) << 1);
+        let wslot = |row: usize, w: usize| row * 8 + (w ^ (row & 1));
+        let xslot = |r: usize, w: usize| r * 16 + (xsw(w) ^ (r & 1));
+        // 16-byte words: 8 to a 128-byte line of the 32 banks
+        let distinct = |a: &[usize]| {
+            let mut g: Vec<usize> = a.iter().map(|v| v % 8).collect();
+            g.sort_unstable();
+            g.dedup();
+            g.len() == a.len()
+        };
+        // copies: thread tid copies words tid + 128 m (weights 64 rows x 8, activations 32 x 16)
+        let (mut wall, mut xall) = (Vec::new(), Vec::new());
+        for m in 0..4 {
+            let (mut wa, mut xa) = (Vec::new(), Vec::new());
+            for tid in 0..128 {
+                let q = tid + 128 * m;
+                wa.push(wslot(q >> 3, q & 7));
+                xa.push(xslot(q >> 4, q & 15));
+            }
+            for ph in 0..16 {
+                assert!(
+                    distinct(&wa[8 * ph..8 * ph + 8]),
+                    "weight copy m {m} phase {ph}"
+                );
+                assert!(
+                    distinct(&xa[8 * ph..8 * ph + 8]),
+                    "activation copy m {m} phase {ph}"
+                );
+            }
+            wall.extend(wa);
+            xall.extend(xa);
+        }
+        for all in [&mut wall, &mut xall] {
+            all.sort_unstable();
+            assert_eq!(
+                *all,
+                (0..512).collect::<Vec<_>>(),
+                "a buffer's words, one slot each"
+            );
+        }
+        // fragment reads: lane = 4 g + t; each load instruction fixes (wo, i, q, h) or (wr, j, h, e)
+        let phases = |a: Vec<usize>| (0..4).all(|ph| distinct(&a[8 * ph..8 * ph + 8]));
+        for (wo, i, q, h) in quads(2) {
+            let a = (0..32)
+                .map(|l| wslot(32 * wo + 16 * i + 8 * q + (l >> 2), 2 * (l & 3) + h))
+                .collect();
+            assert!(phases(a), "weight read wo {wo} i {i} q {q} h {h}");
+        }
+        for (wr, j, h, e) in quads(2) {
+            let a = (0..32)
+                .map(|l| xslot(16 * wr + 8 * j + (l >> 2), 4 * (l & 3) + 2 * h + e))
+                .collect();
+            assert!(phases(a), "activation read wr {wr} j {j} h {h} e {e}");
+        }
+    }
+
+    /// Every (a, b, c, d) with each below n.
+    fn quads(n: usize) -> Vec<(usize, usize, usize, usize)> {
+        let mut v = Vec::new();
+        for a in 0..n {
+            for b in 0..n {
+                for c in 0..n {
+                    for d in 0..n {
+                        v.push((a, b, c, d));
+                    }
+                }
+            }
+        }
+        v
+    }
+
     #[test]
     fn split_tile_rows_are_the_kernels() {
         // gemv_ts writes 64 x TS_RT chunk sums a tile: the host sizes the workspace by that
