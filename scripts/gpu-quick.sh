@@ -10,6 +10,8 @@
 #   BIN_DIR holds dramatis (--features cuda) and, optionally, codec_gpu and parity (the
 #   examples of codec-cuda and backend-cuda), as built here and carried to the device.
 #   CONTRACT_PATTERN defaults to gemv,linear_many,gdn.
+#   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
+#   --rows 32 (if BIN_DIR holds it) and 32 lanes, each with the defaults and with the switch.
 # Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
 set -u
 bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
@@ -61,6 +63,29 @@ if ! grep -qx 'fixture rc=0' "$L/fixture.rc" 2>/dev/null; then
   (cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
   cat "$S"
   exit 1
+fi
+lanes32() { # lanes32 NAME [ENV]: 32 lanes, 2 runs, the kept round
+  local n=$1
+  shift
+  if run 75 "$n" env "$@" "$D" bench --model /tmp/d3 --backend cuda --lanes 32 --frames 64 --runs 2 \
+    --out "$L/$n.json"; then
+    python3 - "$L/$n.json" "$n" >> "$S" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["results"][0]
+print(f"{sys.argv[2]}: kept round {r['rounds'].get('kept_round_ms_mean') or 0:.3f} ms, decode "
+      f"{r['decode_frames_per_s_median']:.1f}, in all {r['aggregate_frames_per_s_median']:.1f}")
+PY
+  fi
+}
+if [ -n "${AB:-}" ]; then
+  if [ -x "$bins/gemvbench" ]; then
+    run 45 gemvbench_default "$bins/gemvbench" --rows 32
+    run 45 gemvbench_ab env "$AB" "$bins/gemvbench" --rows 32
+    paste -d'#' <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_default.log") \
+      <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_ab.log") | cut -c1-300 >> "$S"
+  fi
+  lanes32 lanes32_default
+  lanes32 lanes32_ab "$AB"
 fi
 if [ -x "$bins/parity" ]; then
   run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"

@@ -4778,33 +4778,20 @@ mod tests {
         }
         // fragment reads: lane = 4 g + t; each load instruction fixes (wo, i, q, h) or (wr, j, h, e)
         let phases = |a: Vec<usize>| (0..4).all(|ph| distinct(&a[8 * ph..8 * ph + 8]));
-        for (wo, i, q, h) in quads(2) {
+        // the four 0/1 indices of a load instruction
+        let quads = || (0..16).map(|b: usize| (b >> 3, (b >> 2) & 1, (b >> 1) & 1, b & 1));
+        for (wo, i, q, h) in quads() {
             let a = (0..32)
                 .map(|l| wslot(32 * wo + 16 * i + 8 * q + (l >> 2), 2 * (l & 3) + h))
                 .collect();
             assert!(phases(a), "weight read wo {wo} i {i} q {q} h {h}");
         }
-        for (wr, j, h, e) in quads(2) {
+        for (wr, j, h, e) in quads() {
             let a = (0..32)
                 .map(|l| xslot(16 * wr + 8 * j + (l >> 2), 4 * (l & 3) + 2 * h + e))
                 .collect();
             assert!(phases(a), "activation read wr {wr} j {j} h {h} e {e}");
         }
-    }
-
-    /// Every (a, b, c, d) with each below n.
-    fn quads(n: usize) -> Vec<(usize, usize, usize, usize)> {
-        let mut v = Vec::new();
-        for a in 0..n {
-            for b in 0..n {
-                for c in 0..n {
-                    for d in 0..n {
-                        v.push((a, b, c, d));
-                    }
-                }
-            }
-        }
-        v
     }
 
     #[test]
