@@ -1328,3 +1328,182 @@ extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
         for (int i = 0; i < DK; ++i) S[(long long)i * dv + j] = s[i];
     }
 }
+
+// ---------------------------------------------------------------- the chunked delta rule
+// The delta rule over each lane's rows in chunks of GC_L = 64 rows (DRAMA3.md §4.3, the CPU
+// backend's chunked_head), dk = dv = 128. Within a chunk of l rows, with cumulative gates
+// G_i = g_0 + .. + g_i:
+//   M_ij = beta_i (k_i . k_j) e^{G_i - G_j} (j < i), P_ij = (q_i . k_j) e^{G_i - G_j} (j <= i);
+//   U = (I + M)^-1 beta V and W = (I + M)^-1 (beta K e^G), by forward substitution (row i from
+//   rows j < i, in j order); V' = U - W S; O_i = e^{G_i} q_i S + sum_{j <= i} P_ij v'_j;
+//   S <- e^{G_l} S + sum_j e^{G_l - G_j} k_j v'_j^T.
+// Every exponent is <= 0 (g <= 0). A block takes value head h's state columns c0 .. c0 + 31 (W
+// depends on no column, so each of a head's four blocks makes it): grid (nv dv / 32, lanes),
+// 256 threads, GC_SMEM floats of dynamic shared memory (the host's kernels::GDN_CHUNK_SMEM).
+// Rows per lane from rt, at least one. The same sums as the recurrence in another order, so
+// not its bits: the host runs it only for the lanes it is asked to (CudaOptions::gdn_chunk_min).
+// PLANT 1: the output's state term without e^{G_i}. LOWP: the state rounded to bf16 at each
+// chunk's end (and gdn_prep's q and k).
+#define GC_L 64
+#define GC_D 128
+#define GC_CW 32
+#define GC_KS 129  // row stride of the k, q and w tiles: odd, so 32 rows at one key hit 32 banks
+#define GC_VS 33   // row stride of the v / v' tile and the state slice
+#define GC_MS 65   // row stride of M and P
+#define GC_SMEM (3 * GC_L * GC_KS + GC_L * GC_VS + 2 * GC_L * GC_MS + GC_D * GC_VS + 4 * GC_L)
+// lower-triangular 4 x 4 tiles of a 64 x 64 matrix: 16 * 17 / 2
+#define GC_TRI 136
+extern "C" __global__ void __launch_bounds__(256) gdn_chunk(PtrTab st, RowTab rt, const float* __restrict__ qn,
+                                                            const float* __restrict__ kn, const float* __restrict__ u,
+                                                            const float* __restrict__ beta,
+                                                            const float* __restrict__ gate, float* __restrict__ o,
+                                                            int C, int nk, int nv) {
+    extern __shared__ float sm[];
+    float* ks = sm;                   // [GC_L][GC_KS] the chunk's keys
+    float* qs = ks + GC_L * GC_KS;    // [GC_L][GC_KS] queries
+    float* ws = qs + GC_L * GC_KS;    // [GC_L][GC_KS] W, then k_j e^{G_l - G_j}
+    float* vs = ws + GC_L * GC_KS;    // [GC_L][GC_VS] v, then U, then V'
+    float* ms = vs + GC_L * GC_VS;    // [GC_L][GC_MS] M
+    float* ps = ms + GC_L * GC_MS;    // [GC_L][GC_MS] P
+    float* ss = ps + GC_L * GC_MS;    // [GC_D][GC_VS] the state's columns c0 ..
+    float* gc = ss + GC_D * GC_VS;    // [GC_L] G
+    float* bt = gc + GC_L;            // [GC_L] beta
+    float* eg = bt + GC_L;            // [GC_L] e^{G_i}
+    float* fl = eg + GC_L;            // [GC_L] e^{G_l - G_j}
+    constexpr int parts = GC_D / GC_CW;
+    const int h = blockIdx.x / parts, c0 = (blockIdx.x - h * parts) * GC_CW, lane = blockIdx.y;
+    const int kh = h / (nv / nk);
+    const int tid = threadIdx.x, cl = tid & 31, wp = tid >> 5;
+    float* S = (float*)st.p[lane] + (long long)h * GC_D * GC_D + c0;
+    for (int i = tid; i < GC_D * GC_CW; i += 256) ss[(i >> 5) * GC_VS + (i & 31)] = S[(long long)(i >> 5) * GC_D + (i & 31)];
+    // this thread's 4 x 4 tile of M and P (threads past GC_TRI have none)
+    int ib = 0;
+    while (ib < 15 && (ib + 1) * (ib + 2) / 2 <= tid) ++ib;
+    const int jb = tid - ib * (ib + 1) / 2;
+    const int t = rt.len[lane];
+    const long long R0 = rt.start[lane];
+    for (int r0 = 0; r0 < t; r0 += GC_L) {
+        const int l = min(GC_L, t - r0);
+        // the chunk's k and q rows, v columns and scalars; rows past l are zeros
+        for (int i = tid; i < GC_L * GC_D; i += 256) {
+            const int r = i >> 7, a = i & 127;
+            float kv = 0.0f, qv = 0.0f;
+            if (r < l) {
+                const long long R = R0 + r0 + r;
+                kv = kn[(R * nk + kh) * GC_D + a];
+                qv = qn[(R * nk + kh) * GC_D + a];
+            }
+            ks[r * GC_KS + a] = kv;
+            qs[r * GC_KS + a] = qv;
+        }
+        for (int i = tid; i < GC_L * GC_CW; i += 256) {
+            const int r = i >> 5, c = i & 31;
+            vs[r * GC_VS + c] = r < l ? u[(R0 + r0 + r) * C + 2LL * nk * GC_D + (long long)h * GC_D + c0 + c] : 0.0f;
+        }
+        if (tid < GC_L) {
+            const long long R = R0 + r0 + tid;
+            gc[tid] = tid < l ? gate[R * nv + h] : 0.0f;
+            bt[tid] = tid < l ? beta[R * nv + h] : 0.0f;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float acc = 0.0f;
+            for (int i = 0; i < GC_L; ++i) {
+                acc += gc[i];  // rows past l add zeros
+                gc[i] = acc;
+            }
+        }
+        __syncthreads();
+        if (tid < GC_L) {
+            eg[tid] = expf(gc[tid]);
+            fl[tid] = expf(gc[l - 1] - gc[tid]);
+        }
+        // M and P, a lower 4 x 4 tile a thread: k . k and q . k over the 128 keys
+        if (tid < GC_TRI) {
+            float kk[4][4], qk[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) kk[x][y] = qk[x][y] = 0.0f;
+#pragma unroll 4
+            for (int a = 0; a < GC_D; ++a) {
+                float ki[4], qi[4], kj[4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    ki[x] = ks[(4 * ib + x) * GC_KS + a];
+                    qi[x] = qs[(4 * ib + x) * GC_KS + a];
+                    kj[x] = ks[(4 * jb + x) * GC_KS + a];
+                }
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+#pragma unroll
+                    for (int y = 0; y < 4; ++y) {
+                        kk[x][y] = fmaf(ki[x], kj[y], kk[x][y]);
+                        qk[x][y] = fmaf(qi[x], kj[y], qk[x][y]);
+                    }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int y = 0; y < 4; ++y) {
+                    const int i = 4 * ib + x, j = 4 * jb + y;
+                    const bool in = i < l && j <= i;
+                    const float d = in ? expf(gc[i] - gc[j]) : 0.0f;
+                    ms[i * GC_MS + j] = in && j < i ? bt[i] * kk[x][y] * d : 0.0f;
+                    ps[i * GC_MS + j] = in ? qk[x][y] * d : 0.0f;
+                }
+        }
+        __syncthreads();
+        // U (threads 128 .. 159, a value column each) and W (threads 0 .. 127, a key each) by
+        // forward substitution; a column's rows depend on that column alone
+        if (tid < GC_D + GC_CW) {
+            const bool isw = tid < GC_D;
+            float* col = isw ? ws + tid : vs + (tid - GC_D);
+            const int stride = isw ? GC_KS : GC_VS;
+            for (int i = 0; i < l; ++i) {
+                float x = isw ? bt[i] * ks[i * GC_KS + tid] * eg[i] : bt[i] * col[i * stride];
+#pragma unroll 8
+                for (int j = 0; j < i; ++j) x = fmaf(-ms[i * GC_MS + j], col[j * stride], x);
+                col[i * stride] = x;
+            }
+        }
+        __syncthreads();
+        // V' = U - W S (rows wp, wp + 8, ..; column cl)
+        for (int i = wp; i < l; i += 8) {
+            float x = 0.0f;
+#pragma unroll 8
+            for (int a = 0; a < GC_D; ++a) x = fmaf(ws[i * GC_KS + a], ss[a * GC_VS + cl], x);
+            vs[i * GC_VS + cl] -= x;
+        }
+        __syncthreads();
+        // O from the chunk's starting state and V'
+        for (int i = wp; i < l; i += 8) {
+            float x = 0.0f;
+#pragma unroll 8
+            for (int a = 0; a < GC_D; ++a) x = fmaf(qs[i * GC_KS + a], ss[a * GC_VS + cl], x);
+#if PLANT == 1
+            float y = x;
+#else
+            float y = x * eg[i];
+#endif
+            for (int j = 0; j <= i; ++j) y = fmaf(ps[i * GC_MS + j], vs[j * GC_VS + cl], y);
+            o[(R0 + r0 + i) * nv * GC_D + (long long)h * GC_D + c0 + cl] = y;
+        }
+        // k_j e^{G_l - G_j} into W's place (W is done with)
+        for (int i = tid; i < l * GC_D; i += 256) {
+            const int j = i >> 7, a = i & 127;
+            ws[j * GC_KS + a] = ks[j * GC_KS + a] * fl[j];
+        }
+        __syncthreads();
+        // S <- e^{G_l} S + sum_j (k_j e^{G_l - G_j}) v'_j^T (keys wp, wp + 8, ..; column cl)
+        const float el = eg[l - 1];
+        for (int a = wp; a < GC_D; a += 8) {
+            float x = ss[a * GC_VS + cl] * el;
+#pragma unroll 8
+            for (int j = 0; j < l; ++j) x = fmaf(ws[j * GC_KS + a], vs[j * GC_VS + cl], x);
+            ss[a * GC_VS + cl] = lowp(x);
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < GC_D * GC_CW; i += 256) S[(long long)(i >> 5) * GC_D + (i & 31)] = ss[(i >> 5) * GC_VS + (i & 31)];
+}

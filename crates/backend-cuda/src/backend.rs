@@ -12,7 +12,8 @@
 //! `Rows::Exact` and `Rows::Bulk` run the same kernels: every linear is a warp-per-output GEMV
 //! whose per-row arithmetic does not depend on the row count, so batched lanes equal solo lanes
 //! bit for bit. The Gated DeltaNet prefill runs the per-token recurrence on the device (the
-//! `chunked` flag is accepted and gives the same result up to rounding).
+//! `chunked` flag is accepted and gives the same result up to rounding); lanes of at least
+//! `CudaOptions::gdn_chunk_min` rows (opt-in) run the chunk-64 form (`gdn_chunk`) instead.
 
 use std::sync::{Arc, Mutex};
 
@@ -84,7 +85,31 @@ struct RowTab {
     len: [i32; MAX_LANES],
 }
 
+impl PtrTab {
+    /// The entries `idx` (indices into this table), in that order.
+    fn pick(&self, idx: &[usize]) -> PtrTab {
+        let mut t = PtrTab { p: [0; MAX_LANES] };
+        for (k, &i) in idx.iter().enumerate() {
+            t.p[k] = self.p[i];
+        }
+        t
+    }
+}
+
 impl RowTab {
+    /// The lanes `idx` (indices into this table) at their own starts and counts, in that order.
+    fn pick(&self, idx: &[usize]) -> RowTab {
+        let mut t = RowTab {
+            start: [0; MAX_LANES],
+            len: [0; MAX_LANES],
+        };
+        for (k, &i) in idx.iter().enumerate() {
+            t.start[k] = self.start[i];
+            t.len[k] = self.len[i];
+        }
+        t
+    }
+
     /// Lanes' rows one after another, `lens[i]` (at least 1) each, at most `MAX_LANES` lanes.
     fn of(op: &'static str, lens: &[usize]) -> BResult<RowTab> {
         if lens.len() > MAX_LANES {
@@ -763,6 +788,14 @@ pub struct CudaOptions {
     /// value dims 128), the same bits as gdn_prep, gdn_recur_k128 and rmsnorm_silu_groups:
     /// `DRAMATIS_CUDA_GDN_FUSED=0` runs the three kernels instead.
     pub gdn_fused: bool,
+    /// Lanes with at least this many rows in a GDN prefill call run the chunked delta rule
+    /// (`gdn_chunk`: 64-row chunks, DRAMA3.md §4.3; key and value dims 128) instead of the
+    /// per-row recurrence: `DRAMATIS_CUDA_GDN_CHUNK_MIN=ROWS`. Off by default (0 is never):
+    /// the chunked form adds the same terms in another order, so a prompt's bits would depend on
+    /// where its calls split it (a cached reference prefix, the plan's prefill pieces), which
+    /// the recurrence's do not. Each lane of a call takes its kernel by its own row count, so
+    /// joined prompts keep their solo bits either way.
+    pub gdn_chunk_min: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -879,6 +912,10 @@ impl CudaOptions {
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             gdn_fused: get("DRAMATIS_CUDA_GDN_FUSED").is_none_or(|v| v.trim() != "0"),
+            gdn_chunk_min: match num("DRAMATIS_CUDA_GDN_CHUNK_MIN", 0) {
+                0 => usize::MAX,
+                n => n,
+            },
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -2950,7 +2987,55 @@ impl CudaBackend {
             &c32, &nk32, &dk32, &nv32, &q_scale);
         let tab = gdn_tab("gdn", states, d, |s| s.s.ptr)?;
         let op = o.row_ptr(row0)?;
-        let grid = (u32v("gdn", nv)?, u32v("gdn", states.len())?, 1);
+        // lanes of at least gdn_chunk_min rows take the chunked form, each by its own count
+        let chunked =
+            dk == kernels::GDN_HEAD_DIM && dv == kernels::GDN_HEAD_DIM && !self.opts.gdn_generic;
+        let (long, short): (Vec<usize>, Vec<usize>) =
+            (0..lens.len()).partition(|&i| chunked && lens[i] >= self.opts.gdn_chunk_min);
+        if !long.is_empty() {
+            let (ltab, lrt) = (tab.pick(&long), rt.pick(&long));
+            let p = kernels::plan_gdn_chunk(rows, nk, nv, long.len()).map_err(dev)?;
+            let (f, smem) = self.optin_func(Source::Ops, &p)?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32v("gdn", p.grid[0] as usize)?,
+                    u32v("gdn", long.len())?,
+                    1,
+                ),
+                block_dim: (p.block as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: the arguments match gdn_chunk in kernels/ops.cu; gdn_prep wrote qn, kn,
+            // beta and gate for every row of the row table, whose lanes' states hold nv x 128 x
+            // 128 f32 and whose rows lie inside qkv and o.
+            unsafe {
+                self.gpu
+                    .stream
+                    .launch_builder(&f)
+                    .arg(&ltab)
+                    .arg(&lrt)
+                    .arg(&qn)
+                    .arg(&kn)
+                    .arg(&up)
+                    .arg(&beta)
+                    .arg(&gate)
+                    .arg(&op)
+                    .arg(&c32)
+                    .arg(&nk32)
+                    .arg(&nv32)
+                    .launch(cfg)
+            }
+            .map_err(dev)?;
+            if short.is_empty() {
+                return Ok(());
+            }
+        }
+        let (tab, rt) = if long.is_empty() {
+            (tab, rt)
+        } else {
+            (tab.pick(&short), rt.pick(&short))
+        };
+        let grid = (u32v("gdn", nv)?, u32v("gdn", short.len())?, 1);
         if dk == 128 && !self.opts.gdn_generic {
             // each thread's state column in registers, one warp a block over a head's columns,
             // the next row's inputs loaded while a row computes (the same bits)
@@ -4934,6 +5019,12 @@ mod tests {
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
+        assert_eq!(d.gdn_chunk_min, usize::MAX);
+        assert_eq!(
+            one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "0").gdn_chunk_min,
+            usize::MAX
+        );
+        assert_eq!(one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "256").gdn_chunk_min, 256);
         assert!(!d.gemm_lt && one("DRAMATIS_CUDA_GEMM_LT", "1").gemm_lt);
         assert!(!d.tc_bulk && one("DRAMATIS_CUDA_TC_BULK", "1").tc_bulk);
         assert_eq!(d.slots_min_rows, usize::MAX);

@@ -268,6 +268,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("gdn_conv_rows", ops::conv_rows),
     ("gdn_delta_rule_rows", ops::delta_rule),
     ("gdn_prefill_lanes", ops::gdn_prefill_lanes),
+    ("gdn_chunk", ops::delta_chunked),
     ("moe_router_keep", ops::router_keep),
     ("moe_experts_rows_fp8", ops::experts_rows),
     ("moe_experts_rows_split4_fp8", ops::experts_rows_split4),
@@ -772,6 +773,14 @@ fn recurrent(c: &mut Ctx) -> Result<()> {
         },
     )?;
     c.limit("32 value heads", k::plan_recurrent(32));
+    c.limit(
+        "262144 rows, 16 / 32 heads x 128, one lane",
+        k::plan_gdn_chunk(262_144, 16, 32, 1),
+    );
+    c.limit(
+        "32 lanes of 8192 rows",
+        k::plan_gdn_chunk(262_144, 16, 32, 32),
+    );
     Ok(())
 }
 
@@ -798,6 +807,7 @@ pub fn nominal_limits() -> Vec<(String, Vec<String>)> {
         k::plan_gemv(262_144, 8192, 8, 262_144),
         k::plan_flash(262_144, 16, 1, 256, 262_144, true),
         k::plan_flash(262_144, 16, 1, 256, 262_144, false),
+        k::plan_gdn_chunk(262_144, 16, 32, 1),
         k::plan_decode(
             32,
             16,

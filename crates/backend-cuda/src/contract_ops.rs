@@ -38,6 +38,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gdn_lanes: true,
         gdn_generic: false,
         gdn_fused: d.gdn_fused,
+        // the recurrence unless a case asks for the chunked form
+        gdn_chunk_min: usize::MAX,
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
@@ -2047,6 +2049,146 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
             delta_rule_gated(c, &gd)?;
         }
     }
+    Ok(())
+}
+
+/// The chunked delta rule (`gdn_chunk`, for lanes of at least `gdn_chunk_min` rows) against
+/// FP64: a 20-row prompt on the recurrence (under the threshold, so the chunks start from a
+/// state that is not zeros), a 150-row continuation in chunks of 64, 64 and 22, then two single
+/// steps (outputs, then the final state). Its bits must differ from the recurrence's (else the
+/// chunked kernel did not run). Then three lanes joined in one call (150, 20 and 70 rows: chunked,
+/// recurrence, chunked) bit for bit each lane's own conv and prefill.
+pub(super) fn delta_chunked(c: &mut Ctx) -> Result<()> {
+    let gd = gdn_dims(4, 8, 128);
+    let (ch, nv, p0, p1, steps) = (gd.channels(), gd.v_heads, 20, 150, 2);
+    let t = p0 + p1 + steps;
+    let x = GdnIn {
+        u: c.rng.normals_f32(t * ch, 1.0),
+        b: c.rng.normals_f32(t * nv, 1.0),
+        a: c.rng.normals_f32(t * nv, 1.0),
+        a_log: c.rng.normals_f32(nv, 0.5),
+        dt: c.rng.normals_f32(nv, 0.5),
+    };
+    let reference = delta_ref(&gd, &x, t);
+    let opts = |min: usize| CudaOptions {
+        gdn_chunk_min: min,
+        ..base_opts(false)
+    };
+    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
+        let mut st = be.gdn_new(&gd)?;
+        let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
+        let mut out = Vec::new();
+        for (r0, r1) in [(0, p0), (p0, p0 + p1)] {
+            let o = be.gdn_prefill(
+                &be.upload(&x.u[r0 * ch..r1 * ch], r1 - r0, ch)?,
+                &be.upload(&x.b[r0 * nv..r1 * nv], r1 - r0, nv)?,
+                &be.upload(&x.a[r0 * nv..r1 * nv], r1 - r0, nv)?,
+                &al,
+                &dt,
+                &gd,
+                &mut st,
+                true,
+            )?;
+            out.extend(be.download(&o)?);
+        }
+        for r in p0 + p1..t {
+            let o = be.gdn_step(
+                &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
+                &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
+                &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
+                &al,
+                &dt,
+                &gd,
+                &mut [&mut st],
+            )?;
+            out.extend(be.download(&o)?);
+        }
+        out.extend(be.gdn_download(&st)?.1);
+        Ok(out)
+    };
+    let case = format!(
+        "4/8 heads x 128: {p0} rows (recurrence), {p1} rows chunked (64, 64, 22), {steps} steps (o, S)"
+    );
+    let make = |c: &Ctx, v| CudaBackend::with_gpu(c.shared.clone(), v, opts(64));
+    let chunked = triple_with(c, &case, tol_f32(gd.k_dim * t), &reference, true, make, run)?;
+    let recur = run(&backend(c, Variant::Exact, false))?;
+    let differ = chunked
+        .iter()
+        .zip(&recur)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    c.push(
+        format!("{case}: the chunked kernel ran (bits unlike the recurrence's)"),
+        Kind::Check,
+        differ > 0 && chunked.len() == recur.len(),
+        format!("{differ} of {} values differ in bits", chunked.len()),
+    );
+    // three lanes joined, each by its own row count
+    let lens = [150usize, 20, 70];
+    let n: usize = lens.iter().sum();
+    let u = c.rng.normals_f32(n * ch, 1.0);
+    let b = c.rng.normals_f32(n * nv, 1.0);
+    let a = c.rng.normals_f32(n * nv, 1.0);
+    let conv = c.rng.normals_f32(ch * gd.conv_kernel, 0.5);
+    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(64));
+    let (al, dtv, cw) = (
+        be.vector_f32(&x.a_log)?,
+        be.vector_f32(&x.dt)?,
+        be.vector_f32(&conv)?,
+    );
+    let mut sts = (0..lens.len())
+        .map(|_| be.gdn_new(&gd))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut refs: Vec<&mut _> = sts.iter_mut().collect();
+    let o = be.gdn_prefill_lanes(
+        &be.upload(&u, n, ch)?,
+        &be.upload(&b, n, nv)?,
+        &be.upload(&a, n, nv)?,
+        &cw,
+        &al,
+        &dtv,
+        &gd,
+        &lens,
+        &mut refs,
+    )?;
+    let mut joined = be.download(&o)?;
+    for s in &sts {
+        let (cv, sv) = be.gdn_download(s)?;
+        joined.extend(cv);
+        joined.extend(sv);
+    }
+    let (mut solo, mut states, mut r0) = (Vec::new(), Vec::new(), 0);
+    for &len in &lens {
+        let mut st = be.gdn_new(&gd)?;
+        let uc = be.gdn_conv(
+            &be.upload(&u[r0 * ch..(r0 + len) * ch], len, ch)?,
+            &cw,
+            &gd,
+            &mut st,
+        )?;
+        let o = be.gdn_prefill(
+            &uc,
+            &be.upload(&b[r0 * nv..(r0 + len) * nv], len, nv)?,
+            &be.upload(&a[r0 * nv..(r0 + len) * nv], len, nv)?,
+            &al,
+            &dtv,
+            &gd,
+            &mut st,
+            true,
+        )?;
+        solo.extend(be.download(&o)?);
+        let (cv, sv) = be.gdn_download(&st)?;
+        states.extend(cv);
+        states.extend(sv);
+        r0 += len;
+    }
+    solo.extend(states);
+    same_bits(
+        c,
+        "lanes of 150, 20 and 70 rows joined (chunked, recurrence, chunked): outputs, conv histories and states bitwise each lane's own".into(),
+        &joined,
+        &solo,
+    );
     Ok(())
 }
 

@@ -497,6 +497,34 @@ pub fn plan_recurrent(nv: usize) -> Result<LaunchPlan> {
     })
 }
 
+/// Dynamic shared memory of `gdn_chunk` (ops.cu `GC_SMEM` floats: the chunk's k, q and W
+/// tiles at row stride 129, v at 33, M and P at 65, the state's 32 columns at 33, four scalars
+/// a row).
+pub const GDN_CHUNK_SMEM: usize = 4 * (3 * 64 * 129 + 64 * 33 + 2 * 64 * 65 + 128 * 33 + 4 * 64);
+
+/// The chunked delta rule (`gdn_chunk`, dk = dv = 128) over `lanes` lanes of `rows` rows in all,
+/// `nk` key and `nv` value heads: a block a value head's 32 state columns and lane.
+pub fn plan_gdn_chunk(rows: usize, nk: usize, nv: usize, lanes: usize) -> Result<LaunchPlan> {
+    let c = mul("gdn channels", &[2 * nk + nv, GDN_HEAD_DIM])?;
+    Ok(LaunchPlan {
+        kernel: "gdn_chunk",
+        grid: [
+            mul("gdn_chunk grid", &[nv, GDN_HEAD_DIM / 32])? as u64,
+            lanes as u64,
+            1,
+        ],
+        block: 256,
+        smem: GDN_CHUNK_SMEM as u64,
+        dyn_smem: GDN_CHUNK_SMEM as u64,
+        optin: true,
+        // ints: a lane's start and length (row counts), C, the heads
+        i32_max: [rows, c, nv].into_iter().max().unwrap_or(0) as u64,
+        // rows of u (rows x C) and of o (rows x nv x 128), computed in 64-bit
+        offset_max: mul("gdn_chunk offsets", &[rows, c])?
+            .max(mul("gdn_chunk output", &[rows, nv, GDN_HEAD_DIM])?) as u64,
+    })
+}
+
 /// Device buffers of one recurrent step.
 pub struct DeltaBuffers<'a> {
     pub q: &'a CudaSlice<f32>,
