@@ -11,7 +11,8 @@
 #   examples of codec-cuda and backend-cuda), as built here and carried to the device.
 #   CONTRACT_PATTERN defaults to gemv,linear_many,gdn.
 #   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
-#   --rows 32 (if BIN_DIR holds it) and 32 lanes, each with the defaults and with the switch.
+#   --rows 32 (if BIN_DIR holds it), 32 lanes, and the prefill of 1024 and 8192 rows (one run),
+#   each with the defaults and with the switch; parity then runs both ways too.
 # Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
 set -u
 bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
@@ -86,10 +87,21 @@ if [ -n "${AB:-}" ]; then
   fi
   lanes32 lanes32_default
   lanes32 lanes32_ab "$AB"
+  for w in default ab; do
+    sw=()
+    [ "$w" = ab ] && sw=("$AB")
+    run 90 "prefill_$w" env "${sw[@]}" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 \
+      --runs 1 --prefill-rows 1024,8192 --out "$L/prefill_$w.json" &&
+      grep -E '^prefill' "$L/prefill_$w.log" | sed "s/^/$w: /" >> "$S"
+  done
 fi
 if [ -x "$bins/parity" ]; then
   run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"
   grep -E "PASS|FAIL|JOINED" "$L/parity.log" | tail -4 >> "$S"
+  if [ -n "${AB:-}" ]; then
+    run 150 parity_ab env "$AB" "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity_ab.json"
+    grep -E "PASS|FAIL|JOINED" "$L/parity_ab.log" | tail -4 | sed 's/^/ab: /' >> "$S"
+  fi
 fi
 if run 200 bench "$D" bench --model /tmp/d3 --backend cuda --lanes 1,8,32 --frames 64 --runs 3 \
   --prefill-rows 1024 --out "$L/bench.json"; then
