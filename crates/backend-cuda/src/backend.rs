@@ -2581,7 +2581,7 @@ impl CudaBackend {
         f32kv: bool,
     ) -> BResult<()> {
         let p = kernels::plan_flash(t, d.q_heads, lanes, d.head_dim, cap, f32kv).map_err(dev)?;
-        let (f, smem) = self.optin_func(Source::Ops, &p)?;
+        let (f, _) = self.optin_func(Source::Ops, &p)?;
         let (t32, nh, nkv, hd) = (
             i32v("attention", t)?,
             i32v("attention", d.q_heads)?,
@@ -2590,15 +2590,7 @@ impl CudaBackend {
         );
         let cap64 = i64v("attention", cap)?;
         let scale = 1.0f32 / (d.head_dim as f32).sqrt();
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32v("attention", p.grid[0] as usize)?,
-                u32v("attention", p.grid[1] as usize)?,
-                u32v("attention", p.grid[2] as usize)?,
-            ),
-            block_dim: (p.block as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let cfg = p.cfg().map_err(dev)?;
         // SAFETY: the arguments match attn_flash_{f32,bf16} in kernels/ops.cu; `attend` checked
         // every lane's cache holds len + t rows of its layout and q/out hold lanes * t rows.
         unsafe {
@@ -2995,16 +2987,8 @@ impl CudaBackend {
         if !long.is_empty() {
             let (ltab, lrt) = (tab.pick(&long), rt.pick(&long));
             let p = kernels::plan_gdn_chunk(rows, nk, nv, long.len()).map_err(dev)?;
-            let (f, smem) = self.optin_func(Source::Ops, &p)?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    u32v("gdn", p.grid[0] as usize)?,
-                    u32v("gdn", long.len())?,
-                    1,
-                ),
-                block_dim: (p.block as u32, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
+            let (f, _) = self.optin_func(Source::Ops, &p)?;
+            let cfg = p.cfg().map_err(dev)?;
             // SAFETY: the arguments match gdn_chunk in kernels/ops.cu; gdn_prep wrote qn, kn,
             // beta and gate for every row of the row table, whose lanes' states hold nv x 128 x
             // 128 f32 and whose rows lie inside qkv and o.

@@ -1948,6 +1948,62 @@ struct GdnIn {
     dt: Vec<f32>,
 }
 
+impl GdnIn {
+    /// `t` rows of fresh normals (u, b, a) and a layer's A_log and dt_bias.
+    fn random(c: &mut Ctx, g: &GdnDims, t: usize) -> GdnIn {
+        let (ch, nv) = (g.channels(), g.v_heads);
+        GdnIn {
+            u: c.rng.normals_f32(t * ch, 1.0),
+            b: c.rng.normals_f32(t * nv, 1.0),
+            a: c.rng.normals_f32(t * nv, 1.0),
+            a_log: c.rng.normals_f32(nv, 0.5),
+            dt: c.rng.normals_f32(nv, 0.5),
+        }
+    }
+}
+
+/// One lane's GDN from zeros: a `gdn_prefill` of each of `pieces` (row ranges, in order), then
+/// single `gdn_step`s up to row `t`; the outputs in row order, then the final state.
+fn gdn_pieces(
+    be: &CudaBackend,
+    g: &GdnDims,
+    x: &GdnIn,
+    pieces: &[(usize, usize)],
+    t: usize,
+) -> Result<Vec<f32>> {
+    let (ch, nv) = (g.channels(), g.v_heads);
+    let mut st = be.gdn_new(g)?;
+    let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
+    let mut out = Vec::new();
+    for &(r0, r1) in pieces {
+        let o = be.gdn_prefill(
+            &be.upload(&x.u[r0 * ch..r1 * ch], r1 - r0, ch)?,
+            &be.upload(&x.b[r0 * nv..r1 * nv], r1 - r0, nv)?,
+            &be.upload(&x.a[r0 * nv..r1 * nv], r1 - r0, nv)?,
+            &al,
+            &dt,
+            g,
+            &mut st,
+            true,
+        )?;
+        out.extend(be.download(&o)?);
+    }
+    for r in pieces.last().map_or(0, |p| p.1)..t {
+        let o = be.gdn_step(
+            &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
+            &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
+            &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
+            &al,
+            &dt,
+            g,
+            &mut [&mut st],
+        )?;
+        out.extend(be.download(&o)?);
+    }
+    out.extend(be.gdn_download(&st)?.1);
+    Ok(out)
+}
+
 /// f64 delta rule over `t` rows (DRAMA3.md §4.3 order): returns o rows then the final state.
 fn delta_ref(g: &GdnDims, x: &GdnIn, t: usize) -> Vec<f64> {
     let (nk, nv, dk, dv, ch) = (g.k_heads, g.v_heads, g.k_dim, g.v_dim, g.channels());
@@ -1990,46 +2046,10 @@ fn delta_ref(g: &GdnDims, x: &GdnIn, t: usize) -> Vec<f64> {
 pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
     for (nk, nv, d, t) in [(2, 4, 16, 7), (4, 8, 128, 6)] {
         let gd = gdn_dims(nk, nv, d);
-        let ch = gd.channels();
-        let x = GdnIn {
-            u: c.rng.normals_f32(t * ch, 1.0),
-            b: c.rng.normals_f32(t * nv, 1.0),
-            a: c.rng.normals_f32(t * nv, 1.0),
-            a_log: c.rng.normals_f32(nv, 0.5),
-            dt: c.rng.normals_f32(nv, 0.5),
-        };
+        let x = GdnIn::random(c, &gd, t);
         let reference = delta_ref(&gd, &x, t);
         let case = format!("{nk}/{nv} heads x {d}, {t} rows: prefill 4 then single steps (o, S)");
-        let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-            let mut st = be.gdn_new(&gd)?;
-            let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
-            let p = 4;
-            let o = be.gdn_prefill(
-                &be.upload(&x.u[..p * ch], p, ch)?,
-                &be.upload(&x.b[..p * nv], p, nv)?,
-                &be.upload(&x.a[..p * nv], p, nv)?,
-                &al,
-                &dt,
-                &gd,
-                &mut st,
-                true,
-            )?;
-            let mut out = be.download(&o)?;
-            for r in p..t {
-                let o = be.gdn_step(
-                    &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
-                    &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
-                    &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
-                    &al,
-                    &dt,
-                    &gd,
-                    &mut [&mut st],
-                )?;
-                out.extend(be.download(&o)?);
-            }
-            out.extend(be.gdn_download(&st)?.1);
-            Ok(out)
-        };
+        let run = |be: &CudaBackend| gdn_pieces(be, &gd, &x, &[(0, 4)], t);
         triple3(c, &case, tol_f32(d * t), &reference, run, false)?;
         if d == 128 {
             // the dk 128 kernel (state column in registers) against the generic one
@@ -2062,50 +2082,13 @@ pub(super) fn delta_chunked(c: &mut Ctx) -> Result<()> {
     let gd = gdn_dims(4, 8, 128);
     let (ch, nv, p0, p1, steps) = (gd.channels(), gd.v_heads, 20, 150, 2);
     let t = p0 + p1 + steps;
-    let x = GdnIn {
-        u: c.rng.normals_f32(t * ch, 1.0),
-        b: c.rng.normals_f32(t * nv, 1.0),
-        a: c.rng.normals_f32(t * nv, 1.0),
-        a_log: c.rng.normals_f32(nv, 0.5),
-        dt: c.rng.normals_f32(nv, 0.5),
-    };
+    let x = GdnIn::random(c, &gd, t);
     let reference = delta_ref(&gd, &x, t);
     let opts = |min: usize| CudaOptions {
         gdn_chunk_min: min,
         ..base_opts(false)
     };
-    let run = |be: &CudaBackend| -> Result<Vec<f32>> {
-        let mut st = be.gdn_new(&gd)?;
-        let (al, dt) = (be.vector_f32(&x.a_log)?, be.vector_f32(&x.dt)?);
-        let mut out = Vec::new();
-        for (r0, r1) in [(0, p0), (p0, p0 + p1)] {
-            let o = be.gdn_prefill(
-                &be.upload(&x.u[r0 * ch..r1 * ch], r1 - r0, ch)?,
-                &be.upload(&x.b[r0 * nv..r1 * nv], r1 - r0, nv)?,
-                &be.upload(&x.a[r0 * nv..r1 * nv], r1 - r0, nv)?,
-                &al,
-                &dt,
-                &gd,
-                &mut st,
-                true,
-            )?;
-            out.extend(be.download(&o)?);
-        }
-        for r in p0 + p1..t {
-            let o = be.gdn_step(
-                &be.upload(&x.u[r * ch..(r + 1) * ch], 1, ch)?,
-                &be.upload(&x.b[r * nv..(r + 1) * nv], 1, nv)?,
-                &be.upload(&x.a[r * nv..(r + 1) * nv], 1, nv)?,
-                &al,
-                &dt,
-                &gd,
-                &mut [&mut st],
-            )?;
-            out.extend(be.download(&o)?);
-        }
-        out.extend(be.gdn_download(&st)?.1);
-        Ok(out)
-    };
+    let run = |be: &CudaBackend| gdn_pieces(be, &gd, &x, &[(0, p0), (p0, p0 + p1)], t);
     let case = format!(
         "4/8 heads x 128: {p0} rows (recurrence), {p1} rows chunked (64, 64, 22), {steps} steps (o, S)"
     );

@@ -68,7 +68,8 @@ impl LaunchPlan {
         p
     }
 
-    fn cfg(&self) -> Result<LaunchConfig> {
+    /// The launch configuration: the plan's grid, block and dynamic shared memory.
+    pub(crate) fn cfg(&self) -> Result<LaunchConfig> {
         let g = |i: usize| {
             u32_of(
                 "grid dimension",
