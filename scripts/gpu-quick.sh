@@ -13,6 +13,9 @@
 #   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
 #   --rows 32 (if BIN_DIR holds it), 32 lanes, and the prefill of 1024 and 8192 rows (one run),
 #   each with the defaults and with the switch; parity then runs both ways too.
+#   PROFILE=1 (optional) also profiles, after the A/B: gemvbench at 512 and 1024 rows (the
+#   prompts' `gemv_tt`), and the backend ops' device time (`DRAMATIS_CUDA_PROFILE=gpu`, graphs
+#   off) of 32 lanes' joined prefills and rounds, and of one lane with a 1024-row prefill.
 # Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
 set -u
 bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
@@ -94,6 +97,22 @@ if [ -n "${AB:-}" ]; then
       --runs 1 --prefill-rows 1024,8192 --out "$L/prefill_$w.json" &&
       grep -E '^prefill' "$L/prefill_$w.log" | sed "s/^/$w: /" >> "$S"
   done
+fi
+if [ -n "${PROFILE:-}" ]; then
+  if [ -x "$bins/gemvbench" ]; then
+    run 60 gemvbench_512 "$bins/gemvbench" --rows 512,1024 256:2 &&
+      grep -E "^\| [a-zA-Z]" "$L/gemvbench_512.log" | cut -c1-200 >> "$S"
+  fi
+  # prof NAME ARGS...: the bench with graphs off and the ops' device time; the top 12 ops
+  prof() {
+    local n=$1
+    shift
+    run 90 "$n" env DRAMATIS_CUDA_GRAPH=0 DRAMATIS_CUDA_PROFILE=gpu "$D" bench --model /tmp/d3 \
+      --backend cuda --runs 1 "$@" --out "$L/$n.json" &&
+      grep -A14 "cuda profile" "$L/$n.log" | sed "s/^/$n: /" >> "$S"
+  }
+  prof profile_32 --lanes 32 --frames 2
+  prof profile_1 --lanes 1 --frames 16 --prefill-rows 1024
 fi
 if [ -x "$bins/parity" ]; then
   run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"
