@@ -6,7 +6,8 @@
 # its barriers or of the device's arithmetic: the contract case gdn_chunk does that).
 # Needs numpy (`pip install --target DIR numpy`, then PYTHONPATH=DIR). Prints the relative L2
 # errors of two blocks' outputs and states; session 27 read 4.6e-7 / 1.9e-7 (tolerance of the
-# contract case: 7.4e-5).
+# contract case: 7.4e-5); with the kernel's plant (line `x=ss[a*VS+cl]*el` without `*el`) the
+# state reads ~2.
 import numpy as np
 rng=np.random.default_rng(5)
 L,D,CW,KS,VS,MS=64,128,32,129,33,65

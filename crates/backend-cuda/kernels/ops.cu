@@ -1342,8 +1342,8 @@ extern "C" __global__ void __launch_bounds__(32, 12) gdn_recur_k128(
 // 256 threads, GC_SMEM floats of dynamic shared memory (the host's kernels::GDN_CHUNK_SMEM).
 // Rows per lane from rt, at least one. The same sums as the recurrence in another order, so
 // not its bits: the host runs it only for the lanes it is asked to (CudaOptions::gdn_chunk_min).
-// PLANT 1: the output's state term without e^{G_i}. LOWP: the state rounded to bf16 at each
-// chunk's end (and gdn_prep's q and k).
+// PLANT 1: the state's decay over a chunk (e^{G_l}) dropped. LOWP: the state rounded to bf16
+// at each chunk's end (and gdn_prep's q and k).
 #define GC_L 64
 #define GC_D 128
 #define GC_CW 32
@@ -1481,11 +1481,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk(PtrTab st, RowTab rt
             float x = 0.0f;
 #pragma unroll 8
             for (int a = 0; a < GC_D; ++a) x = fmaf(qs[i * GC_KS + a], ss[a * GC_VS + cl], x);
-#if PLANT == 1
-            float y = x;
-#else
             float y = x * eg[i];
-#endif
             for (int j = 0; j <= i; ++j) y = fmaf(ps[i * GC_MS + j], vs[j * GC_VS + cl], y);
             o[(R0 + r0 + i) * nv * GC_D + (long long)h * GC_D + c0 + cl] = y;
         }
@@ -1498,7 +1494,11 @@ extern "C" __global__ void __launch_bounds__(256) gdn_chunk(PtrTab st, RowTab rt
         // S <- e^{G_l} S + sum_j (k_j e^{G_l - G_j}) v'_j^T (keys wp, wp + 8, ..; column cl)
         const float el = eg[l - 1];
         for (int a = wp; a < GC_D; a += 8) {
+#if PLANT == 1
+            float x = ss[a * GC_VS + cl];
+#else
             float x = ss[a * GC_VS + cl] * el;
+#endif
 #pragma unroll 8
             for (int j = 0; j < l; ++j) x = fmaf(ws[j * GC_KS + a], vs[j * GC_VS + cl], x);
             ss[a * GC_VS + cl] = lowp(x);

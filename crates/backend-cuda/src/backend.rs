@@ -2980,8 +2980,11 @@ impl CudaBackend {
         let tab = gdn_tab("gdn", states, d, |s| s.s.ptr)?;
         let op = o.row_ptr(row0)?;
         // lanes of at least gdn_chunk_min rows take the chunked form, each by its own count
-        let chunked =
-            dk == kernels::GDN_HEAD_DIM && dv == kernels::GDN_HEAD_DIM && !self.opts.gdn_generic;
+        // (where the device grants its shared memory; else the recurrence)
+        let chunked = dk == kernels::GDN_HEAD_DIM
+            && dv == kernels::GDN_HEAD_DIM
+            && !self.opts.gdn_generic
+            && self.gpu.info.max_smem_optin >= kernels::GDN_CHUNK_SMEM as u64;
         let (long, short): (Vec<usize>, Vec<usize>) =
             (0..lens.len()).partition(|&i| chunked && lens[i] >= self.opts.gdn_chunk_min);
         if !long.is_empty() {

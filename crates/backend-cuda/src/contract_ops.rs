@@ -2100,6 +2100,23 @@ pub(super) fn delta_chunked(c: &mut Ctx) -> Result<()> {
         .zip(&recur)
         .filter(|(a, b)| a.to_bits() != b.to_bits())
         .count();
+    // gdn_chunk's own plant (a chunk's state decay dropped), apart from gdn_prep's (q_scale,
+    // on which no state depends): the state after 150 rows chunked from zeros
+    let s_len = nv * gd.k_dim * gd.v_dim;
+    let s_ref = delta_ref(&gd, &x, p1);
+    let s_ref = &s_ref[s_ref.len() - s_len..];
+    let planted = gdn_pieces(
+        &CudaBackend::with_gpu(c.shared.clone(), Variant::Planted, opts(64)),
+        &gd,
+        &x,
+        &[(0, p1)],
+        p1,
+    )?;
+    c.control(
+        &format!("{p1} rows chunked from zeros, the state: gdn_chunk's own plant"),
+        rel_l2(&planted[planted.len() - s_len..], s_ref),
+        tol_f32(gd.k_dim * p1),
+    );
     c.push(
         format!("{case}: the chunked kernel ran (bits unlike the recurrence's)"),
         Kind::Check,
