@@ -2985,8 +2985,12 @@ impl CudaBackend {
             && dv == kernels::GDN_HEAD_DIM
             && !self.opts.gdn_generic
             && self.gpu.info.max_smem_optin >= kernels::GDN_CHUNK_SMEM as u64;
-        let (long, short): (Vec<usize>, Vec<usize>) =
-            (0..lens.len()).partition(|&i| chunked && lens[i] >= self.opts.gdn_chunk_min);
+        let min = self.opts.gdn_chunk_min;
+        let (long, short): (Vec<usize>, Vec<usize>) = if chunked && lens.iter().any(|&n| n >= min) {
+            (0..lens.len()).partition(|&i| lens[i] >= min)
+        } else {
+            (Vec::new(), Vec::new())
+        };
         if !long.is_empty() {
             let (ltab, lrt) = (tab.pick(&long), rt.pick(&long));
             let p = kernels::plan_gdn_chunk(rows, nk, nv, long.len()).map_err(dev)?;
@@ -3017,12 +3021,13 @@ impl CudaBackend {
                 return Ok(());
             }
         }
+        // the recurrence's lanes: all of them, or those the chunked launch left
         let (tab, rt) = if long.is_empty() {
             (tab, rt)
         } else {
             (tab.pick(&short), rt.pick(&short))
         };
-        let grid = (u32v("gdn", nv)?, u32v("gdn", short.len())?, 1);
+        let grid = (u32v("gdn", nv)?, u32v("gdn", lens.len() - long.len())?, 1);
         if dk == 128 && !self.opts.gdn_generic {
             // each thread's state column in registers, one warp a block over a head's columns,
             // the next row's inputs loaded while a row computes (the same bits)
@@ -4789,6 +4794,34 @@ mod tests {
             .next()
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{} defines {name} to a number", src.name()))
+    }
+
+    /// `gdn_chunk`'s shared memory as ops.cu's `#define`s size it, against `GDN_CHUNK_SMEM`,
+    /// and its map of threads to the lower 4 x 4 tiles of M and P (each tile once).
+    #[test]
+    fn gdn_chunk_smem_and_tiles_are_the_kernels() {
+        let d = |name| kernel_define(Source::Ops, name);
+        let (l, dk, ks, vs, ms) = (d("GC_L"), d("GC_D"), d("GC_KS"), d("GC_VS"), d("GC_MS"));
+        assert_eq!((l, dk, d("GC_CW")), (64, 128, 32));
+        let body = Source::Ops.body();
+        assert!(body.contains(
+            "#define GC_SMEM (3 * GC_L * GC_KS + GC_L * GC_VS + 2 * GC_L * GC_MS + GC_D * GC_VS + 4 * GC_L)"
+        ));
+        let floats = 3 * l * ks + l * vs + 2 * l * ms + dk * vs + 4 * l;
+        assert_eq!(kernels::GDN_CHUNK_SMEM, 4 * floats);
+        // odd row strides: a warp's 32 rows at one column hit 32 banks
+        assert!(ks % 2 == 1 && vs % 2 == 1 && ms % 2 == 1);
+        assert!(body.contains("while (ib < 15 && (ib + 1) * (ib + 2) / 2 <= tid) ++ib;"));
+        let mut seen = std::collections::BTreeSet::new();
+        for tid in 0..d("GC_TRI") {
+            let mut ib = 0;
+            while ib < 15 && (ib + 1) * (ib + 2) / 2 <= tid {
+                ib += 1;
+            }
+            let jb = tid - ib * (ib + 1) / 2;
+            assert!(jb <= ib && seen.insert((ib, jb)));
+        }
+        assert_eq!(seen.len(), 16 * 17 / 2);
     }
 
     /// `gemv_ts`'s shared-memory layout (gemv.cu, no padding, word w of row r at w ^ (r & 1),

@@ -2076,11 +2076,11 @@ pub(super) fn delta_rule(c: &mut Ctx) -> Result<()> {
 /// FP64: a 20-row prompt on the recurrence (under the threshold, so the chunks start from a
 /// state that is not zeros), a 150-row continuation in chunks of 64, 64 and 22, then two single
 /// steps (outputs, then the final state). Its bits must differ from the recurrence's (else the
-/// chunked kernel did not run). Then three lanes joined in one call (150, 20 and 70 rows: chunked,
-/// recurrence, chunked) bit for bit each lane's own conv and prefill.
+/// chunked kernel did not run); its plant is checked on its own. Joined lanes that mix it with
+/// the recurrence are `gdn_prefill_lanes`' case.
 pub(super) fn delta_chunked(c: &mut Ctx) -> Result<()> {
     let gd = gdn_dims(4, 8, 128);
-    let (ch, nv, p0, p1, steps) = (gd.channels(), gd.v_heads, 20, 150, 2);
+    let (nv, p0, p1, steps) = (gd.v_heads, 20, 150, 2);
     let t = p0 + p1 + steps;
     let x = GdnIn::random(c, &gd, t);
     let reference = delta_ref(&gd, &x, t);
@@ -2122,72 +2122,6 @@ pub(super) fn delta_chunked(c: &mut Ctx) -> Result<()> {
         Kind::Check,
         differ > 0 && chunked.len() == recur.len(),
         format!("{differ} of {} values differ in bits", chunked.len()),
-    );
-    // three lanes joined, each by its own row count
-    let lens = [150usize, 20, 70];
-    let n: usize = lens.iter().sum();
-    let u = c.rng.normals_f32(n * ch, 1.0);
-    let b = c.rng.normals_f32(n * nv, 1.0);
-    let a = c.rng.normals_f32(n * nv, 1.0);
-    let conv = c.rng.normals_f32(ch * gd.conv_kernel, 0.5);
-    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, opts(64));
-    let (al, dtv, cw) = (
-        be.vector_f32(&x.a_log)?,
-        be.vector_f32(&x.dt)?,
-        be.vector_f32(&conv)?,
-    );
-    let mut sts = (0..lens.len())
-        .map(|_| be.gdn_new(&gd))
-        .collect::<std::result::Result<Vec<_>, _>>()?;
-    let mut refs: Vec<&mut _> = sts.iter_mut().collect();
-    let o = be.gdn_prefill_lanes(
-        &be.upload(&u, n, ch)?,
-        &be.upload(&b, n, nv)?,
-        &be.upload(&a, n, nv)?,
-        &cw,
-        &al,
-        &dtv,
-        &gd,
-        &lens,
-        &mut refs,
-    )?;
-    let mut joined = be.download(&o)?;
-    for s in &sts {
-        let (cv, sv) = be.gdn_download(s)?;
-        joined.extend(cv);
-        joined.extend(sv);
-    }
-    let (mut solo, mut states, mut r0) = (Vec::new(), Vec::new(), 0);
-    for &len in &lens {
-        let mut st = be.gdn_new(&gd)?;
-        let uc = be.gdn_conv(
-            &be.upload(&u[r0 * ch..(r0 + len) * ch], len, ch)?,
-            &cw,
-            &gd,
-            &mut st,
-        )?;
-        let o = be.gdn_prefill(
-            &uc,
-            &be.upload(&b[r0 * nv..(r0 + len) * nv], len, nv)?,
-            &be.upload(&a[r0 * nv..(r0 + len) * nv], len, nv)?,
-            &al,
-            &dtv,
-            &gd,
-            &mut st,
-            true,
-        )?;
-        solo.extend(be.download(&o)?);
-        let (cv, sv) = be.gdn_download(&st)?;
-        states.extend(cv);
-        states.extend(sv);
-        r0 += len;
-    }
-    solo.extend(states);
-    same_bits(
-        c,
-        "lanes of 150, 20 and 70 rows joined (chunked, recurrence, chunked): outputs, conv histories and states bitwise each lane's own".into(),
-        &joined,
-        &solo,
     );
     Ok(())
 }
@@ -2308,8 +2242,12 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
             let b = c.rng.normals_f32(total * nv, 1.0);
             let a = c.rng.normals_f32(total * nv, 1.0);
             // (outputs, histories, states; launches of the GDN calls themselves)
-            let run = |joined: bool| -> Result<(Vec<f32>, u64)> {
-                let be = backend(c, Variant::Exact, false);
+            let run = |joined: bool, chunk_min: usize| -> Result<(Vec<f32>, u64)> {
+                let o = CudaOptions {
+                    gdn_chunk_min: chunk_min,
+                    ..base_opts(false)
+                };
+                let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, o);
                 let wv = be.vector_f32(&w)?;
                 let (al, dtv) = (be.vector_f32(&a_log)?, be.vector_f32(&dt)?);
                 let mut sts = (0..lanes)
@@ -2356,7 +2294,8 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
                 }
                 Ok((out, launches))
             };
-            let ((joined, joined_l), (solo, solo_l)) = (run(true)?, run(false)?);
+            let ((joined, joined_l), (solo, solo_l)) =
+                (run(true, usize::MAX)?, run(false, usize::MAX)?);
             let shown: Vec<usize> = lens.iter().take(6).copied().collect();
             same_bits(
                 c,
@@ -2366,6 +2305,19 @@ pub(super) fn gdn_prefill_lanes(c: &mut Ctx) -> Result<()> {
                 &joined,
                 &solo,
             );
+            if d == 128 && lens.iter().any(|&n| n >= 16) {
+                // lanes of 16 rows or more on gdn_chunk, the others on the recurrence, in one
+                // call: still each lane's own bits
+                let (jc, sc) = (run(true, 16)?.0, run(false, 16)?.0);
+                same_bits(
+                    c,
+                    format!(
+                        "{nk}/{nv} heads x {d}, {lanes} lanes of {shown:?}.., lanes from 16 rows chunked: one call bitwise = each lane's own"
+                    ),
+                    &jc,
+                    &sc,
+                );
+            }
             // the joined path ran: its kernels launch once a 32-lane chunk, not once a lane,
             // so at most half the lane-by-lane launches (the exact count is not asserted)
             c.push(
