@@ -46,6 +46,12 @@ const TAB_FP8: usize = 6;
 const TAB_NVFP4: usize = 9;
 /// Most rows of one grid.y.
 const MAX_GRID_Y: usize = 65_535;
+/// Rows from which a lane's GDN prefill call runs `gdn_chunk` by default: the prompts the
+/// engine prefills alone (joined prompts are shorter than the default `gemm_min_rows`, 512).
+/// Measured on an H100 (NOTES.md session 28): the 1024- and 8192-row prefills 3-4% faster;
+/// 32 lanes of 64-row prompts chunked from 64 rows 2% slower in all (each lane adds 4 blocks
+/// a value head of 158 KB of shared memory, one a multiprocessor at a time).
+pub const GDN_CHUNK_MIN: usize = 512;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -790,11 +796,11 @@ pub struct CudaOptions {
     pub gdn_fused: bool,
     /// Lanes with at least this many rows in a GDN prefill call run the chunked delta rule
     /// (`gdn_chunk`: 64-row chunks, DRAMA3.md §4.3; key and value dims 128) instead of the
-    /// per-row recurrence: `DRAMATIS_CUDA_GDN_CHUNK_MIN=ROWS`. Off by default (0 is never):
-    /// the chunked form adds the same terms in another order, so a prompt's bits would depend on
-    /// where its calls split it (a cached reference prefix, the plan's prefill pieces), which
-    /// the recurrence's do not. Each lane of a call takes its kernel by its own row count, so
-    /// joined prompts keep their solo bits either way.
+    /// per-row recurrence: `DRAMATIS_CUDA_GDN_CHUNK_MIN=ROWS`, default [`GDN_CHUNK_MIN`]
+    /// (0 is never). Each lane of a call takes its kernel by its own row count, so joined
+    /// prompts keep their solo bits; the chunks restart at each call, and the engine splits a
+    /// prompt into the same calls whether its reference prefix is cached or not, so a cache hit
+    /// keeps the uncached bits.
     pub gdn_chunk_min: usize,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
@@ -912,7 +918,7 @@ impl CudaOptions {
             gdn_lanes: get("DRAMATIS_CUDA_GDN_LANES").is_none_or(|v| v.trim() != "0"),
             gdn_generic: false,
             gdn_fused: get("DRAMATIS_CUDA_GDN_FUSED").is_none_or(|v| v.trim() != "0"),
-            gdn_chunk_min: match num("DRAMATIS_CUDA_GDN_CHUNK_MIN", 0) {
+            gdn_chunk_min: match num("DRAMATIS_CUDA_GDN_CHUNK_MIN", GDN_CHUNK_MIN) {
                 0 => usize::MAX,
                 n => n,
             },
@@ -5039,7 +5045,7 @@ mod tests {
         assert!(!one("DRAMATIS_CUDA_GRAPH", "0").graphs);
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
-        assert_eq!(d.gdn_chunk_min, usize::MAX);
+        assert_eq!(d.gdn_chunk_min, GDN_CHUNK_MIN);
         assert_eq!(
             one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "0").gdn_chunk_min,
             usize::MAX

@@ -17,11 +17,10 @@ pub fn capabilities() -> Value {
                                   "bench/cuda-gemvbench-2026-11-30-s8.md", "bench/cuda-nvfp4-tiny-parity-2026-11-29.json"],
                      "decode": "BF16 linears on tensor cores (TF32, activations split hi + lo; 256 keys per warp, gemv_tc2; DRAMATIS_CUDA_GEMV_KC=0 for session 7's 512 keys per warp, DRAMATIS_CUDA_TC=0 for the FMA GEMV); norms, gates and elementwise products fused into neighbouring kernels with the same bits; split-key decode attention with head groups split over blocks (DRAMATIS_CUDA_HEAD_SPLIT=0 to turn off)",
                      "frame_round": "kept on the device, guided (CFG) rounds too: draws on the GPU with the CPU's counters and arithmetic, one download per round, recorded once per lane set as a CUDA graph and replayed; finished lanes stay as ghost slots so the rest keep replaying (DRAMATIS_CUDA_ROUNDS=host, DRAMATIS_CUDA_GRAPH=0 to compare)",
-                     "prefill": "tiled causal attention (flash-style); tiled FMA GEMM and FP8 experts grouped by expert from 512 rows (DRAMATIS_CUDA_GEMM_LT=1: cuBLASLt BF16 for the dense part, off: it fails 6 of 31 goldens when forced onto short prompts)",
+                     "prefill": "tiled causal attention (flash-style); the Gated DeltaNet in 64-row chunks for a lane's call of 512 rows or more (DRAMATIS_CUDA_GDN_CHUNK_MIN), else the per-row recurrence; prompts of joining lanes prefilled together with each lane's solo bits; tiled FMA GEMM and FP8 experts grouped by expert from 512 rows (DRAMATIS_CUDA_GEMM_LT=1: cuBLASLt BF16 for the dense part, off: it fails 6 of 31 goldens when forced onto short prompts)",
                      "codec": "GPU streaming decoder and reference encoder",
                      "memory": "the plan's device state (KV pool, lane state, scratch, codec state, caches) is reserved at start-up",
-                     "not_yet": ["tensor-core GEMMs for the routed FP8 experts at every row count (batch-invariant)", "a one-lane frame in far fewer kernels (about 760 after session 8's fusions)",
-                                 "prompts of joining lanes prefilled together (they prefill one after another)"]},
+                     "not_yet": ["tensor-core GEMMs for the routed FP8 experts at every row count (batch-invariant)", "a one-lane frame in far fewer kernels (about 760 after session 8's fusions)"]},
             "metal": {"compiled": false, "note": "planned"}
         },
         "checkpoint": {
