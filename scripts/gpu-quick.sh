@@ -13,6 +13,11 @@
 #   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
 #   --rows 32 (if BIN_DIR holds it), 32 lanes, and the prefill of 1024 and 8192 rows (one run),
 #   each with the defaults and with the switch; parity then runs both ways too.
+#   AB_TWICE=1 (optional) runs the 32 lanes a second time each way, alternated.
+#   AB_ROWS=LIST (optional) the A/B's gemvbench row counts (default 32); AB_PREFILL=0 leaves out
+#   the A/B's prefill runs (a switch the prefill does not reach).
+#   BIN_DIR's kernelinfo (optional) prints the registers, spills and shared memory of the kernels
+#   whose names hold KERNELINFO (default gemv_t), right after the contract.
 #   PROFILE=1 (optional) also profiles, after the A/B: gemvbench at 512 and 1024 rows (the
 #   prompts' `gemv_tt`), and the backend ops' device time (`DRAMATIS_CUDA_PROFILE=gpu`, graphs
 #   off) of 32 lanes' joined prefills and rounds, and of one lane with a 1024-row prefill.
@@ -51,6 +56,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$S" 2>&1
  echo "fixture rc=$?" > "$L/fixture.rc") &
 run 200 contract "$D" kernel-contract --only "$pattern"
 grep '^SUMMARY' "$L/contract.log" >> "$S"
+if [ -x "$bins/kernelinfo" ]; then
+  run 60 kernelinfo "$bins/kernelinfo" ${KERNELINFO:-gemv_t} &&
+    grep -E "^\| [a-z]" "$L/kernelinfo.log" | cut -c1-200 >> "$S"
+fi
 if [ -x "$bins/codec_gpu" ]; then
   run 150 codec_gpu "$bins/codec_gpu" testdata/drama3-tiny "$L/cuda-codec.json"
   grep -E "PASS gemm|FAIL|A/B|frames/s|ALL PASS" "$L/codec_gpu.log" | cut -c1-400 >> "$S"
@@ -83,14 +92,19 @@ PY
 }
 if [ -n "${AB:-}" ]; then
   if [ -x "$bins/gemvbench" ]; then
-    run 45 gemvbench_default "$bins/gemvbench" --rows 32
-    run 45 gemvbench_ab env "$AB" "$bins/gemvbench" --rows 32
+    run 45 gemvbench_default "$bins/gemvbench" --rows "${AB_ROWS:-32}" 256:2
+    run 45 gemvbench_ab env "$AB" "$bins/gemvbench" --rows "${AB_ROWS:-32}" 256:2
     paste -d'#' <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_default.log") \
       <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_ab.log") | cut -c1-300 >> "$S"
   fi
   lanes32 lanes32_default
   lanes32 lanes32_ab "$AB"
+  if [ "${AB_TWICE:-0}" = 1 ]; then
+    lanes32 lanes32_default2
+    lanes32 lanes32_ab2 "$AB"
+  fi
   for w in default ab; do
+    [ "${AB_PREFILL:-1}" = 0 ] && break
     sw=()
     [ "$w" = ab ] && sw=("$AB")
     run 90 "prefill_$w" env "${sw[@]}" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 \
@@ -143,7 +157,8 @@ fi
 ttfa() { # ttfa NAME ARGS...: one lane, first audio median of 5 runs
   local n=$1
   shift
-  if run 40 "$n" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 5 "$@" \
+  # shellcheck disable=SC2086 # TTFA_ENV: NAME=VALUE or nothing
+  if run 40 "$n" env ${TTFA_ENV:-} "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 5 "$@" \
     --out "$L/$n.json"; then
     python3 - "$L/$n.json" "$n" >> "$S" <<'PY'
 import json, sys
@@ -158,5 +173,9 @@ ttfa ttfa181_cached --reference-frames 60
 ttfa ttfa181_uncached --reference-frames 60 --prompt-cache-gib 0
 ttfa ttfa100_cached --text "Hello there." --reference-frames 6
 ttfa ttfa100_uncached --text "Hello there." --reference-frames 6 --prompt-cache-gib 0
+if [ -n "${AB:-}" ]; then
+  TTFA_ENV=$AB ttfa ttfa100_uncached_ab --text "Hello there." --reference-frames 6 --prompt-cache-gib 0
+  TTFA_ENV=$AB ttfa ttfa181_uncached_ab --reference-frames 60 --prompt-cache-gib 0
+fi
 (cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
 cat "$S"

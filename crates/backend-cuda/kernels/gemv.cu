@@ -578,18 +578,20 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ unsigned int u4c(const uint4& v, int c) {
     return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
 }
-template <int ACT>
+// WALK (gemv_tw*): the block walks all of K itself, adding each chunk's hi + lo to its running
+// total at the chunk's end as gemv_tt does (tot = first ? part : tot + part), and writes y; no
+// chunk sums leave the block. Otherwise one key chunk (grid z), its sums to `part`.
+template <int ACT, bool WALK>
 __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
-                                             float* __restrict__ y, int n_out, int K, int rows, int o0, int kc,
-                                             const float* __restrict__ u, float* __restrict__ part,
+                                             float* __restrict__ y, int n_out, int K, int rows, int o0, int r0,
+                                             int kc, const float* __restrict__ u, float* __restrict__ part,
                                              int* __restrict__ count) {
     __shared__ uint4 Ws[TS_ST][64 * 8];
     __shared__ uint4 Xs[TS_ST][TS_RT * 16];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wo = warp & 1, wr = warp >> 1;
-    const int r0 = blockIdx.y * TS_RT;
-    const int kbeg = (int)blockIdx.z * kc, kend = min(K, kbeg + kc);
+    const int kbeg = WALK ? 0 : (int)blockIdx.z * kc, kend = WALK ? K : min(K, kbeg + kc);
     const int steps = (kend - kbeg) / 64;
     // a step's 512 weight words (64 rows x 8) and 512 activation words (32 rows x 16): thread
     // tid copies words tid + 128 m of each
@@ -623,13 +625,14 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                            __float_as_uint(xreg[m].w));
         }
     };
-    float hi[2][2][4], lo[2][2][4];
+    float hi[2][2][4], lo[2][2][4], tot[2][2][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) hi[i][j][e] = lo[i][j][e] = tot[i][j][e] = 0.0f;
+    bool first = true;
     // TS_ST - 1 steps ahead; a group a step, empty past the chunk's end, so that step i's copies
     // are in once at most TS_ST - 2 groups are pending (st's wait)
 #pragma unroll
@@ -651,8 +654,10 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
         } else {
             cp_async_commit();
         }
+        // this step ends its key chunk (a block's one chunk; a walk's every kc keys and the last)
+        const bool last = st + 1 == steps || (WALK && (64 * (st + 1)) % kc == 0);
 #if PLANT == 1
-        const bool skip = st + 1 == steps;  // the chunk's last step
+        const bool skip = last;  // the chunk's last step
 #else
         const bool skip = false;
 #endif
@@ -692,9 +697,35 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
                 }
             }
         }
+        if (WALK && last) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = hi[i][j][e] + lo[i][j][e];
+                        tot[i][j][e] = first ? p : tot[i][j][e] + p;
+                        hi[i][j][e] = lo[i][j][e] = 0.0f;
+                    }
+            first = false;
+        }
         if (ACT != 0 && more) put(bn);
         b = b + 1 == TS_ST ? 0 : b + 1;
         bn = bn + 1 == TS_ST ? 0 : bn + 1;
+    }
+    if (WALK) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
+                    const int r = r0 + 16 * wr + 8 * j + 2 * t + (e & 1);
+                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
+                }
+        return;
     }
     // this chunk's sums (the tile's 32 x 64, row-major) at chunk z of the tile's run in `part`
     constexpr int TS = 64 * TS_RT;
@@ -739,22 +770,63 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
 extern "C" __global__ void LB_TS gemv_ts(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                          float* __restrict__ y, int n_out, int K, int rows, int kc,
                                          float* __restrict__ part, int* __restrict__ count) {
-    gemv_ts_body<0>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, nullptr, part, count);
+    gemv_ts_body<0, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, blockIdx.y * TS_RT, kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc,
                                                float* __restrict__ part, int* __restrict__ count) {
     int j = 0;
     while (j + 1 < m.count && (int)blockIdx.x >= m.start[j + 1]) ++j;
-    gemv_ts_body<0>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (blockIdx.x - m.start[j]) * 64,
-                    kc, nullptr, part, count);
+    gemv_ts_body<0, false>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows,
+                           (blockIdx.x - m.start[j]) * 64, blockIdx.y * TS_RT, kc, nullptr, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_ts_body<1>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_ts_body<1, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, blockIdx.y * TS_RT, kc, u, part, count);
 }
 extern "C" __global__ void LB_TS gemv_ts_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                               const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
                                               int rows, int kc, float* __restrict__ part, int* __restrict__ count) {
-    gemv_ts_body<2>(W, x, y, n_out, K, rows, blockIdx.x * 64, kc, u, part, count);
+    gemv_ts_body<2, false>(W, x, y, n_out, K, rows, blockIdx.x * 64, blockIdx.y * TS_RT, kc, u, part, count);
+}
+
+// ---------------------------------------------------------------- many rows: gemv_ts's tiles walking K
+// gemv_tt's arithmetic (gemv_tc2's bits) in gemv_ts's 64-output x 32-row tiles of four warps fed by
+// cp.async, each block walking all of K (WALK above): for prompts and joined prefills, in place of
+// gemv_tt's 64 x 64 tiles, whose eight warps stage every step through registers between two
+// barriers. The host's grid is gemv_tt's (x the output blocks, y the row tiles); blocks are taken in
+// the other order, the row tiles of an output block one after another, so that its weights come
+// from L2 after the first. The host gives K and kc multiples of 64, 128 threads.
+#ifndef TW_OCC
+#define TW_OCC 3
+#endif
+#define LB_TW __launch_bounds__(128, TW_OCC)
+// this block's output block (of grid x) and row tile (of grid y)
+__device__ __forceinline__ int2 tw_tile() {
+    const int id = (int)(blockIdx.x + gridDim.x * blockIdx.y);
+    return make_int2(id / (int)gridDim.y, id % (int)gridDim.y);
+}
+extern "C" __global__ void LB_TW gemv_tw(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                         float* __restrict__ y, int n_out, int K, int rows, int kc) {
+    const int2 b = tw_tile();
+    gemv_ts_body<0, true>(W, x, y, n_out, K, rows, b.x * 64, b.y * TS_RT, kc, nullptr, nullptr, nullptr);
+}
+extern "C" __global__ void LB_TW gemv_tw_multi(Multi m, const float* __restrict__ x, int K, int rows, int kc) {
+    const int2 b = tw_tile();
+    int j = 0;
+    while (j + 1 < m.count && b.x >= m.start[j + 1]) ++j;
+    gemv_ts_body<0, true>((const bf16_t*)m.w[j], x, (float*)m.y[j], m.n_out[j], K, rows, (b.x - m.start[j]) * 64,
+                          b.y * TS_RT, kc, nullptr, nullptr, nullptr);
+}
+extern "C" __global__ void LB_TW gemv_tw_silu(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
+    const int2 b = tw_tile();
+    gemv_ts_body<1, true>(W, x, y, n_out, K, rows, b.x * 64, b.y * TS_RT, kc, u, nullptr, nullptr);
+}
+extern "C" __global__ void LB_TW gemv_tw_sigm(const bf16_t* __restrict__ W, const float* __restrict__ x,
+                                              const float* __restrict__ u, float* __restrict__ y, int n_out, int K,
+                                              int rows, int kc) {
+    const int2 b = tw_tile();
+    gemv_ts_body<2, true>(W, x, y, n_out, K, rows, b.x * 64, b.y * TS_RT, kc, u, nullptr, nullptr);
 }

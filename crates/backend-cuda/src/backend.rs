@@ -758,6 +758,10 @@ pub struct CudaOptions {
     /// `gemv_tc2_*`, the data moved once per 64 x 64 tile: prompts and joined prefills;
     /// `DRAMATIS_CUDA_GEMV_TILE_MIN`, default 64; 0 is never).
     pub gemv_tile_min: usize,
+    /// Where `gemv_tt*` would run, `gemv_tw*` instead: `gemv_ts`'s 64 x 32 tiles of four
+    /// cp.async-fed warps, each block walking all of K, the same bits
+    /// (`DRAMATIS_CUDA_GEMV_WALK=1`; off until measured).
+    pub gemv_walk: bool,
     /// Fewest `gemv_tt` blocks (64 x 64 tiles) for it to run (`DRAMATIS_CUDA_GEMV_TILE_BLOCKS`,
     /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
     /// the device idle, and `gemv_tc2` (the same bits) runs instead.
@@ -908,6 +912,7 @@ impl CudaOptions {
                 n => n,
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
+            gemv_walk: get("DRAMATIS_CUDA_GEMV_WALK").is_some_and(|v| v.trim() == "1"),
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
             gemv_split_min: match num("DRAMATIS_CUDA_GEMV_SPLIT_MIN", 17) {
                 0 => usize::MAX,
@@ -1373,6 +1378,20 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             && rows >= o.gemv_tile_min
             && outs.div_ceil(64) * rows.div_ceil(64) >= o.gemv_tile_blocks
         {
+            if o.gemv_walk && kc.is_multiple_of(64) {
+                // the same bits from 64 x 32 tiles walking K (gemv.cu `gemv_tw`)
+                return Bf16Gemv {
+                    single: "gemv_tw",
+                    multi: "gemv_tw_multi",
+                    per_block: 64,
+                    block: 128,
+                    kc: Some(kc as i32),
+                    act: Some(("gemv_tw_silu", "gemv_tw_sigm")),
+                    row_tile: Some(GEMV_TS_ROWS),
+                    row_slabs: false,
+                    split: None,
+                };
+            }
             // gemv_tc2 (V = 2)'s bits from 64 x 64 tiles
             return Bf16Gemv {
                 single: "gemv_tt",

@@ -251,6 +251,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("rms_norm_concat_fused", ops::rms_norm_concat),
     ("gemv_tc2", ops::gemv_tc2),
     ("gemv_tt", ops::gemv_tt),
+    ("gemv_tw", ops::gemv_tw),
     ("gemv_ts", ops::gemv_ts),
     ("gemm_bf16_tiled", ops::gemm_tiled),
     ("gemm_bf16_cublaslt", ops::gemm_lt),

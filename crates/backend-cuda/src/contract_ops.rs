@@ -30,6 +30,7 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gemv_warps_many: d.gemv_warps_many,
         gemv_tile_min: d.gemv_tile_min,
         gemv_tile_blocks: d.gemv_tile_blocks,
+        gemv_walk: d.gemv_walk,
         gemv_slabs: d.gemv_slabs,
         // the per-row GEMVs: the gemv_ts case turns the split tiles on
         gemv_split_min: usize::MAX,
@@ -833,13 +834,14 @@ fn rows_as_one_row_launches(
     Ok(())
 }
 
-/// The `gemv_tt` case's options: the tiles from `tile` rows, whatever the tile count (the
-/// engine's default also asks for `TT_MIN_BLOCKS` tiles).
-fn tt_opts(tile: usize) -> CudaOptions {
+/// The `gemv_tt` / `gemv_tw` cases' options: the tiles from `tile` rows, whatever the tile count
+/// (the engine's default also asks for `TT_MIN_BLOCKS` tiles); `walk`: `gemv_tw`'s.
+fn tt_opts(tile: usize, walk: bool) -> CudaOptions {
     CudaOptions {
         gemv_v: 2,
         gemv_tile_min: tile,
         gemv_tile_blocks: 0,
+        gemv_walk: walk,
         ..base_opts(false)
     }
 }
@@ -861,6 +863,22 @@ const GEMV_TT_SHAPES: [(usize, usize, usize); 6] = [
 /// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
 /// chunks (6144).
 pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
+    tiles(c, false)
+}
+
+/// `gemv_tw*` (many rows in 64 x 32 tiles walking K): the `gemv_tt` case's checks with
+/// `gemv_tw` in place of `gemv_tt`.
+pub(super) fn gemv_tw(c: &mut Ctx) -> Result<()> {
+    tiles(c, true)
+}
+
+/// The `gemv_tt` and `gemv_tw` cases (`walk`: `gemv_tw`).
+fn tiles(c: &mut Ctx, walk: bool) -> Result<()> {
+    let (kernel, tile) = if walk {
+        ("gemv_tw", "64 x 32 tiles walking K")
+    } else {
+        ("gemv_tt", "64 x 64 tiles")
+    };
     for (n, k, rows) in GEMV_TT_SHAPES {
         let (w, x, u, reference) = gated_case(c, n, k, rows);
         let run = |be: &CudaBackend| -> Result<Vec<f32>> {
@@ -868,37 +886,42 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
             let (xd, ud) = (be.upload(&x, rows, k)?, be.upload(&u, rows, k)?);
             gated_linears(be, &xd, &ud, &wd)
         };
-        let case = format!(
-            "{rows} rows x {k} into {n} in 64 x 64 tiles, plain, silu- and sigmoid-gated input"
-        );
+        let case =
+            format!("{rows} rows x {k} into {n} in {tile}, plain, silu- and sigmoid-gated input");
         // the comparisons below mean something only if the tiles run and gemv_tc2 is the other side
         let (tt, tc2) = (
-            crate::backend::bf16_gemv_grid(&tt_opts(1), rows, k, n).0,
-            crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n).0,
+            crate::backend::bf16_gemv_grid(&tt_opts(1, walk), rows, k, n).0,
+            crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX, walk), rows, k, n).0,
         );
         c.push(
-            format!("{case}: dispatched to gemv_tt, against gemv_tc2"),
+            format!("{case}: dispatched to {kernel}, against gemv_tc2"),
             Kind::Check,
-            tt == "gemv_tt" && tc2.starts_with("gemv_tc2_"),
+            tt == kernel && tc2.starts_with("gemv_tc2_"),
             format!("{tt} against {tc2}"),
         );
-        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
+        let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1, walk));
         let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run)?;
         // the same three on gemv_tc2 (no tiles), then rows one at a time
-        let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX));
+        let plain =
+            CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX, walk));
         let tc2 = run(&plain)?;
         same_bits(c, format!("{case}: bitwise = gemv_tc2"), &tiled, &tc2);
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
+        if walk {
+            // the slab check below is of gemv_tc2 alone (the gemv_tt case's)
+            continue;
+        }
         // gemv_tc2 with each block on one 32-row slab (grid y) against every block on all rows
         let whole = CudaOptions {
             gemv_slabs: false,
-            ..tt_opts(usize::MAX)
+            ..tt_opts(usize::MAX, walk)
         };
         let whole = run(&CudaBackend::with_gpu(
             c.shared.clone(),
             Variant::Exact,
             whole,
         ))?;
-        let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n);
+        let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX, walk), rows, k, n);
         let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
         let same = bits_equal(&tc2, &whole);
         c.push(
@@ -910,7 +933,6 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
                 if same { "same bits" } else { "BITS DIFFER" }
             ),
         );
-        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
     }
     // several weights of one input (the GDN projections' shape, with outputs that do not fill a
     // tile): one tiled launch against separate gemv_tc2 launches
@@ -918,13 +940,13 @@ pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     let outs = MANY_OUTS;
     let (ws, x, reference) = many_case(c, k, rows, &outs);
     let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
-    let case = format!("{rows} rows x {k} into {outs:?}, one tiled launch");
-    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1));
+    let case = format!("{rows} rows x {k} into {outs:?}, one launch of {tile}");
+    let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1, walk));
     let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
-    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX));
+    let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX, walk));
     let tc2 = run_many(&plain)?;
     same_bits(c, format!("{case}: bitwise = gemv_tc2_multi"), &tiled, &tc2);
-    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(1));
+    let be = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(1, walk));
     let wd = bf16_weights(&be, &ws, &outs, k)?;
     let xd = be.upload(&x, rows, k)?;
     let refs: Vec<&crate::backend::CudaWeight> = wd.iter().collect();
@@ -3995,29 +4017,34 @@ pub(super) fn round_embed(c: &mut Ctx) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// The `gemv_tt` case compares the tiles with `gemv_tc2`: its options must send every shape
-    /// to `gemv_tt`, and with the tiles off to `gemv_tc2`, or the bitwise checks compare a kernel
-    /// with itself.
+    /// The `gemv_tt` and `gemv_tw` cases compare the tiles with `gemv_tc2`: their options must
+    /// send every shape to their kernel (`gemv_tw` in 32-row tiles), and with the tiles off to
+    /// `gemv_tc2`, or the bitwise checks compare a kernel with itself.
     #[test]
     fn gemv_tt_case_runs_the_tiles() {
-        for (n, k, rows) in GEMV_TT_SHAPES {
+        for (walk, kernel, tile) in [(false, "gemv_tt", 64), (true, "gemv_tw", 32)] {
+            for (n, k, rows) in GEMV_TT_SHAPES {
+                assert_eq!(
+                    crate::backend::bf16_gemv_grid(&tt_opts(1, walk), rows, k, n),
+                    (
+                        kernel,
+                        (n.div_ceil(64) as u32, rows.div_ceil(tile) as u32, 1)
+                    ),
+                    "{rows} x {k} into {n}"
+                );
+                assert!(
+                    crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX, walk), rows, k, n)
+                        .0
+                        .starts_with("gemv_tc2_"),
+                    "{rows} x {k} into {n}"
+                );
+            }
+            let total = crate::backend::tiled_outputs(MANY_OUTS);
             assert_eq!(
-                crate::backend::bf16_gemv_grid(&tt_opts(1), rows, k, n).0,
-                "gemv_tt",
-                "{rows} x {k} into {n}"
-            );
-            assert!(
-                crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX), rows, k, n)
-                    .0
-                    .starts_with("gemv_tc2_"),
-                "{rows} x {k} into {n}"
+                crate::backend::bf16_gemv_grid(&tt_opts(1, walk), 77, 2048, total).0,
+                kernel
             );
         }
-        let total = crate::backend::tiled_outputs(MANY_OUTS);
-        assert_eq!(
-            crate::backend::bf16_gemv_grid(&tt_opts(1), 77, 2048, total).0,
-            "gemv_tt"
-        );
     }
 
     /// The `gemv_ts` case compares the split tiles with `gemv_tc2`: its options must send every
