@@ -13,6 +13,7 @@
 #   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
 #   --rows 32 (if BIN_DIR holds it), 32 lanes, and the prefill of 1024 and 8192 rows (one run),
 #   each with the defaults and with the switch; parity then runs both ways too.
+#   SKIP="NAME ..." (optional) leaves out the steps of those names (as summary.txt names them).
 #   AB_TWICE=1 (optional) runs the 32 lanes a second time each way, alternated.
 #   AB_ROWS=LIST (optional) the A/B's gemvbench row counts (default 32); AB_PREFILL=0 leaves out
 #   the A/B's prefill runs (a switch the prefill does not reach).
@@ -38,6 +39,12 @@ run() {
   shift 2
   local l
   l=$(left)
+  case " ${SKIP:-} " in
+  *" $n "*)
+    echo "$n: skipped (SKIP)" >> "$S"
+    return 1
+    ;;
+  esac
   if [ "$l" -lt 15 ]; then
     echo "$n: skipped (out of time)" >> "$S"
     return 1
