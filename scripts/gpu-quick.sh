@@ -11,14 +11,16 @@
 #   examples of codec-cuda and backend-cuda), as built here and carried to the device.
 #   CONTRACT_PATTERN defaults to gemv,linear_many,gdn.
 #   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
-#   --rows 32 (if BIN_DIR holds it), 32 lanes, and the prefill of 1024 and 8192 rows (one run),
-#   each with the defaults and with the switch; parity then runs both ways too.
+#   --rows AB_ROWS 256:2 (the engine's layout; if BIN_DIR holds it), 32 lanes, and the prefill of
+#   1024 and 8192 rows (one run), each with the defaults and with the switch; parity then runs
+#   both ways too, and the 100- and 181-row first audio from nothing with the switch.
 #   SKIP="NAME ..." (optional) leaves out the steps of those names (as summary.txt names them).
 #   AB_TWICE=1 (optional) runs the 32 lanes a second time each way, alternated.
 #   AB_ROWS=LIST (optional) the A/B's gemvbench row counts (default 32); AB_PREFILL=0 leaves out
 #   the A/B's prefill runs (a switch the prefill does not reach).
 #   BIN_DIR's kernelinfo (optional) prints the registers, spills and shared memory of the kernels
-#   whose names hold KERNELINFO (default gemv_t), right after the contract.
+#   whose names hold KERNELINFO (default gemv_t: gemv_tc2*, gemv_tt*, gemv_ts*, gemv_tw*), right
+#   after the contract.
 #   PROFILE=1 (optional) also profiles, after the A/B: gemvbench at 512 and 1024 rows (the
 #   prompts' `gemv_tt`), and the backend ops' device time (`DRAMATIS_CUDA_PROFILE=gpu`, graphs
 #   off) of 32 lanes' joined prefills and rounds, and of one lane with a 1024-row prefill.
@@ -64,7 +66,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$S" 2>&1
 run 200 contract "$D" kernel-contract --only "$pattern"
 grep '^SUMMARY' "$L/contract.log" >> "$S"
 if [ -x "$bins/kernelinfo" ]; then
-  run 60 kernelinfo "$bins/kernelinfo" ${KERNELINFO:-gemv_t} &&
+  run 60 kernelinfo "$bins/kernelinfo" "${KERNELINFO:-gemv_t}" &&
     grep -E "^\| [a-z]" "$L/kernelinfo.log" | cut -c1-200 >> "$S"
 fi
 if [ -x "$bins/codec_gpu" ]; then
@@ -164,8 +166,9 @@ fi
 ttfa() { # ttfa NAME ARGS...: one lane, first audio median of 5 runs
   local n=$1
   shift
-  # shellcheck disable=SC2086 # TTFA_ENV: NAME=VALUE or nothing
-  if run 40 "$n" env ${TTFA_ENV:-} "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 5 "$@" \
+  local sw=()
+  [ -n "${TTFA_ENV:-}" ] && sw=("$TTFA_ENV")
+  if run 40 "$n" env "${sw[@]}" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 --runs 5 "$@" \
     --out "$L/$n.json"; then
     python3 - "$L/$n.json" "$n" >> "$S" <<'PY'
 import json, sys

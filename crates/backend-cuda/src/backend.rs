@@ -13,7 +13,8 @@
 //! whose per-row arithmetic does not depend on the row count, so batched lanes equal solo lanes
 //! bit for bit. The Gated DeltaNet prefill runs the per-token recurrence on the device (the
 //! `chunked` flag is accepted and gives the same result up to rounding); lanes of at least
-//! `CudaOptions::gdn_chunk_min` rows (opt-in) run the chunk-64 form (`gdn_chunk`) instead.
+//! `CudaOptions::gdn_chunk_min` rows (default `GDN_CHUNK_MIN`, 512) run the chunk-64 form
+//! (`gdn_chunk`) instead.
 
 use std::sync::{Arc, Mutex};
 
@@ -1378,7 +1379,7 @@ fn bf16_gemv(o: &CudaOptions, rows: usize, k: usize, outs: usize) -> Bf16Gemv {
             && rows >= o.gemv_tile_min
             && outs.div_ceil(64) * rows.div_ceil(64) >= o.gemv_tile_blocks
         {
-            if o.gemv_walk && kc.is_multiple_of(64) {
+            if o.gemv_walk {
                 // the same bits from 64 x 32 tiles walking K (gemv.cu `gemv_tw`)
                 return Bf16Gemv {
                     single: "gemv_tw",
@@ -5065,6 +5066,7 @@ mod tests {
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
         assert_eq!(d.gdn_chunk_min, GDN_CHUNK_MIN);
+        assert!(!d.gemv_walk && one("DRAMATIS_CUDA_GEMV_WALK", "1").gemv_walk);
         assert_eq!(
             one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "0").gdn_chunk_min,
             usize::MAX

@@ -906,33 +906,32 @@ fn tiles(c: &mut Ctx, walk: bool) -> Result<()> {
             CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX, walk));
         let tc2 = run(&plain)?;
         same_bits(c, format!("{case}: bitwise = gemv_tc2"), &tiled, &tc2);
-        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
-        if walk {
-            // the slab check below is of gemv_tc2 alone (the gemv_tt case's)
-            continue;
-        }
         // gemv_tc2 with each block on one 32-row slab (grid y) against every block on all rows
-        let whole = CudaOptions {
-            gemv_slabs: false,
-            ..tt_opts(usize::MAX, walk)
-        };
-        let whole = run(&CudaBackend::with_gpu(
-            c.shared.clone(),
-            Variant::Exact,
-            whole,
-        ))?;
-        let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX, walk), rows, k, n);
-        let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
-        let same = bits_equal(&tc2, &whole);
-        c.push(
-            format!("{case}: gemv_tc2 in 32-row slabs bitwise = whole-row blocks"),
-            Kind::Check,
-            slabbed && same,
-            format!(
-                "grid {grid:?}, {}",
-                if same { "same bits" } else { "BITS DIFFER" }
-            ),
-        );
+        // (gemv_tc2 alone: the gemv_tt case's)
+        if !walk {
+            let whole = CudaOptions {
+                gemv_slabs: false,
+                ..tt_opts(usize::MAX, walk)
+            };
+            let whole = run(&CudaBackend::with_gpu(
+                c.shared.clone(),
+                Variant::Exact,
+                whole,
+            ))?;
+            let (_, grid) = crate::backend::bf16_gemv_grid(&tt_opts(usize::MAX, walk), rows, k, n);
+            let slabbed = grid.1 as usize == rows.div_ceil(32) && grid.1 > 1;
+            let same = bits_equal(&tc2, &whole);
+            c.push(
+                format!("{case}: gemv_tc2 in 32-row slabs bitwise = whole-row blocks"),
+                Kind::Check,
+                slabbed && same,
+                format!(
+                    "grid {grid:?}, {}",
+                    if same { "same bits" } else { "BITS DIFFER" }
+                ),
+            );
+        }
+        rows_as_one_row_launches(c, &case, &plain, &w, n, k, &x, &tiled)?;
     }
     // several weights of one input (the GDN projections' shape, with outputs that do not fill a
     // tile): one tiled launch against separate gemv_tc2 launches
@@ -940,7 +939,12 @@ fn tiles(c: &mut Ctx, walk: bool) -> Result<()> {
     let outs = MANY_OUTS;
     let (ws, x, reference) = many_case(c, k, rows, &outs);
     let run_many = |be: &CudaBackend| many_out(be, &ws, &outs, k, &x, rows);
-    let case = format!("{rows} rows x {k} into {outs:?}, one launch of {tile}");
+    let case = if walk {
+        format!("{rows} rows x {k} into {outs:?}, one launch of {tile}")
+    } else {
+        // the name the gemv_tt case's line has had
+        format!("{rows} rows x {k} into {outs:?}, one tiled launch")
+    };
     let make = |c: &Ctx, var| CudaBackend::with_gpu(c.shared.clone(), var, tt_opts(1, walk));
     let tiled = triple_with(c, &case, tol_f32(k), &reference, false, make, run_many)?;
     let plain = CudaBackend::with_gpu(c.shared.clone(), Variant::Exact, tt_opts(usize::MAX, walk));
