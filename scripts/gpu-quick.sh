@@ -10,7 +10,8 @@
 #   BIN_DIR holds dramatis (--features cuda) and, optionally, codec_gpu and parity (the
 #   examples of codec-cuda and backend-cuda), as built here and carried to the device.
 #   CONTRACT_PATTERN defaults to gemv,linear_many,gdn.
-#   AB="NAME=VALUE" (optional) A/Bs a switch right after the fixture is written: gemvbench
+#   AB="NAME=VALUE ..." (optional) A/Bs each switch (ab1, ab2, .. in the order given) against one
+#   default run, right after the fixture is written: gemvbench
 #   --rows AB_ROWS 256:2 (the engine's layout; if BIN_DIR holds it), 32 lanes, and the prefill of
 #   1024 and 8192 rows (one run), each with the defaults and with the switch; parity then runs
 #   both ways too, and the 100- and 181-row first audio from nothing with the switch.
@@ -99,26 +100,41 @@ print(f"{sys.argv[2]}: kept round {r['rounds'].get('kept_round_ms_mean') or 0:.3
 PY
   fi
 }
-if [ -n "${AB:-}" ]; then
+# the switches of AB (space-separated NAME=VALUE), each A/B'd against one default run: names
+# ab1, ab2, .. in the order given
+read -r -a abs <<< "${AB:-}"
+if [ "${#abs[@]}" -gt 0 ]; then
   if [ -x "$bins/gemvbench" ]; then
     run 45 gemvbench_default "$bins/gemvbench" --rows "${AB_ROWS:-32}" 256:2
-    run 45 gemvbench_ab env "$AB" "$bins/gemvbench" --rows "${AB_ROWS:-32}" 256:2
-    paste -d'#' <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_default.log") \
-      <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_ab.log") | cut -c1-300 >> "$S"
+    for i in "${!abs[@]}"; do
+      a=ab$((i + 1))
+      run 45 "gemvbench_$a" env "${abs[$i]}" "$bins/gemvbench" --rows "${AB_ROWS:-32}" 256:2
+      echo "gemvbench: default # ${abs[$i]}" >> "$S"
+      paste -d'#' <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_default.log") \
+        <(grep -E "^\| [a-zA-Z]" "$L/gemvbench_$a.log") | cut -c1-300 >> "$S"
+    done
   fi
-  lanes32 lanes32_default
-  lanes32 lanes32_ab "$AB"
-  if [ "${AB_TWICE:-0}" = 1 ]; then
-    lanes32 lanes32_default2
-    lanes32 lanes32_ab2 "$AB"
-  fi
-  for w in default ab; do
+  for pass in 1 2; do
+    [ "$pass" = 2 ] && [ "${AB_TWICE:-0}" != 1 ] && break
+    sfx=$([ "$pass" = 2 ] && echo 2)
+    lanes32 "lanes32_default$sfx"
+    for i in "${!abs[@]}"; do
+      echo "(ab$((i + 1)) = ${abs[$i]})" >> "$S"
+      lanes32 "lanes32_ab$((i + 1))$sfx" "${abs[$i]}"
+    done
+  done
+  sw=()
+  for w in default "${!abs[@]}"; do
     [ "${AB_PREFILL:-1}" = 0 ] && break
+    n=default
     sw=()
-    [ "$w" = ab ] && sw=("$AB")
-    run 90 "prefill_$w" env "${sw[@]}" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 \
-      --runs 1 --prefill-rows 1024,8192 --out "$L/prefill_$w.json" &&
-      grep -E '^prefill' "$L/prefill_$w.log" | sed "s/^/$w: /" >> "$S"
+    if [ "$w" != default ]; then
+      n=ab$((w + 1))
+      sw=("${abs[$w]}")
+    fi
+    run 90 "prefill_$n" env "${sw[@]}" "$D" bench --model /tmp/d3 --backend cuda --lanes 1 --frames 8 \
+      --runs 1 --prefill-rows 1024,8192 --out "$L/prefill_$n.json" &&
+      grep -E '^prefill' "$L/prefill_$n.log" | sed "s/^/$n ${sw[*]}: /" >> "$S"
   done
 fi
 if [ -n "${PROFILE:-}" ]; then
@@ -140,10 +156,12 @@ fi
 if [ -x "$bins/parity" ]; then
   run 150 parity "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity.json"
   grep -E "PASS|FAIL|JOINED" "$L/parity.log" | tail -4 >> "$S"
-  if [ -n "${AB:-}" ]; then
-    run 150 parity_ab env "$AB" "$bins/parity" /tmp/d3 --rows 64 --frames 8 --out "$L/parity_ab.json"
-    grep -E "PASS|FAIL|JOINED" "$L/parity_ab.log" | tail -4 | sed 's/^/ab: /' >> "$S"
-  fi
+  for i in "${!abs[@]}"; do
+    a=ab$((i + 1))
+    run 150 "parity_$a" env "${abs[$i]}" "$bins/parity" /tmp/d3 --rows 64 --frames 8 \
+      --out "$L/parity_$a.json"
+    grep -E "PASS|FAIL|JOINED" "$L/parity_$a.log" | tail -4 | sed "s/^/$a ${abs[$i]}: /" >> "$S"
+  done
 fi
 if run 200 bench "$D" bench --model /tmp/d3 --backend cuda --lanes 1,8,32 --frames 64 --runs 3 \
   --prefill-rows 1024 --out "$L/bench.json"; then
@@ -183,9 +201,11 @@ ttfa ttfa181_cached --reference-frames 60
 ttfa ttfa181_uncached --reference-frames 60 --prompt-cache-gib 0
 ttfa ttfa100_cached --text "Hello there." --reference-frames 6
 ttfa ttfa100_uncached --text "Hello there." --reference-frames 6 --prompt-cache-gib 0
-if [ -n "${AB:-}" ]; then
-  TTFA_ENV=$AB ttfa ttfa100_uncached_ab --text "Hello there." --reference-frames 6 --prompt-cache-gib 0
-  TTFA_ENV=$AB ttfa ttfa181_uncached_ab --reference-frames 60 --prompt-cache-gib 0
-fi
+for i in "${!abs[@]}"; do
+  a=ab$((i + 1))
+  TTFA_ENV=${abs[$i]} ttfa "ttfa100_uncached_$a" --text "Hello there." --reference-frames 6 \
+    --prompt-cache-gib 0
+  TTFA_ENV=${abs[$i]} ttfa "ttfa181_uncached_$a" --reference-frames 60 --prompt-cache-gib 0
+done
 (cd "$L" && tar czf "$out/logs.tgz" . 2>/dev/null)
 cat "$S"
