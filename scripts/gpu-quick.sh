@@ -24,7 +24,8 @@
 #   after the contract.
 #   PROFILE=1 (optional) also profiles, after the A/B: gemvbench at 512 and 1024 rows (the
 #   prompts' `gemv_tt`), and the backend ops' device time (`DRAMATIS_CUDA_PROFILE=gpu`, graphs
-#   off) of 32 lanes' joined prefills and rounds, and of one lane with a 1024-row prefill.
+#   off) of 32 lanes' joined prefills and rounds (with the rounds apart: 10 frames less 2), and of
+#   one lane with a 1024-row prefill.
 # Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
 set -u
 bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
@@ -151,6 +152,29 @@ if [ -n "${PROFILE:-}" ]; then
       grep -A14 "cuda profile" "$L/$n.log" | sed "s/^/$n: /" >> "$S"
   }
   prof profile_32 --lanes 32 --frames 2
+  # the 32-lane rounds apart from the prompts: the ops' device time of 10 frames less that of 2,
+  # over the 8 rounds between (issued rounds, graphs off)
+  if prof profile_32r --lanes 32 --frames 10; then
+    python3 - "$L/profile_32.log" "$L/profile_32r.log" >> "$S" <<'PY'
+import re, sys
+def ops(path):
+    t = {}
+    for line in open(path):
+        m = re.match(r"^([a-z_0-9]+)\s+(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s*$", line)
+        if m:
+            t[m.group(1)] = (int(m.group(2)), float(m.group(3)))
+    return t
+a, b = ops(sys.argv[1]), ops(sys.argv[2])
+rows = []
+for op in set(a) | set(b):
+    (ca, ma), (cb, mb) = a.get(op, (0, 0.0)), b.get(op, (0, 0.0))
+    rows.append(((mb - ma) / 8, (cb - ca) / 8, op))
+rows.sort(reverse=True)
+print(f"32-lane round (10 - 2 frames, / 8): {sum(r[0] for r in rows):.2f} ms of ops' device time")
+for ms, calls, op in rows[:16]:
+    print(f"  round {op:20s} {ms:7.3f} ms  {calls:6.1f} calls")
+PY
+  fi
   prof profile_1 --lanes 1 --frames 16 --prefill-rows 1024
 fi
 if [ -x "$bins/parity" ]; then
