@@ -391,6 +391,37 @@ __device__ __forceinline__ void mma_hilo_2x2(float (&hi)[2][2][4], float (&lo)[2
     }
 }
 
+// A chunk's end in a warp's 2 x 2 MMA tiles: its hi + lo added to the running total in chunk
+// order (gemv_tc2's red[0] + red[1] + ...; the first chunk's sum is the total), hi and lo zeroed.
+__device__ __forceinline__ void tile_fold(float (&hi)[2][2][4], float (&lo)[2][2][4], float (&tot)[2][2][4],
+                                          bool first) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float part = hi[i][j][e] + lo[i][j][e];
+                tot[i][j][e] = first ? part : tot[i][j][e] + part;
+                hi[i][j][e] = lo[i][j][e] = 0.0f;
+            }
+}
+// A warp's 2 x 2 MMA tiles of totals into y [rows, n_out]: output n0 + 16 i (+ 8), row r0 + 8 j
+// (+ 1) for tile (i, j) (n0, r0: this thread's first output and row).
+__device__ __forceinline__ void tile_store(const float (&tot)[2][2][4], float* __restrict__ y, int n_out, int rows,
+                                           int n0, int r0) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int n = n0 + 16 * i + (e >= 2 ? 8 : 0);
+                const int r = r0 + 8 * j + (e & 1);
+                if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
+            }
+}
+
 template <int ACT>
 __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const float* __restrict__ x,
                                              float* __restrict__ y, int n_out, int K, int rows, int o0,
@@ -481,29 +512,11 @@ __device__ __forceinline__ void gemv_tt_body(const bf16_t* __restrict__ W, const
             }
         }
         if (last) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float part = hi[i][j][e] + lo[i][j][e];
-                        tot[i][j][e] = first ? part : tot[i][j][e] + part;
-                        hi[i][j][e] = lo[i][j][e] = 0.0f;
-                    }
+            tile_fold(hi, lo, tot, first);
             first = false;
         }
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
-                const int r = r0 + 16 * wr + 8 * j + 2 * t + (e & 1);
-                if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
-            }
+    tile_store(tot, y, n_out, rows, o0 + 32 * wo + g, r0 + 16 * wr + 2 * t);
 }
 
 extern "C" __global__ void LB_TT gemv_tt(const bf16_t* __restrict__ W, const float* __restrict__ x,
@@ -698,16 +711,7 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
             }
         }
         if (WALK && last) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float p = hi[i][j][e] + lo[i][j][e];
-                        tot[i][j][e] = first ? p : tot[i][j][e] + p;
-                        hi[i][j][e] = lo[i][j][e] = 0.0f;
-                    }
+            tile_fold(hi, lo, tot, first);
             first = false;
         }
         if (ACT != 0 && more) put(bn);
@@ -715,16 +719,7 @@ __device__ __forceinline__ void gemv_ts_body(const bf16_t* __restrict__ W, const
         bn = bn + 1 == TS_ST ? 0 : bn + 1;
     }
     if (WALK) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int n = o0 + 32 * wo + 16 * i + g + (e >= 2 ? 8 : 0);
-                    const int r = r0 + 16 * wr + 8 * j + 2 * t + (e & 1);
-                    if (n < n_out && r < rows) y[(long long)r * n_out + n] = tot[i][j][e];
-                }
+        tile_store(tot, y, n_out, rows, o0 + 32 * wo + g, r0 + 16 * wr + 2 * t);
         return;
     }
     // this chunk's sums (the tile's 32 x 64, row-major) at chunk z of the tile's run in `part`
