@@ -124,7 +124,6 @@ if [ "${#abs[@]}" -gt 0 ]; then
       lanes32 "lanes32_ab$((i + 1))$sfx" "${abs[$i]}"
     done
   done
-  sw=()
   for w in default "${!abs[@]}"; do
     [ "${AB_PREFILL:-1}" = 0 ] && break
     n=default

@@ -2607,7 +2607,7 @@ impl CudaBackend {
         f32kv: bool,
     ) -> BResult<()> {
         let p = kernels::plan_flash(t, d.q_heads, lanes, d.head_dim, cap, f32kv).map_err(dev)?;
-        let (f, _) = self.optin_func(Source::Ops, &p)?;
+        let f = self.optin_func(Source::Ops, &p)?;
         let (t32, nh, nkv, hd) = (
             i32v("attention", t)?,
             i32v("attention", d.q_heads)?,
@@ -2741,7 +2741,7 @@ impl CudaBackend {
         &self,
         src: Source,
         p: &kernels::LaunchPlan,
-    ) -> BResult<(cudarc::driver::CudaFunction, i32)> {
+    ) -> BResult<cudarc::driver::CudaFunction> {
         if let Some(why) = p.problems(&self.gpu.info).first() {
             return Err(dev(format!("{}: {why}", p.kernel)));
         }
@@ -2755,7 +2755,7 @@ impl CudaBackend {
         self.prof
             .launches
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok((f, smem))
+        Ok(f)
     }
 
     /// `rope` of `x` into `out`, row r at position `pos.0[r · pos.1]` (i64 words).
@@ -3020,7 +3020,7 @@ impl CudaBackend {
         if !long.is_empty() {
             let (ltab, lrt) = (tab.pick(&long), rt.pick(&long));
             let p = kernels::plan_gdn_chunk(rows, nk, nv, long.len()).map_err(dev)?;
-            let (f, _) = self.optin_func(Source::Ops, &p)?;
+            let f = self.optin_func(Source::Ops, &p)?;
             let cfg = p.cfg().map_err(dev)?;
             // SAFETY: the arguments match gdn_chunk in kernels/ops.cu; gdn_prep wrote qn, kn,
             // beta and gate for every row of the row table, whose lanes' states hold nv x 128 x
@@ -4434,13 +4434,9 @@ impl Backend for CudaBackend {
             }
         };
         let p = kernels::plan_round_sample(logits.rows, n).map_err(dev)?;
-        let (f, smem) = self.optin_func(Source::Round, &p)?;
+        let f = self.optin_func(Source::Round, &p)?;
         let (n32, rounds32) = (i32v(op, n)?, i32v(op, kernels::round_sample_rounds(n))?);
-        let cfg = LaunchConfig {
-            grid_dim: (u32v(op, logits.rows)?, 1, 1),
-            block_dim: (p.block as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
+        let cfg = p.cfg().map_err(dev)?;
         let (ss, se) = (round.spec.semantic_start, round.spec.semantic_end);
         if self.skipped(op) {
             return Ok(());
