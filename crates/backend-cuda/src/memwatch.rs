@@ -80,6 +80,75 @@ pub fn device_facts() -> Result<DeviceFacts> {
     })
 }
 
+/// Device 0's device-to-device copy rate: the figure a weight-read floor divides by (GPU.md
+/// measured the H200's; on any other device the bench measures it with this).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CopyRate {
+    /// Bytes read plus bytes written per second, the median of the timed copies.
+    pub bytes_per_s: f64,
+    /// Bytes of each of the two buffers (one copy reads one and writes the other).
+    pub buffer_bytes: usize,
+    /// Seconds of each timed copy.
+    pub runs_s: Vec<f64>,
+}
+
+/// Two plain device allocations (`cuMemAlloc`, not the stream-ordered pool), freed on drop, so
+/// a memory baseline taken after [`copy_rate`] does not hold them.
+struct Plain(Vec<cudarc::driver::sys::CUdeviceptr>);
+
+impl Drop for Plain {
+    fn drop(&mut self) {
+        for &p in &self.0 {
+            // SAFETY: each pointer came from `malloc_sync` in this context and is freed once;
+            // a failure to free leaves nothing to do here.
+            let _ = unsafe { cudarc::driver::result::free_sync(p) };
+        }
+    }
+}
+
+/// Measures device 0's copy rate: one untimed copy between two buffers of `bytes`, then `reps`
+/// copies each timed with events; the rate counts the bytes read and the bytes written (GPU.md's
+/// convention). The buffers are freed before it returns.
+pub fn copy_rate(bytes: usize, reps: usize) -> Result<CopyRate> {
+    use cudarc::driver::result;
+    let ctx = context()?;
+    ctx.bind_to_thread()?;
+    let stream = ctx.new_stream()?;
+    let mut bufs = Plain(Vec::with_capacity(2));
+    for _ in 0..2 {
+        // SAFETY: the context is bound to this thread; the pointer is owned by `bufs`.
+        bufs.0.push(unsafe { result::malloc_sync(bytes) }?);
+    }
+    let (src, dst) = (bufs.0[0], bufs.0[1]);
+    let copy = || {
+        // SAFETY: both buffers hold `bytes` bytes and live until `bufs` drops, after the
+        // stream is synchronised below.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+    };
+    // SAFETY: as above; the source's bytes only need to be defined, not meaningful.
+    unsafe { result::memset_d8_async(src, 0x5a, bytes, stream.cu_stream()) }?;
+    copy()?;
+    let mut runs_s = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let (a, b) = (ctx.new_event(None)?, ctx.new_event(None)?);
+        a.record(&stream)?;
+        copy()?;
+        b.record(&stream)?;
+        b.synchronize()?;
+        runs_s.push(f64::from(a.elapsed_ms(&b)?) * 1e-3);
+    }
+    stream.synchronize()?;
+    drop(bufs);
+    let mut sorted = runs_s.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    Ok(CopyRate {
+        bytes_per_s: 2.0 * bytes as f64 / median,
+        buffer_bytes: bytes,
+        runs_s,
+    })
+}
+
 /// The highest device memory figure a [`PeakSampler`] saw.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Peak {

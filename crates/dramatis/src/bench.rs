@@ -308,12 +308,20 @@ fn floor_frames_per_s(
     (b.total() > 0.0).then(|| lanes as f64 * bytes_per_s / b.total())
 }
 
+/// Each of the two buffers the bench's copy-rate measure copies between (far past the L2), and
+/// how many timed copies it takes the median of.
+const COPY_BUFFER_BYTES: usize = 512 << 20;
+const COPY_REPS: usize = 9;
+
 /// The receipt's `floor` section and, per lane count, the floor and the fraction of it that the
-/// decode frames/s reached (written into each result). Only for a device whose bandwidth is
-/// known (the H200); elsewhere the section says so and the results carry no fraction.
+/// decode frames/s reached (written into each result). The bandwidth is GPU.md's figure on the
+/// H200 and the copy rate measured at the bench's start (`copy`) on any other device; with
+/// neither, the section says so and the results carry no fraction. A measured rate is always
+/// recorded beside the figure used.
 fn add_floor(
     geom: &admission::geometry::ModelGeometry,
     gpu: Option<&serde_json::Value>,
+    copy: Option<&serde_json::Value>,
     guided: bool,
     results: &mut [serde_json::Value],
 ) -> serde_json::Value {
@@ -325,14 +333,33 @@ fn add_floor(
         .and_then(|g| g["name"].as_str())
         .unwrap_or_default()
         .to_string();
-    if !name.contains("H200") {
+    let measured = copy
+        .and_then(|c| c["bytes_per_s"].as_f64())
+        .filter(|r| *r > 0.0);
+    let (rate, source) = if name.contains("H200") {
+        (
+            H200_BYTES_PER_S,
+            "GPU.md: H200 device-to-device copy rate".to_string(),
+        )
+    } else if let Some(r) = measured {
+        let buf = copy.and_then(|c| c["buffer_bytes"].as_u64()).unwrap_or(0);
+        (
+            r,
+            format!(
+                "measured here at the bench's start: device-to-device copies between two {} MiB \
+                 buffers, bytes read + written, median (GPU.md has no figure for {name})",
+                buf >> 20
+            ),
+        )
+    } else {
         return json!({"note": format!(
-            "no bandwidth figure for this device ({}); GPU.md measures the H200 only",
+            "no bandwidth figure for this device ({}): GPU.md measures the H200 only, and the \
+             copy rate could not be measured here",
             if name.is_empty() { "host memory" } else { name.as_str() })});
-    }
+    };
     for r in results.iter_mut() {
         let lanes = r["lanes"].as_u64().unwrap_or(1) as usize;
-        if let Some(f) = floor_frames_per_s(geom, lanes, H200_BYTES_PER_S) {
+        if let Some(f) = floor_frames_per_s(geom, lanes, rate) {
             r["floor_frames_per_s"] = json!(f);
             if let Some(d) = r["decode_frames_per_s_median"].as_f64() {
                 r["decode_fraction_of_floor"] = json!(d / f);
@@ -341,8 +368,9 @@ fn add_floor(
     }
     let one = geom.frame_read_bytes(1).ok();
     json!({
-        "bandwidth_bytes_per_s": H200_BYTES_PER_S,
-        "bandwidth_source": "GPU.md: H200 device-to-device copy rate",
+        "bandwidth_bytes_per_s": rate,
+        "bandwidth_source": source,
+        "measured_copy": copy,
         "frame_bytes_one_lane": one.map(|b| b.total()),
         "one_lane_bytes": one,
         "method": "DRAMA3.md section 5: dense BF16 weights once per round, plus the routed experts \
@@ -441,6 +469,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ..Default::default()
     };
     let cuda = matches!(a.backend, crate::cli::BackendArg::Cuda);
+    // The copy rate first (its buffers are freed before the baseline): the floor of a device
+    // GPU.md has no figure for.
+    let copy = if cuda {
+        speech::device_copy_rate(COPY_BUFFER_BYTES, COPY_REPS)
+    } else {
+        None
+    };
     // Taken before the engine exists, so the engine's share is what the peak adds to it.
     let baseline = if cuda {
         speech::device_memory_used()
@@ -575,6 +610,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         add_floor(
             eng.geometry(),
             gpu.as_ref(),
+            copy.as_ref(),
             a.cfg_gamma != 0.0,
             &mut results,
         )
@@ -712,14 +748,14 @@ mod tests {
     }
 
     #[test]
-    fn the_floor_is_the_section_5_bytes_over_the_h200_rate() {
+    fn the_floor_is_the_section_5_bytes_over_the_copy_rate() {
         let g = admission::geometry::ModelGeometry::drama3();
         let gpu = json!({"name": "NVIDIA H200", "cuda_driver": "13.0"});
         let mut results = vec![
             json!({"lanes": 1, "decode_frames_per_s_median": 72.3}),
             json!({"lanes": 32, "decode_frames_per_s_median": 350.0}),
         ];
-        let floor = add_floor(&g, Some(&gpu), false, &mut results);
+        let floor = add_floor(&g, Some(&gpu), None, false, &mut results);
         // 5.95 GB of weights and 0.13 GB of state at 4.3 TB/s: about 707 frames/s for one stream
         let one = results[0]["floor_frames_per_s"].as_f64().unwrap();
         assert!((one - 707.5).abs() < 2.0, "{one}");
@@ -731,13 +767,42 @@ mod tests {
         // 5.9458 GB of weights + 0.1317 GB of state
         let bytes = floor["frame_bytes_one_lane"].as_f64().unwrap();
         assert!((bytes / 1e9 - 6.0775).abs() < 0.001, "{bytes}");
-        // no bandwidth figure, no floor
+        // the H200 keeps GPU.md's figure; a measured rate is recorded beside it
+        let copy = json!({"bytes_per_s": 2.0e12, "buffer_bytes": 512u64 << 20, "runs_s": [1e-3]});
+        let mut again = vec![json!({"lanes": 1, "decode_frames_per_s_median": 72.3})];
+        let f = add_floor(&g, Some(&gpu), Some(&copy), false, &mut again);
+        assert_eq!(f["bandwidth_bytes_per_s"].as_f64(), Some(4.3e12));
+        assert_eq!(f["measured_copy"]["bytes_per_s"].as_f64(), Some(2.0e12));
+        assert_eq!(
+            again[0]["floor_frames_per_s"],
+            results[0]["floor_frames_per_s"]
+        );
+        // another device: the floor from the measured rate, in proportion to it
+        let l4 = json!({"name": "NVIDIA L4"});
         let mut other = vec![json!({"lanes": 1, "decode_frames_per_s_median": 10.0})];
-        let f = add_floor(&g, Some(&json!({"name": "NVIDIA L4"})), false, &mut other);
+        let f = add_floor(&g, Some(&l4), Some(&copy), false, &mut other);
+        assert_eq!(f["bandwidth_bytes_per_s"].as_f64(), Some(2.0e12));
+        assert!(f["bandwidth_source"].as_str().unwrap().contains("512 MiB"));
+        let measured = other[0]["floor_frames_per_s"].as_f64().unwrap();
+        assert!((measured / one - 2.0 / 4.3).abs() < 1e-9, "{measured}");
+        assert!(
+            (other[0]["decode_fraction_of_floor"].as_f64().unwrap() - 10.0 / measured).abs()
+                < 1e-12
+        );
+        // no bandwidth figure and no measure, no floor
+        let mut other = vec![json!({"lanes": 1, "decode_frames_per_s_median": 10.0})];
+        let f = add_floor(&g, Some(&l4), None, false, &mut other);
         assert!(f["note"].as_str().unwrap().contains("L4"));
         assert!(other[0].get("floor_frames_per_s").is_none());
+        // a zero rate is no measure
+        let zero = json!({"bytes_per_s": 0.0, "buffer_bytes": 1});
+        let f = add_floor(&g, Some(&l4), Some(&zero), false, &mut other);
+        assert!(f["note"]
+            .as_str()
+            .unwrap()
+            .contains("could not be measured"));
         // guidance doubles the backbone rows: no floor rather than a wrong one
-        let f = add_floor(&g, Some(&gpu), true, &mut other);
+        let f = add_floor(&g, Some(&gpu), Some(&copy), true, &mut other);
         assert!(f["note"].as_str().unwrap().contains("guidance"));
         assert!(other[0].get("floor_frames_per_s").is_none());
     }

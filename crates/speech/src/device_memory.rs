@@ -87,6 +87,29 @@ pub fn device_facts() -> Option<serde_json::Value> {
     }
 }
 
+/// Device 0's measured device-to-device copy rate for receipts: `bytes_per_s` (bytes read plus
+/// written, the median), the buffer size and every timed copy's seconds; `None` without the
+/// `cuda` feature, a usable driver or room for two buffers of `bytes`.
+pub fn device_copy_rate(bytes: usize, reps: usize) -> Option<serde_json::Value> {
+    #[cfg(feature = "cuda")]
+    {
+        backend_cuda::memwatch::copy_rate(bytes, reps)
+            .ok()
+            .map(|c| {
+                serde_json::json!({
+                    "bytes_per_s": c.bytes_per_s,
+                    "buffer_bytes": c.buffer_bytes,
+                    "runs_s": c.runs_s,
+                })
+            })
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (bytes, reps);
+        None
+    }
+}
+
 /// The highest device memory figure seen while a [`DevicePeakSampler`] ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DevicePeak {

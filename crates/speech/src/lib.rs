@@ -15,8 +15,8 @@ pub mod voices;
 
 pub use api::*;
 pub use device_memory::{
-    device_facts, device_memory_used, device_pool_used, reset_device_pool_high, DevicePeak,
-    DevicePeakSampler,
+    device_copy_rate, device_facts, device_memory_used, device_pool_used, reset_device_pool_high,
+    DevicePeak, DevicePeakSampler,
 };
 pub use engine::{
     BackendChoice, CfgOptions, CodecCounts, Engine, EngineOptions, EngineStats, JobHandle,
