@@ -47,8 +47,8 @@ const TAB_FP8: usize = 6;
 const TAB_NVFP4: usize = 9;
 /// Most rows of one grid.y.
 const MAX_GRID_Y: usize = 65_535;
-/// Rows from which a lane's GDN prefill call runs `gdn_chunk` by default: the prompts the
-/// engine prefills alone (joined prompts are shorter than the default `gemm_min_rows`, 512).
+/// Rows from which a lane's GDN prefill call runs `gdn_chunk` by default, each lane of a call
+/// by its own row count (so a prompt keeps its bits joined or alone).
 /// Measured on an H100 (NOTES.md session 28): the 1024- and 8192-row prefills 3-4% faster;
 /// 32 lanes of 64-row prompts chunked from 64 rows 2% slower in all (each lane adds 4 blocks
 /// a value head of 158 KB of shared memory, one a multiprocessor at a time).
@@ -718,10 +718,13 @@ pub struct CudaOptions {
     /// From this many query rows of one lane on (a prefill), attention runs the tiled
     /// flash-style kernel (head dims a multiple of 32 up to 256).
     pub flash_min_rows: usize,
-    /// From this many rows of one lane (`Rows::Bulk`) on, BF16 linears run the tiled GEMM and
-    /// FP8 routed experts are grouped by expert (gemm.cu) instead of per-row GEMVs. Below a few
-    /// hundred rows the 64-row tiles are mostly empty (about 8 rows per expert at 256 rows)
-    /// and the GEMVs, which read the weights once per 8 rows, are faster (NOTES.md).
+    /// From this many rows of one lane (`Rows::Bulk`) on, BF16 linears run the tiled FMA GEMM
+    /// and FP8 routed experts the grouped FMA tiles (gemm.cu) instead of the row-invariant
+    /// tensor-core GEMVs and experts (`DRAMATIS_CUDA_GEMM_MIN=ROWS`). Never by default: on an
+    /// H100 (session 29) the GEMVs' tiles prefilled 1024 rows in 0.297 s against the FMA
+    /// tiles' 0.454, 8192 in 2.838 against 3.616 (the FMA tiles were faster below a few hundred
+    /// rows only before the tensor-core tiles, NOTES.md). Every prompt then keeps the joined
+    /// kernels' bits at any length, so prompts up to the prefill chunk can join.
     pub gemm_min_rows: usize,
     /// Routed experts of a `Rows::Bulk` call run grouped by expert from this many rows
     /// (`DRAMATIS_CUDA_GROUP_MIN`, default `gemm_min_rows`): apart from the dense threshold so
@@ -761,7 +764,9 @@ pub struct CudaOptions {
     pub gemv_tile_min: usize,
     /// Where `gemv_tt*` would run, `gemv_tw*` instead: `gemv_ts`'s 64 x 32 tiles of four
     /// cp.async-fed warps, each block walking all of K, the same bits
-    /// (`DRAMATIS_CUDA_GEMV_WALK=1`; off until measured).
+    /// (`DRAMATIS_CUDA_GEMV_WALK=0` turns it off). On an H100 (session 29) the contract passed
+    /// bitwise, `gemvbench` ran the prompts' shapes 16-36% faster at 64-512 rows, a 100-row first
+    /// audio from nothing 0.0781 -> 0.0744 s; 32 lanes even.
     pub gemv_walk: bool,
     /// Fewest `gemv_tt` blocks (64 x 64 tiles) for it to run (`DRAMATIS_CUDA_GEMV_TILE_BLOCKS`,
     /// default `TT_MIN_BLOCKS`): a tile walks all of K in one block, so a few tiles leave most of
@@ -877,7 +882,7 @@ impl CudaOptions {
     /// `DRAMATIS_CUDA_KV=f32|bf16` (default f32: BF16 K/V fails the fixture's 1e-3 logits
     /// tolerance and drifts at Drama 3 geometry, see NOTES.md), `DRAMATIS_CUDA_SPLIT_MIN`
     /// (1, the default: always the split-key decode; any other value: never),
-    /// `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default 512).
+    /// `DRAMATIS_CUDA_FLASH_MIN` (default 2), `DRAMATIS_CUDA_GEMM_MIN` (default never).
     pub fn from_env() -> Self {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -890,7 +895,7 @@ impl CudaOptions {
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(default)
         };
-        let gemm_min = num("DRAMATIS_CUDA_GEMM_MIN", 512);
+        let gemm_min = num("DRAMATIS_CUDA_GEMM_MIN", usize::MAX);
         CudaOptions {
             kv_f32: !get("DRAMATIS_CUDA_KV").is_some_and(|v| v.eq_ignore_ascii_case("bf16")),
             // 1 (always split) or never: a threshold between would pick a lane's kernel by the
@@ -913,7 +918,7 @@ impl CudaOptions {
                 n => n,
             },
             gemv_tile_blocks: num("DRAMATIS_CUDA_GEMV_TILE_BLOCKS", TT_MIN_BLOCKS),
-            gemv_walk: get("DRAMATIS_CUDA_GEMV_WALK").is_some_and(|v| v.trim() == "1"),
+            gemv_walk: get("DRAMATIS_CUDA_GEMV_WALK").is_none_or(|v| v.trim() != "0"),
             gemv_slabs: get("DRAMATIS_CUDA_GEMV_SLABS").is_none_or(|v| v.trim() != "0"),
             gemv_split_min: match num("DRAMATIS_CUDA_GEMV_SPLIT_MIN", 17) {
                 0 => usize::MAX,
@@ -5062,7 +5067,7 @@ mod tests {
         assert!(d.decode_head_split && !one("DRAMATIS_CUDA_HEAD_SPLIT", "0").decode_head_split);
         assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
         assert_eq!(d.gdn_chunk_min, GDN_CHUNK_MIN);
-        assert!(!d.gemv_walk && one("DRAMATIS_CUDA_GEMV_WALK", "1").gemv_walk);
+        assert!(d.gemv_walk && !one("DRAMATIS_CUDA_GEMV_WALK", "0").gemv_walk);
         assert_eq!(
             one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "0").gdn_chunk_min,
             usize::MAX
@@ -5163,7 +5168,7 @@ mod tests {
                 d.gemm_min_rows,
                 d.group_min_rows
             ),
-            (1, 2, 512, 512)
+            (1, 2, usize::MAX, usize::MAX)
         );
         // the experts' threshold follows the dense one unless set apart
         let g = |a: &'static str, b: Option<&'static str>| {
@@ -5197,7 +5202,7 @@ mod tests {
         assert!(!o.kv_f32);
         assert_eq!(
             (o.split_min_keys, o.flash_min_rows, o.gemm_min_rows),
-            (usize::MAX, 7, 512)
+            (usize::MAX, 7, usize::MAX)
         );
     }
 }

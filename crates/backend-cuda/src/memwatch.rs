@@ -130,7 +130,9 @@ pub fn copy_rate(bytes: usize, reps: usize) -> Result<CopyRate> {
     copy()?;
     let mut runs_s = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
-        let (a, b) = (ctx.new_event(None)?, ctx.new_event(None)?);
+        // timed events (cudarc's default disables timing)
+        let timed = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
+        let (a, b) = (timed()?, timed()?);
         a.record(&stream)?;
         copy()?;
         b.record(&stream)?;

@@ -355,7 +355,8 @@ fn add_floor(
         return json!({"note": format!(
             "no bandwidth figure for this device ({}): GPU.md measures the H200 only, and the \
              copy rate could not be measured here",
-            if name.is_empty() { "host memory" } else { name.as_str() })});
+            if name.is_empty() { "host memory" } else { name.as_str() }),
+            "measured_copy": copy});
     };
     for r in results.iter_mut() {
         let lanes = r["lanes"].as_u64().unwrap_or(1) as usize;
@@ -472,7 +473,18 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // The copy rate first (its buffers are freed before the baseline): the floor of a device
     // GPU.md has no figure for.
     let copy = if cuda {
-        speech::device_copy_rate(COPY_BUFFER_BYTES, COPY_REPS)
+        match speech::device_copy_rate(COPY_BUFFER_BYTES, COPY_REPS) {
+            Ok(c) => {
+                if let Some(r) = c["bytes_per_s"].as_f64() {
+                    eprintln!("device copy rate: {:.2} TB/s (read + written)", r / 1e12);
+                }
+                Some(c)
+            }
+            Err(e) => {
+                eprintln!("device copy rate not measured: {e}");
+                Some(json!({ "error": e }))
+            }
+        }
     } else {
         None
     };

@@ -88,13 +88,12 @@ pub fn device_facts() -> Option<serde_json::Value> {
 }
 
 /// Device 0's measured device-to-device copy rate for receipts: `bytes_per_s` (bytes read plus
-/// written, the median), the buffer size and every timed copy's seconds; `None` without the
-/// `cuda` feature, a usable driver or room for two buffers of `bytes`.
-pub fn device_copy_rate(bytes: usize, reps: usize) -> Option<serde_json::Value> {
+/// written, the median), the buffer size and every timed copy's seconds; an error that says why
+/// not (no `cuda` feature, no usable driver, no room for two buffers of `bytes`).
+pub fn device_copy_rate(bytes: usize, reps: usize) -> Result<serde_json::Value, String> {
     #[cfg(feature = "cuda")]
     {
         backend_cuda::memwatch::copy_rate(bytes, reps)
-            .ok()
             .map(|c| {
                 serde_json::json!({
                     "bytes_per_s": c.bytes_per_s,
@@ -102,11 +101,12 @@ pub fn device_copy_rate(bytes: usize, reps: usize) -> Option<serde_json::Value> 
                     "runs_s": c.runs_s,
                 })
             })
+            .map_err(|e| e.to_string())
     }
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (bytes, reps);
-        None
+        Err("this build has no CUDA backend".into())
     }
 }
 
