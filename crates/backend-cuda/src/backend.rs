@@ -5145,10 +5145,19 @@ mod tests {
             bf16_gemv_grid(&d, 65, 2048, 2048),
             ("gemv_tc2_g4_v2", (128, 3, 1))
         );
-        assert_eq!(bf16_gemv_grid(&d, 64, 2048, 8192).0, "gemv_tt");
-        // the 64-row tiles keep their own row tiles
+        assert_eq!(bf16_gemv_grid(&d, 64, 2048, 8192).0, "gemv_tw");
+        // the walking tiles are 32 rows a block; the 64-row tiles (walk off) keep their own
         assert_eq!(
             bf16_gemv_grid(&d, 130, 2048, 12288),
+            ("gemv_tw", (192, 5, 1))
+        );
+        let tt = CudaOptions {
+            gemv_walk: false,
+            ..d
+        };
+        assert_eq!(bf16_gemv_grid(&tt, 64, 2048, 8192).0, "gemv_tt");
+        assert_eq!(
+            bf16_gemv_grid(&tt, 130, 2048, 12288),
             ("gemv_tt", (192, 3, 1))
         );
         assert_eq!(one("DRAMATIS_CUDA_MOE_TC_WARPS", "16").moe_tc_warps, 16);
