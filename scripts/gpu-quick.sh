@@ -26,6 +26,7 @@
 #   prompts' `gemv_tt`), and the backend ops' device time (`DRAMATIS_CUDA_PROFILE=gpu`, graphs
 #   off) of 32 lanes' joined prefills and rounds (with the rounds apart: 10 frames less 2), and of
 #   one lane with a 1024-row prefill.
+# BENCH_PREFILL=LIST (optional) the bench step's prefill rows (default 1024).
 # Writes summary.txt and logs.tgz under $OUT (the device tool brings back few files).
 set -u
 bins=${1:?usage: scripts/gpu-quick.sh BIN_DIR [CONTRACT_PATTERN]}
@@ -187,7 +188,7 @@ if [ -x "$bins/parity" ]; then
   done
 fi
 if run 200 bench "$D" bench --model /tmp/d3 --backend cuda --lanes 1,8,32 --frames 64 --runs 3 \
-  --prefill-rows 1024 --out "$L/bench.json"; then
+  --prefill-rows "${BENCH_PREFILL:-1024}" --out "$L/bench.json"; then
   python3 - "$L/bench.json" >> "$S" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -199,7 +200,7 @@ for r in d["results"]:
           f"{r['time_to_first_audio_s_median']:.3f} s, codec after the last frame "
           f"{r['after_last_frame_s_median']:.3f} s, codec busy {c.get('busy_fraction_of_runs') or 0:.2f}")
 PY
-  grep -E '^device (memory|state)|prefill' "$L/bench.log" | head -4 >> "$S"
+  grep -E '^device (memory|state|copy)|prefill' "$L/bench.log" | head -6 >> "$S"
   cp "$L/bench.json" "$out/" 2>/dev/null
 fi
 # first audio of prompts with a reference, prefix cached and prefilled from nothing: the bench
