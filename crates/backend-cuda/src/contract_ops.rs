@@ -848,20 +848,22 @@ fn tt_opts(tile: usize, walk: bool) -> CudaOptions {
 
 /// The `gemv_tt` case's (outputs, K, rows): rows past one tile and not a multiple of 64,
 /// outputs not a multiple of 64, K with an uneven last chunk (1088) and 384-key chunks (6144).
-const GEMV_TT_SHAPES: [(usize, usize, usize); 6] = [
+const GEMV_TT_SHAPES: [(usize, usize, usize); 7] = [
     (2050, 4096, 70),
     (300, 2048, 130),
     (96, 6144, 65),
     (2048, 512, 64),
     (70, 1088, 100),
     (40, 8192, 67),
+    // a long prompt's rows (every prompt takes the tiles since session 29): 33 row tiles of 32
+    (200, 2048, 1037),
 ];
 
 /// `gemv_tt*` (many rows in 64 x 64 tiles): against FP64 with its twins, and bit for bit the
 /// `gemv_tc2_*` kernels it stands in for (plain, silu- and sigmoid-gated input, several weights
 /// in one launch), every row equal to its one-row launch. Rows past one tile and not a multiple
 /// of 64, outputs not a multiple of 64, K with an uneven last chunk (1088) and with 384-key
-/// chunks (6144).
+/// chunks (6144), and a long prompt's 1037 rows.
 pub(super) fn gemv_tt(c: &mut Ctx) -> Result<()> {
     tiles(c, false)
 }
