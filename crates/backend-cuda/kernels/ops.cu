@@ -392,13 +392,16 @@ extern "C" __global__ void rmsnorm_rope(const float* __restrict__ x, const float
 // Appends t rows per lane: cache[kvh, len + r, d] = k/v[(lane * t + r), kvh * hd + d].
 // Cache [nkv, cap, hd] in bf16 (round to nearest even) or f32. Grid (t * nkv, lanes).
 // PLANT 1: v rows go to the K cache too. LOWP (bf16): truncates instead of rounding;
-// (f32): rounds to bf16.
-extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
-                                          int t, int nkv, int hd, long long cap) {
+// (f32): rounds to bf16. The `_rows` forms append a joined call's lanes: lane L's len[L] rows
+// from row start[L] (`RowTab`; grid (max t * nkv, lanes)).
+__device__ __forceinline__ void kv_append_bf16_body(const KvTab& tab, const float* __restrict__ k,
+                                                    const float* __restrict__ v, long long row0, int t, int nkv,
+                                                    int hd) {
     int lane = blockIdx.y;
-    cap = tab.cap[lane];
+    long long cap = tab.cap[lane];
     int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
-    long long row = (long long)lane * t + r;
+    if (r >= t) return;  // a joined call's shorter lane
+    long long row = row0 + r;
     bf16_t* kc = (bf16_t*)tab.k[lane];
     bf16_t* vc = (bf16_t*)tab.v[lane];
     long long dst = ((long long)kvh * cap + tab_len(tab, lane) + r) * hd;
@@ -418,12 +421,14 @@ extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k
     }
 }
 
-extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
-                                         int t, int nkv, int hd, long long cap) {
+__device__ __forceinline__ void kv_append_f32_body(const KvTab& tab, const float* __restrict__ k,
+                                                   const float* __restrict__ v, long long row0, int t, int nkv,
+                                                   int hd) {
     int lane = blockIdx.y;
-    cap = tab.cap[lane];
+    long long cap = tab.cap[lane];
     int r = blockIdx.x / nkv, kvh = blockIdx.x % nkv;
-    long long row = (long long)lane * t + r;
+    if (r >= t) return;  // a joined call's shorter lane
+    long long row = row0 + r;
     float* kc = (float*)tab.k[lane];
     float* vc = (float*)tab.v[lane];
     long long dst = ((long long)kvh * cap + tab_len(tab, lane) + r) * hd;
@@ -436,6 +441,26 @@ extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k,
         kc[dst + d] = lowp(ks[d]);
         vc[dst + d] = lowp(vs[d]);
     }
+}
+
+extern "C" __global__ void kv_append_bf16(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
+                                          int t, int nkv, int hd, long long cap) {
+    kv_append_bf16_body(tab, k, v, (long long)blockIdx.y * t, t, nkv, hd);
+}
+
+extern "C" __global__ void kv_append_f32(KvTab tab, const float* __restrict__ k, const float* __restrict__ v,
+                                         int t, int nkv, int hd, long long cap) {
+    kv_append_f32_body(tab, k, v, (long long)blockIdx.y * t, t, nkv, hd);
+}
+
+extern "C" __global__ void kv_append_rows_bf16(KvTab tab, RowTab rt, const float* __restrict__ k,
+                                               const float* __restrict__ v, int nkv, int hd) {
+    kv_append_bf16_body(tab, k, v, rt.start[blockIdx.y], rt.len[blockIdx.y], nkv, hd);
+}
+
+extern "C" __global__ void kv_append_rows_f32(KvTab tab, RowTab rt, const float* __restrict__ k,
+                                              const float* __restrict__ v, int nkv, int hd) {
+    kv_append_f32_body(tab, k, v, rt.start[blockIdx.y], rt.len[blockIdx.y], nkv, hd);
 }
 
 // ---------------------------------------------------------------- generic causal attention
@@ -557,7 +582,7 @@ __device__ __forceinline__ float4 kv_load4(const bf16_t* p, long long i) {
 // rounded to bf16.
 template <typename T>
 __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, float* __restrict__ out,
-                                int t, int nh, int nkv, int hd, long long cap, float scale) {
+                                long long row0, int t, int nh, int nkv, int hd, long long cap, float scale) {
     extern __shared__ __align__(16) float fsm[];
     const int ld = hd + 4, lp = FK + 1;
     float* Qs = fsm;
@@ -568,6 +593,7 @@ __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, f
     cap = tab.cap[lane_id];
     int kvh = h / (nh / nkv);
     long long q0 = (long long)(gridDim.x - 1 - blockIdx.x) * FQ;
+    if (q0 >= t) return;  // past a joined call's shorter lane (the whole block)
     int tid = threadIdx.x, ty = tid >> 3, tx = tid & 7;
     long long base = tab_len(tab, lane_id);
     const T* kb = (const T*)tab.k[lane_id] + (long long)kvh * cap * hd;
@@ -575,7 +601,7 @@ __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, f
     for (int i = tid; i < FQ * hd; i += blockDim.x) {
         int r = i / hd, d = i % hd;
         long long row = q0 + r;
-        Qs[r * ld + d] = row < t ? lowp(q[(((long long)lane_id * t + row) * nh + h) * hd + d]) : 0.0f;
+        Qs[r * ld + d] = row < t ? lowp(q[((row0 + row) * nh + h) * hd + d]) : 0.0f;
     }
     long long rows_here = t - q0 < FQ ? t - q0 : FQ;
     long long kend = base + q0 + rows_here;  // exclusive key limit of the block's last row
@@ -681,7 +707,7 @@ __device__ void attn_flash_body(const KvTab& tab, const float* __restrict__ q, f
         long long row = q0 + ty + 16 * i;
         if (row >= t) continue;
         float inv = 1.0f / l[i];
-        float* o = out + (((long long)lane_id * t + row) * nh + h) * hd;
+        float* o = out + ((row0 + row) * nh + h) * hd;
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             if (jj < nj) {
@@ -697,14 +723,34 @@ extern "C" __global__ void __launch_bounds__(128) attn_flash_bf16(KvTab tab, con
                                                                    float* __restrict__ out, int t, int nh,
                                                                    int nkv, int hd, long long cap,
                                                                    float scale) {
-    attn_flash_body<bf16_t>(tab, q, out, t, nh, nkv, hd, cap, scale);
+    attn_flash_body<bf16_t>(tab, q, out, (long long)blockIdx.z * t, t, nh, nkv, hd, cap, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attn_flash_f32(KvTab tab, const float* __restrict__ q,
                                                                   float* __restrict__ out, int t, int nh,
                                                                   int nkv, int hd, long long cap,
                                                                   float scale) {
-    attn_flash_body<float>(tab, q, out, t, nh, nkv, hd, cap, scale);
+    attn_flash_body<float>(tab, q, out, (long long)blockIdx.z * t, t, nh, nkv, hd, cap, scale);
+}
+
+// A joined prefill call's lanes in one launch: lane L (blockIdx.z) its len[L] rows from row
+// start[L] (`RowTab`); grid (ceil(max t / FQ), nh, lanes), the blocks past a lane's rows exit. A lane's
+// blocks are those of its own launch (the same FQ tiles from its row 0, the same key limits),
+// so its bits too.
+extern "C" __global__ void __launch_bounds__(128) attn_flash_rows_bf16(KvTab tab, RowTab rt,
+                                                                        const float* __restrict__ q,
+                                                                        float* __restrict__ out, int nh,
+                                                                        int nkv, int hd, long long cap,
+                                                                        float scale) {
+    attn_flash_body<bf16_t>(tab, q, out, rt.start[blockIdx.z], rt.len[blockIdx.z], nh, nkv, hd, cap, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_flash_rows_f32(KvTab tab, RowTab rt,
+                                                                       const float* __restrict__ q,
+                                                                       float* __restrict__ out, int nh,
+                                                                       int nkv, int hd, long long cap,
+                                                                       float scale) {
+    attn_flash_body<float>(tab, q, out, rt.start[blockIdx.z], rt.len[blockIdx.z], nh, nkv, hd, cap, scale);
 }
 
 // ---------------------------------------------------------------- split-key decode

@@ -812,6 +812,11 @@ pub struct CudaOptions {
     /// prompt into the same calls whether its reference prefix is cached or not, so a cache hit
     /// keeps the uncached bits.
     pub gdn_chunk_min: usize,
+    /// A joined prefill's attention in one launch for all its lanes (`attn_flash_rows_*` and
+    /// `kv_append_rows_*`: each lane the bits of its own launch) instead of a launch per lane
+    /// with its rows split out and the outputs joined (`DRAMATIS_CUDA_ATTN_JOINED=1`; off until
+    /// measured on a device).
+    pub attn_joined: bool,
     /// Frame rounds stay on the device (draws there, one download per round):
     /// `DRAMATIS_CUDA_ROUNDS=host` draws on the host after each head instead.
     pub kept_rounds: bool,
@@ -933,6 +938,7 @@ impl CudaOptions {
                 0 => usize::MAX,
                 n => n,
             },
+            attn_joined: get("DRAMATIS_CUDA_ATTN_JOINED").is_some_and(|v| v.trim() == "1"),
             kept_rounds: get("DRAMATIS_CUDA_ROUNDS").is_none_or(|v| v.trim() != "host"),
             graphs: get("DRAMATIS_CUDA_GRAPH").is_none_or(|v| v.trim() != "0"),
             decode_head_split: get("DRAMATIS_CUDA_HEAD_SPLIT").is_none_or(|v| v.trim() != "0"),
@@ -2643,6 +2649,86 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// A joined prefill's attention for up to `MAX_LANES` lanes in two launches: lane i's
+    /// `lens[i]` rows (one lane after another from row `row0` of `q`, `k`, `v` and `out`)
+    /// appended to `caches[i]` (`kv_append_rows_*`), then attended causally
+    /// (`attn_flash_rows_*`). The caller checked that each lane alone takes the flash kernel.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_rows(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        d: &AttnDims,
+        caches: &mut [&mut CudaKv],
+        lens: &[usize],
+        row0: usize,
+        out: &CudaBuf,
+    ) -> BResult<()> {
+        let op = "attention";
+        let lanes = caches.len();
+        let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
+        let cap = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
+        let f32kv = caches[0].f32;
+        let mut tab = KvTab::empty();
+        for (i, (c, &t)) in caches.iter().zip(lens).enumerate() {
+            if c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
+                return Err(shape_err(
+                    op,
+                    "lanes of one call must share the cache layout (precision, kv heads, head dim)"
+                        .into(),
+                ));
+            }
+            check::kv_room(c.len, t, c.capacity)?;
+            tab.k[i] = c.k.ptr;
+            tab.v[i] = c.v.ptr;
+            tab.len[i] = i64v(op, c.len)?;
+            tab.cap[i] = i64v(op, c.capacity)?;
+        }
+        let rt = RowTab::of(op, lens)?;
+        let most = lens.iter().copied().max().unwrap_or(0);
+        let rows: usize = lens.iter().sum();
+        let (nkv32, hd32) = (i32v(op, nkv)?, i32v(op, hd)?);
+        let (kp, vp) = (k.row_ptr(row0)?, v.row_ptr(row0)?);
+        let (qp, op_) = (q.row_ptr(row0)?, out.row_ptr(row0)?);
+        let app = if f32kv {
+            "kv_append_rows_f32"
+        } else {
+            "kv_append_rows_bf16"
+        };
+        let grid_app = (u32v("kv append", most * nkv)?, u32v("kv append", lanes)?, 1);
+        go!(self, Source::Ops, app, grid_app, 128, 0; &tab, &rt, &kp, &vp, &nkv32, &hd32);
+        let p = kernels::plan_flash_rows(most, rows, nh, lanes, hd, cap, f32kv).map_err(dev)?;
+        let f = self.optin_func(Source::Ops, &p)?;
+        let nh32 = i32v(op, nh)?;
+        let cap64 = i64v(op, cap)?;
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let cfg = p.cfg().map_err(dev)?;
+        // SAFETY: the arguments match attn_flash_rows_{f32,bf16} in kernels/ops.cu; every lane's
+        // cache was checked to hold its len + lens[i] rows of this layout, and q/out hold `rows`
+        // rows from row0 (the caller's checks).
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&f)
+                .arg(&tab)
+                .arg(&rt)
+                .arg(&qp)
+                .arg(&op_)
+                .arg(&nh32)
+                .arg(&nkv32)
+                .arg(&hd32)
+                .arg(&cap64)
+                .arg(&scale)
+                .launch(cfg)
+        }
+        .map_err(dev)?;
+        for (c, &t) in caches.iter_mut().zip(lens) {
+            c.len += t;
+        }
+        Ok(())
+    }
+
     /// Writes K/V rows `[rows, kv_heads · head_dim]` into an f32 cache from position 0 and sets
     /// its length to `rows` (the contract fills long caches this way, without a prefill).
     pub fn kv_fill_f32(&self, kv: &mut CudaKv, k: &[f32], v: &[f32]) -> BResult<()> {
@@ -3843,6 +3929,47 @@ impl Backend for CudaBackend {
         }
         self.attend(q, k, v, d, &mut [cache], q.rows, 0, &out, None)?;
         Ok(out)
+    }
+
+    fn attn_prefill_lanes(
+        &self,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        d: &AttnDims,
+        caches: &mut [&mut CudaKv],
+        lens: &[usize],
+    ) -> BResult<Option<CudaBuf>> {
+        // only where every lane alone takes the flash kernel (`attend`), so each keeps its bits
+        let flash = kernels::flash_fits(d.head_dim)
+            && lens.iter().all(|&t| t >= self.opts.flash_min_rows.max(1));
+        if !self.opts.attn_joined || lens.len() < 2 || !flash {
+            return Ok(None);
+        }
+        let _p = self.prof.guard("attn_prefill");
+        if lens.len() != caches.len() {
+            return Err(shape_err(
+                "attn_prefill_lanes",
+                format!("{} row counts for {} lanes", lens.len(), caches.len()),
+            ));
+        }
+        let rows: usize = lens.iter().sum();
+        for c in caches.iter() {
+            check_attn(q, k, v, d, c)?;
+        }
+        if q.rows != rows {
+            return Err(shape_err(
+                "attn_prefill_lanes",
+                format!("{} query rows for lanes of {rows} rows in all", q.rows),
+            ));
+        }
+        let out = self.buf(rows, d.q_heads * d.head_dim)?;
+        let mut row0 = 0;
+        for (chunk, ls) in caches.chunks_mut(MAX_LANES).zip(lens.chunks(MAX_LANES)) {
+            self.attend_rows(q, k, v, d, chunk, ls, row0, &out)?;
+            row0 += ls.iter().sum::<usize>();
+        }
+        Ok(Some(out))
     }
 
     fn attn_step(
@@ -5068,6 +5195,7 @@ mod tests {
         assert!(d.gdn_fused && !one("DRAMATIS_CUDA_GDN_FUSED", "0").gdn_fused);
         assert_eq!(d.gdn_chunk_min, GDN_CHUNK_MIN);
         assert!(d.gemv_walk && !one("DRAMATIS_CUDA_GEMV_WALK", "0").gemv_walk);
+        assert!(!d.attn_joined && one("DRAMATIS_CUDA_ATTN_JOINED", "1").attn_joined);
         assert_eq!(
             one("DRAMATIS_CUDA_GDN_CHUNK_MIN", "0").gdn_chunk_min,
             usize::MAX

@@ -265,6 +265,7 @@ const REGISTRY: &[(&str, KernelFn)] = &[
     ("kv_append_bf16_f32", ops::kv_append),
     ("attn_generic_bf16_f32", ops::attn_generic),
     ("attn_flash_prefill", ops::attn_flash),
+    ("attn_flash_joined", ops::attn_flash_joined),
     ("attn_decode_split_f32_bf16", ops::attn_decode_split),
     ("gdn_conv_rows", ops::conv_rows),
     ("gdn_delta_rule_rows", ops::delta_rule),

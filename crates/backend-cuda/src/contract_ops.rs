@@ -41,6 +41,8 @@ fn base_opts(kv_f32: bool) -> CudaOptions {
         gdn_fused: d.gdn_fused,
         // the recurrence unless a case asks for the chunked form
         gdn_chunk_min: usize::MAX,
+        // a launch per lane unless a case asks for the joined attention
+        attn_joined: false,
         kept_rounds: true,
         graphs: true,
         decode_head_split: false,
@@ -1898,6 +1900,185 @@ pub(super) fn attn_flash(c: &mut Ctx) -> Result<()> {
                 if f32kv { "f32" } else { "bf16" }
             ),
             crate::kernels::plan_flash(rows, 16, 1, hd, 262_144, f32kv),
+        );
+    }
+    Ok(())
+}
+
+/// The joined prefill's attention (`attn_prefill_lanes`: `kv_append_rows_*` then
+/// `attn_flash_rows_*`, two launches for all the lanes): lanes of different lengths after
+/// different pasts against FP64 with the twins, every lane bitwise its own `attn_prefill`, the
+/// caches it leaves bitwise (a further per-lane prefill on them gives the same bits), and the
+/// launch-limit record at a 262144-row joined call.
+pub(super) fn attn_flash_joined(c: &mut Ctx) -> Result<()> {
+    // (heads, kv heads, head dim, f32 cache, each lane's (past, new rows))
+    type Lanes = &'static [(usize, usize)];
+    let cases: [(usize, usize, usize, bool, Lanes); 2] = [
+        (4, 2, 32, true, &[(150, 45), (0, 2), (40, 70), (17, 33)]),
+        (16, 2, 256, false, &[(40, 100), (300, 33), (0, 64)]),
+    ];
+    for (nh, nkv, hd, f32kv, lanes) in cases {
+        let d = dims(nh, nkv, hd);
+        let lens: Vec<usize> = lanes.iter().map(|l| l.1).collect();
+        let cases: Vec<PrefillCase> = lanes
+            .iter()
+            .map(|&(past, t)| PrefillCase::new(c, nh, nkv, hd, past, t, f32kv))
+            .collect();
+        let reference: Vec<f64> = cases.iter().flat_map(|p| p.reference.clone()).collect();
+        let tol = cases.iter().map(|p| p.tol).fold(0.0, f64::max);
+        let name = format!(
+            "{} cache, {nh}/{nkv} heads x {hd}, lanes of {lens:?} rows after {:?}, one joined call",
+            if f32kv { "f32" } else { "bf16" },
+            lanes.iter().map(|l| l.0).collect::<Vec<_>>()
+        );
+        let w = nkv * hd;
+        // 3 more rows a lane, the same for every run
+        let more: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..lanes.len())
+            .map(|_| {
+                (
+                    c.rng.normals_f32(3 * nh * hd, 1.0),
+                    c.rng.normals_f32(3 * w, 1.0),
+                    c.rng.normals_f32(3 * w, 1.0),
+                )
+            })
+            .collect();
+        // every lane's past prefilled alone, then (joined or lane by lane) its new rows; the
+        // outputs, and those of 3 more rows per lane prefilled alone on the caches it left
+        let run = |be: &CudaBackend, joined: bool| -> Result<(Vec<f32>, Vec<f32>, usize)> {
+            let mut kvs = Vec::new();
+            for p in &cases {
+                let t = p.q.len() / (nh * hd);
+                let mut kv = be.kv_new(p.past + t + 4, nkv, hd)?;
+                if p.past > 0 {
+                    be.attn_prefill(
+                        &be.upload(&p.q0, p.past, nh * hd)?,
+                        &be.upload(&p.k[..p.past * w], p.past, w)?,
+                        &be.upload(&p.v[..p.past * w], p.past, w)?,
+                        &d,
+                        &mut kv,
+                    )?;
+                }
+                kvs.push(kv);
+            }
+            let cat = |f: &dyn Fn(&PrefillCase) -> Vec<f32>| -> Vec<f32> {
+                cases.iter().flat_map(f).collect()
+            };
+            let q = cat(&|p| p.q.clone());
+            let k = cat(&|p| p.k[p.past * w..].to_vec());
+            let v = cat(&|p| p.v[p.past * w..].to_vec());
+            let rows: usize = lens.iter().sum();
+            let (qd, kd, vd) = (
+                be.upload(&q, rows, nh * hd)?,
+                be.upload(&k, rows, w)?,
+                be.upload(&v, rows, w)?,
+            );
+            let before = be.launch_count();
+            let out = if joined {
+                let mut refs: Vec<&mut crate::CudaKv> = kvs.iter_mut().collect();
+                be.attn_prefill_lanes(&qd, &kd, &vd, &d, &mut refs, &lens)?
+                    .ok_or(crate::error::CudaError::Shape {
+                        kernel: "attn_flash_rows",
+                        what: "the joined attention declined these lanes".into(),
+                    })?
+            } else {
+                let mut outs = Vec::new();
+                let mut at = 0;
+                for (kv, &t) in kvs.iter_mut().zip(&lens) {
+                    let part = |x: &CudaBuf| be.rows(x, at, t);
+                    outs.push(be.attn_prefill(&part(&qd)?, &part(&kd)?, &part(&vd)?, &d, kv)?);
+                    at += t;
+                }
+                let refs: Vec<&CudaBuf> = outs.iter().collect();
+                be.concat_rows(&refs)?
+            };
+            let launches = be.launch_count() - before;
+            let mut after = Vec::new();
+            for (kv, (q3, k3, v3)) in kvs.iter_mut().zip(&more) {
+                let o = be.attn_prefill(
+                    &be.upload(q3, 3, nh * hd)?,
+                    &be.upload(k3, 3, w)?,
+                    &be.upload(v3, 3, w)?,
+                    &d,
+                    kv,
+                )?;
+                after.extend(be.download(&o)?);
+            }
+            Ok((be.download(&out)?, after, launches as usize))
+        };
+        let joined_backend = |var| {
+            let o = CudaOptions {
+                flash_min_rows: 2,
+                attn_joined: true,
+                ..base_opts(f32kv)
+            };
+            CudaBackend::with_gpu(c.shared.clone(), var, o)
+        };
+        let mut got = Vec::new();
+        for var in [Variant::Exact, Variant::LowPrecision, Variant::Planted] {
+            got.push(run(&joined_backend(var), true)?);
+        }
+        c.check(&name, rel_l2(&got[0].0, &reference), tol);
+        c.discriminate(&name, rel_l2(&got[1].0, &reference), tol);
+        c.control(&name, rel_l2(&got[2].0, &reference), tol);
+        let alone = run(&flash_backend(c, Variant::Exact, f32kv), false)?;
+        same_bits(
+            c,
+            format!("{name}: bitwise = each lane's own attn_prefill"),
+            &got[0].0,
+            &alone.0,
+        );
+        same_bits(
+            c,
+            format!("{name}: the caches it leaves (3 more rows a lane, alone) bitwise"),
+            &got[0].1,
+            &alone.1,
+        );
+        c.push(
+            format!("{name}: two launches for {} lanes", lens.len()),
+            Kind::Check,
+            got[0].2 == 2,
+            format!("{} launch(es) joined, {} lane by lane", got[0].2, alone.2),
+        );
+    }
+    // one lane of a joined call under the flash threshold: lane by lane (None), nothing appended
+    let be = CudaBackend::with_gpu(
+        c.shared.clone(),
+        Variant::Exact,
+        CudaOptions {
+            flash_min_rows: 2,
+            attn_joined: true,
+            ..base_opts(true)
+        },
+    );
+    let d = dims(4, 2, 32);
+    let (mut a, mut b) = (be.kv_new(8, 2, 32)?, be.kv_new(8, 2, 32)?);
+    let (q, k) = (
+        c.rng.normals_f32(3 * 128, 1.0),
+        c.rng.normals_f32(3 * 64, 1.0),
+    );
+    let (qd, kd) = (be.upload(&q, 3, 128)?, be.upload(&k, 3, 64)?);
+    let none = be
+        .attn_prefill_lanes(&qd, &kd, &kd, &d, &mut [&mut a, &mut b], &[2, 1])?
+        .is_none();
+    c.push(
+        "lanes of 2 and 1 rows (1 under the flash threshold): lane by lane, caches untouched",
+        Kind::Check,
+        none && be.kv_len(&a) == 0 && be.kv_len(&b) == 0,
+        format!(
+            "joined: {}, cache lengths {} / {}",
+            !none,
+            be.kv_len(&a),
+            be.kv_len(&b)
+        ),
+    );
+    // a 262144-row joined call: 32 lanes of 8192 rows
+    for (hd, f32kv) in [(256, true), (256, false)] {
+        c.limit(
+            &format!(
+                "32 lanes x 8192 rows x 16 heads x {hd}, C = 262144, {} cache, joined",
+                if f32kv { "f32" } else { "bf16" }
+            ),
+            crate::kernels::plan_flash_rows(8192, 262_144, 16, 32, hd, 262_144, f32kv),
         );
     }
     Ok(())

@@ -639,10 +639,49 @@ pub fn plan_flash(
     cap: usize,
     f32kv: bool,
 ) -> Result<LaunchPlan> {
-    let kernel = if f32kv {
-        "attn_flash_f32"
-    } else {
-        "attn_flash_bf16"
+    flash_plan(
+        t,
+        mul("flash rows", &[lanes, t])?,
+        nh,
+        lanes,
+        hd,
+        cap,
+        f32kv,
+        false,
+    )
+}
+
+/// `attn_flash_rows_{f32,bf16}` (ops.cu): a joined call's `lanes` lanes of at most `t` rows
+/// each, `rows` in all, in one launch (the grid of [`plan_flash`] at `t` rows; a lane's blocks
+/// past its own rows exit).
+pub fn plan_flash_rows(
+    t: usize,
+    rows: usize,
+    nh: usize,
+    lanes: usize,
+    hd: usize,
+    cap: usize,
+    f32kv: bool,
+) -> Result<LaunchPlan> {
+    flash_plan(t, rows, nh, lanes, hd, cap, f32kv, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn flash_plan(
+    t: usize,
+    rows: usize,
+    nh: usize,
+    lanes: usize,
+    hd: usize,
+    cap: usize,
+    f32kv: bool,
+    joined: bool,
+) -> Result<LaunchPlan> {
+    let kernel = match (joined, f32kv) {
+        (false, true) => "attn_flash_f32",
+        (false, false) => "attn_flash_bf16",
+        (true, true) => "attn_flash_rows_f32",
+        (true, false) => "attn_flash_rows_bf16",
     };
     need(kernel, flash_fits(hd), || {
         format!("head dim {hd} is not a multiple of 32 in 32..={FLASH_MAX_HEAD_DIM}")
@@ -664,8 +703,8 @@ pub fn plan_flash(
             .into_iter()
             .max()
             .unwrap_or(0) as u64,
-        // q/out rows (lanes * t) * nh * hd; cache kvh * cap * hd + key * hd
-        offset_max: mul("flash offsets", &[lanes, t, nh, hd])?.max(mul("flash cache", &[cap, hd])?)
+        // q/out rows (all lanes') * nh * hd; cache kvh * cap * hd + key * hd
+        offset_max: mul("flash offsets", &[rows, nh, hd])?.max(mul("flash cache", &[cap, hd])?)
             as u64,
     })
 }
@@ -935,6 +974,16 @@ mod tests {
                 .unwrap()
                 .problems(&info)
                 .is_empty());
+            // a joined call of 32 lanes, 262144 rows in all: the uniform plan's grid at the
+            // longest lane, its offsets over every lane's rows
+            let joined = plan_flash_rows(8192, 262_144, 16, 32, 256, 262_144, f32kv).unwrap();
+            let uniform = plan_flash(8192, 16, 32, 256, 262_144, f32kv).unwrap();
+            assert!(joined.problems(&info).is_empty());
+            assert_eq!(
+                (joined.grid, joined.dyn_smem, joined.offset_max),
+                (uniform.grid, uniform.dyn_smem, uniform.offset_max)
+            );
+            assert!(joined.kernel.starts_with("attn_flash_rows_"));
         }
         assert!(plan_gemv(262_144, 8192, 8, 262_144)
             .unwrap()

@@ -638,6 +638,22 @@ pub trait Backend: Send + Sync + Sized {
         dims: &AttnDims,
         cache: &mut Self::Kv,
     ) -> BResult<Self::Buf>;
+    /// [`Backend::attn_prefill`] of a joined prefill's lanes in one call: lane i's `lens[i]`
+    /// rows (the lanes one after another in `q`, `k`, `v` and the result) into `caches[i]`, each
+    /// lane's rows with the bits of its own `attn_prefill`. `None` where the backend has no such
+    /// form (the default) or does not take these lanes: the caller then runs `attn_prefill`
+    /// lane by lane, and nothing has been appended.
+    fn attn_prefill_lanes(
+        &self,
+        _q: &Self::Buf,
+        _k: &Self::Buf,
+        _v: &Self::Buf,
+        _dims: &AttnDims,
+        _caches: &mut [&mut Self::Kv],
+        _lens: &[usize],
+    ) -> BResult<Option<Self::Buf>> {
+        Ok(None)
+    }
     /// One row per lane: row i is appended to `caches[i]` and attends over all of it.
     fn attn_step(
         &self,

@@ -755,9 +755,18 @@ impl<B: Backend> Model<B> {
         aside.join()?;
         let o = match positions {
             RopeAt::Host(_) => match span {
-                Span::Prompts(lens) => self.per_lane(lens, &[&q, &k, &v], |i, p| {
-                    Ok(be.attn_prefill(p[0], p[1], p[2], dims, kvs[i])?)
-                })?,
+                Span::Prompts(lens) => {
+                    let joined = match lens {
+                        [_] => None,
+                        _ => be.attn_prefill_lanes(&q, &k, &v, dims, kvs, lens)?,
+                    };
+                    match joined {
+                        Some(o) => o,
+                        None => self.per_lane(lens, &[&q, &k, &v], |i, p| {
+                            Ok(be.attn_prefill(p[0], p[1], p[2], dims, kvs[i])?)
+                        })?,
+                    }
+                }
                 Span::Step => be.attn_step(&q, &k, &v, dims, kvs)?,
             },
             RopeAt::Round(r, c) => be.attn_step_round(&q, &k, &v, dims, kvs, r, c)?,
