@@ -2275,26 +2275,12 @@ impl CudaBackend {
         // the largest capacity plans the grids; each lane's own is in the table
         let cap = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
         let f32kv = caches[0].f32;
-        let mut tab = KvTab::empty();
+        let mut tab = kv_table(caches, nkv, hd, |_| t)?;
         if let Some(p) = dev_lens {
             // a round's counters (the host lengths, checked equal by the caller, are noted
             // after the round): the same kernels, lengths read on the device
             tab.lenp = p;
             tab.lstride = LANE_IN_WORDS as i64;
-        }
-        for (i, c) in caches.iter().enumerate() {
-            if c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
-                return Err(shape_err(
-                    "attention",
-                    "lanes of one call must share the cache layout (precision, kv heads, head dim)"
-                        .into(),
-                ));
-            }
-            check::kv_room(c.len, t, c.capacity)?;
-            tab.k[i] = c.k.ptr;
-            tab.v[i] = c.v.ptr;
-            tab.len[i] = i64v("attention", c.len)?;
-            tab.cap[i] = i64v("attention", c.capacity)?;
         }
         let (t32, nh32, nkv32, hd32) = (
             i32v("attention", t)?,
@@ -2670,21 +2656,7 @@ impl CudaBackend {
         let (nh, nkv, hd) = (d.q_heads, d.kv_heads, d.head_dim);
         let cap = caches.iter().map(|c| c.capacity).max().unwrap_or(0);
         let f32kv = caches[0].f32;
-        let mut tab = KvTab::empty();
-        for (i, (c, &t)) in caches.iter().zip(lens).enumerate() {
-            if c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
-                return Err(shape_err(
-                    op,
-                    "lanes of one call must share the cache layout (precision, kv heads, head dim)"
-                        .into(),
-                ));
-            }
-            check::kv_room(c.len, t, c.capacity)?;
-            tab.k[i] = c.k.ptr;
-            tab.v[i] = c.v.ptr;
-            tab.len[i] = i64v(op, c.len)?;
-            tab.cap[i] = i64v(op, c.capacity)?;
-        }
+        let tab = kv_table(caches, nkv, hd, |i| lens[i])?;
         let rt = RowTab::of(op, lens)?;
         let most = lens.iter().copied().max().unwrap_or(0);
         let rows: usize = lens.iter().sum();
@@ -3201,6 +3173,34 @@ fn rope_grid(x: &CudaBuf, head_dim: usize, rot_dims: usize) -> BResult<(u32, u32
 
 fn same_shape(op: &'static str, a: &CudaBuf, b: &CudaBuf) -> BResult<()> {
     check::same_shape(op, a.shape(), b.shape())
+}
+
+/// The caches of one attention call as its kernels read them: every lane of the first lane's
+/// layout (precision, kv heads, head dim) with room for its `new_rows(i)` rows.
+fn kv_table(
+    caches: &[&mut CudaKv],
+    nkv: usize,
+    hd: usize,
+    new_rows: impl Fn(usize) -> usize,
+) -> BResult<KvTab> {
+    let op = "attention";
+    let f32kv = caches.first().is_some_and(|c| c.f32);
+    let mut tab = KvTab::empty();
+    for (i, c) in caches.iter().enumerate() {
+        if c.f32 != f32kv || c.kv_heads != nkv || c.head_dim != hd {
+            return Err(shape_err(
+                op,
+                "lanes of one call must share the cache layout (precision, kv heads, head dim)"
+                    .into(),
+            ));
+        }
+        check::kv_room(c.len, new_rows(i), c.capacity)?;
+        tab.k[i] = c.k.ptr;
+        tab.v[i] = c.v.ptr;
+        tab.len[i] = i64v(op, c.len)?;
+        tab.cap[i] = i64v(op, c.capacity)?;
+    }
+    Ok(tab)
 }
 
 fn check_attn(q: &CudaBuf, k: &CudaBuf, v: &CudaBuf, d: &AttnDims, kv: &CudaKv) -> BResult<()> {
