@@ -3963,6 +3963,18 @@ impl Backend for CudaBackend {
                 format!("{} query rows for lanes of {rows} rows in all", q.rows),
             ));
         }
+        // every lane's room and layout before any launch, so an error leaves every cache as
+        // it was (each chunk's `kv_table` checks its own lanes only)
+        let f32kv = caches.first().is_some_and(|c| c.f32);
+        for (c, &t) in caches.iter().zip(lens) {
+            check::kv_room(c.len, t, c.capacity)?;
+            if c.f32 != f32kv {
+                return Err(shape_err(
+                    "attn_prefill_lanes",
+                    "lanes of one call must share the cache precision".into(),
+                ));
+            }
+        }
         let out = self.buf(rows, d.q_heads * d.head_dim)?;
         let mut row0 = 0;
         for (chunk, ls) in caches.chunks_mut(MAX_LANES).zip(lens.chunks(MAX_LANES)) {
