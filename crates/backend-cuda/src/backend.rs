@@ -765,7 +765,7 @@ pub struct CudaOptions {
     /// Where `gemv_tt*` would run, `gemv_tw*` instead: `gemv_ts`'s 64 x 32 tiles of four
     /// cp.async-fed warps, each block walking all of K, the same bits
     /// (`DRAMATIS_CUDA_GEMV_WALK=0` turns it off). On an H100 (session 29) the contract passed
-    /// bitwise, `gemvbench` ran the prompts' shapes 16-36% faster at 64-512 rows, a 100-row first
+    /// bitwise, `gemvbench` ran the prompts' wide shapes 15-39% faster at 64-512 rows, a 100-row first
     /// audio from nothing 0.0781 -> 0.0744 s; 32 lanes even.
     pub gemv_walk: bool,
     /// Fewest `gemv_tt` blocks (64 x 64 tiles) for it to run (`DRAMATIS_CUDA_GEMV_TILE_BLOCKS`,
@@ -2300,7 +2300,7 @@ impl CudaBackend {
         go!(self, Source::Ops, app, grid_app, 128, 0; &tab, &kp, &vp, &t32, &nkv32, &hd32, &cap64);
         // check::attn (in every caller) already made the heads whole groups of the kv heads
         // a round's one row per lane takes the decode kernels (its lengths are on the device)
-        let flash = dev_lens.is_none() && t >= self.opts.flash_min_rows && kernels::flash_fits(hd);
+        let flash = dev_lens.is_none() && self.prefill_flash(t, hd);
         if flash {
             self.attend_flash(&tab, qp, op, d, lanes, t, cap, f32kv)?;
             for c in caches.iter_mut() {
@@ -2633,6 +2633,12 @@ impl CudaBackend {
         }
         .map_err(dev)?;
         Ok(())
+    }
+
+    /// Whether a lane's prefill call of `t` rows takes the flash kernel (`attend`; the joined
+    /// attention runs only lanes that each would).
+    fn prefill_flash(&self, t: usize, hd: usize) -> bool {
+        t >= self.opts.flash_min_rows && kernels::flash_fits(hd)
     }
 
     /// A joined prefill's attention for up to `MAX_LANES` lanes in two launches: lane i's
@@ -3940,40 +3946,35 @@ impl Backend for CudaBackend {
         caches: &mut [&mut CudaKv],
         lens: &[usize],
     ) -> BResult<Option<CudaBuf>> {
-        // only where every lane alone takes the flash kernel (`attend`), so each keeps its bits
-        let flash = kernels::flash_fits(d.head_dim)
-            && lens.iter().all(|&t| t >= self.opts.flash_min_rows.max(1));
-        if !self.opts.attn_joined || lens.len() < 2 || !flash {
-            return Ok(None);
-        }
-        let _p = self.prof.guard("attn_prefill");
         if lens.len() != caches.len() {
             return Err(shape_err(
                 "attn_prefill_lanes",
                 format!("{} row counts for {} lanes", lens.len(), caches.len()),
             ));
         }
-        let rows: usize = lens.iter().sum();
-        for c in caches.iter() {
-            check_attn(q, k, v, d, c)?;
+        // only lanes that alone would each take the flash kernel (so each keeps its bits), of
+        // one cache precision (mixed precisions run lane by lane)
+        let f32kv = caches.first().is_some_and(|c| c.f32);
+        let joinable = lens
+            .iter()
+            .zip(caches.iter())
+            .all(|(&t, c)| t > 0 && self.prefill_flash(t, d.head_dim) && c.f32 == f32kv);
+        if !self.opts.attn_joined || lens.len() < 2 || !joinable {
+            return Ok(None);
         }
+        let _p = self.prof.guard("attn_prefill");
+        let rows: usize = lens.iter().sum();
         if q.rows != rows {
             return Err(shape_err(
                 "attn_prefill_lanes",
                 format!("{} query rows for lanes of {rows} rows in all", q.rows),
             ));
         }
-        // every lane's room and layout before any launch, so an error leaves every cache as
-        // it was (each chunk's `kv_table` checks its own lanes only)
-        let f32kv = caches.first().is_some_and(|c| c.f32);
+        // every lane's shapes and room before any launch, so an error leaves every cache as it
+        // was (each chunk's `kv_table` checks its own lanes only)
         for (c, &t) in caches.iter().zip(lens) {
+            check_attn(q, k, v, d, c)?;
             check::kv_room(c.len, t, c.capacity)?;
-            if c.f32 != f32kv {
-                return Err(shape_err(
-                    "attn_prefill_lanes",
-                    "lanes of one call must share the cache precision".into(),
-                ));
-            }
         }
         let out = self.buf(rows, d.q_heads * d.head_dim)?;
         let mut row0 = 0;

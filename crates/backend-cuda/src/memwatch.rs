@@ -128,10 +128,10 @@ pub fn copy_rate(bytes: usize, reps: usize) -> Result<CopyRate> {
     // SAFETY: as above; the source's bytes only need to be defined, not meaningful.
     unsafe { result::memset_d8_async(src, 0x5a, bytes, stream.cu_stream()) }?;
     copy()?;
+    // timed events (cudarc's default disables timing)
+    let timed = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
     let mut runs_s = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
-        // timed events (cudarc's default disables timing)
-        let timed = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
         let (a, b) = (timed()?, timed()?);
         a.record(&stream)?;
         copy()?;
